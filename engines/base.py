@@ -1,0 +1,184 @@
+"""One small interface per engine role, and a registry that refuses duplicates.
+
+Roles:
+- ``decode``: owns a sampling engine with its own copy (or view) of the policy weights. It takes
+  requests, advances them in chunks of tokens, and reloads weights in place.
+- ``score``: owns a frozen model (reference, vision tower) and runs forward passes on it.
+- ``train``: owns the trainable model, its optimizer and gradients.
+
+Engines import their heavy libraries (vllm, deepspeed) inside their constructors, so listing them
+and importing ``rollplex`` stay fast and work without those libraries.
+"""
+from __future__ import annotations
+
+import importlib.util
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rollplex.errors import EngineError
+
+ROLES = ("decode", "score", "train")
+
+
+# --------------------------------------------------------------------------------------------------
+# decode
+@dataclass
+class DecodeRequest:
+    """One sequence to sample. ``prompt_token_ids`` are the HF-expanded ids (one image pad per vision
+    token), exactly what the scorer sees; ``image_embeds`` is the vit_encode output for the prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    image_embeds: torch.Tensor | None
+    image_grid_thw: torch.Tensor | None
+    max_tokens: int
+    seed: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class FinishedSequence:
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float]  # log-prob of each sampled token under the sampling distribution
+    finish_reason: str  # "stop" | "length"
+
+
+class DecodeEngine(ABC):
+    role = "decode"
+
+    @abstractmethod
+    def add_requests(self, requests: Sequence[DecodeRequest]) -> None:
+        """Queue requests; prefill happens on the next ``step``."""
+
+    @abstractmethod
+    def step(self, max_tokens: int) -> list[FinishedSequence]:
+        """Advance every live sequence by up to ``max_tokens`` tokens; return those that finished."""
+
+    @abstractmethod
+    def has_unfinished(self) -> bool: ...
+
+    @abstractmethod
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace the policy weights in place (HF parameter names), without a restart."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+
+# --------------------------------------------------------------------------------------------------
+# score and train
+class ScoreEngine(ABC):
+    """A frozen model. Tasks run its forward passes; the engine decides device and dtype."""
+
+    role = "score"
+    model: torch.nn.Module
+    device: torch.device
+    dtype: torch.dtype
+
+    def close(self) -> None:  # noqa: B027
+        pass
+
+
+@dataclass
+class StepStats:
+    grad_norm: float
+    lr: float
+    skipped: bool = False
+
+
+class TrainEngine(ABC):
+    """The trainable model and its optimizer. ``module`` is the model tasks run forward on."""
+
+    role = "train"
+    module: torch.nn.Module
+    device: torch.device
+    dtype: torch.dtype
+
+    @abstractmethod
+    def backward(self, loss: torch.Tensor) -> None:
+        """Accumulate the gradient of ``loss`` (already normalised to the whole batch)."""
+
+    @abstractmethod
+    def step(self) -> StepStats:
+        """Clip, apply and zero the accumulated gradients."""
+
+    @abstractmethod
+    def state_dict_for_sync(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """The current weights under HF parameter names, for ``DecodeEngine.load_weights``."""
+
+    @abstractmethod
+    def save(self, directory: str) -> None:
+        """Write the model (HF ``save_pretrained``) and optimizer state into ``directory``."""
+
+    @abstractmethod
+    def load(self, directory: str) -> None:
+        """Restore what ``save`` wrote."""
+
+    def close(self) -> None:  # noqa: B027
+        pass
+
+
+# --------------------------------------------------------------------------------------------------
+# registry
+@dataclass(frozen=True)
+class EngineSpec:
+    name: str
+    role: str
+    factory: Callable[..., Any]  # called with (EngineContext) on the worker that hosts the engine
+    requires: tuple[str, ...] = ()  # importable modules the engine needs
+    description: str = ""
+    devices: tuple[str, ...] = ("cpu", "cuda")
+
+    def installed(self) -> bool:
+        return all(importlib.util.find_spec(m) is not None for m in self.requires)
+
+    def missing(self) -> list[str]:
+        return [m for m in self.requires if importlib.util.find_spec(m) is None]
+
+
+@dataclass
+class EngineContext:
+    """What a factory needs to build an engine on a worker."""
+
+    model_path: str
+    device: torch.device
+    dtype: torch.dtype
+    seed: int
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+_ENGINES: dict[str, EngineSpec] = {}
+
+
+def register_engine(spec: EngineSpec) -> EngineSpec:
+    if spec.role not in ROLES:
+        raise EngineError(f"engine {spec.name!r}: role {spec.role!r} is not one of {ROLES}")
+    if spec.name in _ENGINES:
+        raise EngineError(f"engine {spec.name!r} is registered already (role {_ENGINES[spec.name].role})")
+    _ENGINES[spec.name] = spec
+    return spec
+
+
+def get_engine(name: str, role: str | None = None) -> EngineSpec:
+    spec = _ENGINES.get(name)
+    if spec is None:
+        raise EngineError(f"unknown engine {name!r}; registered engines: {_describe(role)}")
+    if role is not None and spec.role != role:
+        raise EngineError(f"engine {name!r} serves role {spec.role!r}, not {role!r}; "
+                          f"engines for {role!r}: {_describe(role)}")
+    return spec
+
+
+def engines_for(role: str | None = None) -> list[EngineSpec]:
+    return [s for s in _ENGINES.values() if role is None or s.role == role]
+
+
+def _describe(role: str | None) -> str:
+    return ", ".join(f"{s.name} ({s.role})" for s in engines_for(role)) or "none"

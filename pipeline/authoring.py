@@ -1,0 +1,218 @@
+"""The public API for writing an RL algorithm as a DAG, in about a page.
+
+An algorithm names its models, says which model samples the rollouts, which models score them
+(per token), and gives plain functions for the reward, the advantage and the loss. Function
+parameters name the values they read (Hamilton-style); keyword parameters with defaults are
+hyperparameters that ``algorithm.params`` in the config can override. Everything expensive (vision
+encoding, prefix forwards, decode chunks, suffix scoring, backward, optimizer, weight sync) is placed
+by the compiler; the author never writes a schedule.
+
+    grpo = Algorithm("grpo")
+    grpo.policy("actor")
+    grpo.frozen("ref", copy_of="actor")
+    grpo.score("ref", as_="ref_logprobs")
+    grpo.score("actor", as_="logprobs", grad=True)
+
+    @grpo.advantage(scope="group")
+    def advantages(rewards, eps=1e-6): ...
+
+    @grpo.loss(agg="token-mean")
+    def loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps=0.2, kl_coef=0.04): ...
+"""
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollplex.errors import GraphError
+
+LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+ADVANTAGE_SCOPES = ("group", "batch")
+
+
+@dataclass(frozen=True)
+class ModelDecl:
+    name: str
+    trainable: bool
+    copy_of: str | None = None  # a frozen copy of another model's initial weights
+    path: str | None = None  # or its own checkpoint
+
+
+@dataclass(frozen=True)
+class ScoreDecl:
+    """Per-token log-probs of the responses under ``model``; ``grad`` keeps the autograd graph.
+
+    A scored model with ``grad`` also yields ``old_<as_>``: the same values, detached, which is
+    the behaviour policy's log-probs for the single on-policy update.
+    """
+
+    model: str
+    as_: str
+    grad: bool = False
+
+
+@dataclass(frozen=True)
+class FunctionDecl:
+    fn: Callable[..., Any]
+    reads: tuple[str, ...]  # value names: parameters without defaults
+    params: Mapping[str, Any]  # hyperparameters: parameters with defaults
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, fn: Callable[..., Any], **options: Any) -> "FunctionDecl":
+        reads, params = [], {}
+        for p in inspect.signature(fn).parameters.values():
+            if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+                raise GraphError(f"{fn.__qualname__}: *args/**kwargs cannot name values; list them")
+            if p.default is inspect.Parameter.empty:
+                reads.append(p.name)
+            else:
+                params[p.name] = p.default
+        return cls(fn, tuple(reads), params, options)
+
+    @property
+    def name(self) -> str:
+        return self.fn.__name__
+
+    def call(self, values: Mapping[str, Any], overrides: Mapping[str, Any]) -> Any:
+        missing = [r for r in self.reads if r not in values]
+        if missing:
+            raise GraphError(f"{self.name}() reads {missing}, which this node does not receive; "
+                             f"available: {sorted(values)}")
+        kwargs = {r: values[r] for r in self.reads}
+        kwargs.update({k: overrides.get(k, v) for k, v in self.params.items()})
+        return self.fn(**kwargs)
+
+
+class Algorithm:
+    """A declarative RL algorithm. Decorators return the function unchanged and never mutate it."""
+
+    def __init__(self, name: str, doc: str = "") -> None:
+        self.name = name
+        self.doc = doc
+        self.models: dict[str, ModelDecl] = {}
+        self.rollout_model: str | None = None
+        self.scores: list[ScoreDecl] = []
+        self.reward_fn: FunctionDecl | None = None
+        self.advantage_fn: FunctionDecl | None = None
+        self.loss_fn: FunctionDecl | None = None
+
+    # -- models --------------------------------------------------------------------------------
+    def policy(self, name: str = "actor", path: str | None = None) -> str:
+        """The trained model; rollouts sample from it."""
+        self._add_model(ModelDecl(name, trainable=True, path=path))
+        self.rollout_model = name
+        return name
+
+    def frozen(self, name: str, copy_of: str | None = None, path: str | None = None) -> str:
+        """A model that is never updated, e.g. the reference policy."""
+        if (copy_of is None) == (path is None):
+            raise GraphError(f"frozen model {name!r}: give exactly one of copy_of= or path=")
+        self._add_model(ModelDecl(name, trainable=False, copy_of=copy_of, path=path))
+        return name
+
+    def _add_model(self, decl: ModelDecl) -> None:
+        if decl.name in self.models:
+            raise GraphError(f"{self.name}: model {decl.name!r} is declared twice")
+        self.models[decl.name] = decl
+
+    # -- scoring ---------------------------------------------------------------------------------
+    def score(self, model: str, as_: str, grad: bool = False) -> str:
+        if any(s.as_ == as_ for s in self.scores):
+            raise GraphError(f"{self.name}: value {as_!r} is scored twice")
+        self.scores.append(ScoreDecl(model, as_, grad))
+        return as_
+
+    # -- functions -------------------------------------------------------------------------------
+    def reward(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """Per-response reward: ``fn(text, answer, ...) -> float``. Default: the dataset's verifier."""
+        self.reward_fn = FunctionDecl.of(fn)
+        return fn
+
+    def advantage(self, fn: Callable[..., Any] | None = None, *, scope: str = "group"):
+        """Advantages from rewards. scope="group": ``rewards`` is one prompt's [G] tensor;
+        scope="batch": ``rewards`` is the whole batch's [P, G] tensor."""
+        if scope not in ADVANTAGE_SCOPES:
+            raise GraphError(f"advantage scope {scope!r} is not one of {ADVANTAGE_SCOPES}")
+
+        def register(f: Callable[..., Any]) -> Callable[..., Any]:
+            self.advantage_fn = FunctionDecl.of(f, scope=scope)
+            return f
+
+        return register(fn) if fn is not None else register
+
+    def loss(self, fn: Callable[..., Any] | None = None, *, agg: str = "token-mean"):
+        """Per-token loss [B, R] (or (loss, metrics)); the runtime aggregates it by ``agg``."""
+        if agg not in LOSS_AGGREGATIONS:
+            raise GraphError(f"loss aggregation {agg!r} is not one of {LOSS_AGGREGATIONS}")
+
+        def register(f: Callable[..., Any]) -> Callable[..., Any]:
+            self.loss_fn = FunctionDecl.of(f, agg=agg)
+            return f
+
+        return register(fn) if fn is not None else register
+
+    # -- checks ----------------------------------------------------------------------------------
+    @property
+    def trainable(self) -> list[str]:
+        return [m.name for m in self.models.values() if m.trainable]
+
+    @property
+    def vision_model(self) -> str:
+        """The frozen vision tower is shared; it runs on the first frozen copy of the policy."""
+        for decl in self.models.values():
+            if decl.copy_of == self.rollout_model:
+                return decl.name
+        return self.rollout_model or ""
+
+    def scored_values(self) -> dict[str, str]:
+        """Per-token values the loss can read, mapped to the model that produces them."""
+        out = {}
+        for s in self.scores:
+            out[s.as_] = s.model
+            if s.grad:
+                out[f"old_{s.as_}"] = s.model
+        return out
+
+    def validate(self) -> "Algorithm":
+        where = f"algorithm {self.name!r}"
+        if self.rollout_model is None:
+            raise GraphError(f"{where}: declare the policy with .policy(name)")
+        for decl in self.models.values():
+            if decl.copy_of is not None and decl.copy_of not in self.models:
+                raise GraphError(f"{where}: model {decl.name!r} copies unknown model {decl.copy_of!r}")
+        for s in self.scores:
+            if s.model not in self.models:
+                raise GraphError(f"{where}: score() names unknown model {s.model!r}; "
+                                 f"declared: {sorted(self.models)}")
+            if s.grad and not self.models[s.model].trainable:
+                raise GraphError(f"{where}: score({s.model!r}, grad=True) but {s.model!r} is frozen")
+        if self.advantage_fn is None:
+            raise GraphError(f"{where}: no @advantage function")
+        if self.loss_fn is None:
+            raise GraphError(f"{where}: no @loss function")
+        readable = set(self.scored_values()) | {"advantages", "mask", "rewards"}
+        unknown = [r for r in self.loss_fn.reads if r not in readable]
+        if unknown:
+            raise GraphError(f"{where}: loss() reads {unknown}, which nothing produces; "
+                             f"it can read {sorted(readable)}")
+        unknown = [r for r in self.advantage_fn.reads if r not in {"rewards", "mask"}]
+        if unknown:
+            raise GraphError(f"{where}: advantage() reads {unknown}; it can read ['mask', 'rewards']")
+        return self
+
+    def hyperparameters(self) -> dict[str, Any]:
+        params: dict[str, Any] = {}
+        for decl in (self.reward_fn, self.advantage_fn, self.loss_fn):
+            if decl is not None:
+                params.update(decl.params)
+        return params
+
+    def __repr__(self) -> str:
+        models = ", ".join(f"{m.name}{'' if m.trainable else ' (frozen)'}" for m in self.models.values())
+        return f"<Algorithm {self.name}: models [{models}], scores {[s.as_ for s in self.scores]}>"
+
+
+__all__ = ["Algorithm", "ModelDecl", "ScoreDecl", "FunctionDecl"]

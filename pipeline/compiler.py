@@ -1,0 +1,204 @@
+"""Expand an ``Algorithm`` for one batch shape into the fine-grained iteration DAG.
+
+Per prompt p and model m: one ``vit_encode``, one ``prefix[m]`` and one ``suffix_score[m]``; decode
+split into chunks of K tokens; reward and (group-scoped) advantage per prompt; ``loss`` per
+micro-batch of prompt groups, each followed by its backward; one ``optimizer_step``; one
+``weight_sync``; and a ``report`` that gathers the iteration's host-side records. Byte estimates on
+every value come from the model's dimensions, so planners can reason about memory before running.
+
+With ``prefix_sharing=False`` each model scores every response over its full sequence instead
+(what serial runtimes do): no prefix node, one ``suffix_score`` that re-runs the prompt G times.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from rollplex.errors import EngineError, GraphError
+from rollplex.pipeline.authoring import Algorithm
+from rollplex.pipeline.ir import IterationGraph, Node, get_kind
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """What byte estimates need from an HF config (text part of a VLM)."""
+
+    hidden: int
+    layers: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    params: int  # trainable LM parameters, for gradient/optimizer bytes
+    dtype_bytes: int = 4
+
+    @classmethod
+    def from_hf_config(cls, config, dtype_bytes: int = 4) -> "ModelDims":
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        layer = 4 * text.hidden_size * head_dim * heads // 2 + 3 * text.hidden_size * text.intermediate_size
+        params = text.num_hidden_layers * layer + 2 * text.vocab_size * text.hidden_size
+        return cls(text.hidden_size, text.num_hidden_layers, text.num_key_value_heads, head_dim,
+                   text.vocab_size, params, dtype_bytes)
+
+    def kv_bytes(self, tokens: int) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * tokens * self.dtype_bytes
+
+    def activation_bytes(self, tokens: int) -> int:
+        # Kept for backward: roughly 16 hidden-sized tensors per layer per token (attn + MLP).
+        return 16 * self.layers * self.hidden * tokens * self.dtype_bytes
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    prompts: int
+    samples: int
+    max_new_tokens: int
+    chunk_tokens: int
+    micro_batch_groups: int = 1
+    prompt_tokens: int = 64  # typical prompt length (text + vision tokens), for byte estimates
+    vision_tokens: int = 16
+    prefix_sharing: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("prompts", "samples", "max_new_tokens", "chunk_tokens", "micro_batch_groups"):
+            if getattr(self, name) < 1:
+                raise GraphError(f"batch shape: {name} must be ≥ 1, got {getattr(self, name)}")
+
+    @property
+    def chunks(self) -> int:
+        return math.ceil(self.max_new_tokens / self.chunk_tokens)
+
+    def micro_batches(self) -> list[tuple[int, ...]]:
+        step = self.micro_batch_groups
+        return [tuple(range(i, min(i + step, self.prompts))) for i in range(0, self.prompts, step)]
+
+
+@dataclass(frozen=True)
+class EngineChoice:
+    """Engine name per role, with optional per-kind overrides (``engines.decode_chunk: hf``)."""
+
+    by_role: Mapping[str, str]
+    by_kind: Mapping[str, str] = field(default_factory=dict)
+
+    def for_node(self, kind: str, role: str | None) -> str | None:
+        if kind in self.by_kind:
+            return self.by_kind[kind]
+        if role is None:
+            return None
+        if role not in self.by_role:
+            raise EngineError(f"no engine configured for role {role!r} (node kind {kind!r}); "
+                              f"set engines.{role}")
+        return self.by_role[role]
+
+
+def compile_iteration(
+    alg: Algorithm,
+    shape: BatchShape,
+    engines: EngineChoice,
+    dims: ModelDims,
+    name: str | None = None,
+) -> IterationGraph:
+    alg.validate()
+    g = IterationGraph(name or alg.name)
+    g.meta.update(algorithm=alg.name, shape=shape, policy=alg.rollout_model)
+    P, G, K = shape.prompts, shape.samples, shape.chunk_tokens
+    policy = alg.rollout_model
+    resp_tokens = G * shape.max_new_tokens
+
+    def role_of(model: str) -> str:
+        return "train" if alg.models[model].trainable else "score"
+
+    def add(name: str, kind: str, inputs, outputs, model=None, role=None, args=None, **value_info):
+        role = role if role is not None else get_kind(kind).role
+        engine = engines.for_node(kind, role)
+        return g.add(Node(name, kind, tuple(inputs), tuple(outputs), model, engine, dict(args or {})),
+                     **value_info)
+
+    host = lambda nbytes, what: dict(nbytes=int(nbytes), device="host", what=what)  # noqa: E731
+    dev = lambda nbytes, what: dict(nbytes=int(nbytes), device="device", what=what)  # noqa: E731
+    logprob_bytes = resp_tokens * 4
+
+    for p in range(P):
+        g.add_input(f"prompt_p{p}", nbytes=shape.vision_tokens * 4 * 14 * 14 * 3 * 4, what="prompt")
+    vision = alg.vision_model
+    for p in range(P):
+        add(f"vit_p{p}", "vit_encode", [f"prompt_p{p}"], [f"vis_p{p}"], model=vision,
+            role=role_of(vision), args={"prompt": p},
+            **{f"vis_p{p}": dev(shape.vision_tokens * dims.hidden * dims.dtype_bytes, "embeddings")})
+
+    # Decode: chunk 0 prefills every prompt from its vision embeddings; each chunk advances ≤ K tokens.
+    state = None
+    for c in range(shape.chunks):
+        last = c == shape.chunks - 1
+        inputs = ([f"prompt_p{p}" for p in range(P)] + [f"vis_p{p}" for p in range(P)]) if c == 0 else [state]
+        outputs = [f"decode_state_c{c}"]
+        info = {f"decode_state_c{c}": host(P * resp_tokens * 8, "sequences")}
+        if last:
+            outputs += [f"responses_p{p}" for p in range(P)] + ["rollout_stats"]
+            info.update({f"responses_p{p}": host(resp_tokens * 12, "sequences") for p in range(P)})
+            info["rollout_stats"] = host(64, "scalars")
+        add(f"decode_c{c}", "decode_chunk", inputs, outputs, model=policy,
+            args={"chunk": c, "chunks": shape.chunks, "tokens": K}, **info)
+        state = f"decode_state_c{c}"
+
+    # Scoring: prefix once per prompt (independent of the responses), suffix per prompt group.
+    for s in alg.scores:
+        role = role_of(s.model)
+        for p in range(P):
+            outs = [f"{s.as_}_p{p}"] + ([f"old_{s.as_}_p{p}"] if s.grad else [])
+            score_info = {f"{s.as_}_p{p}": dev(logprob_bytes + (dims.activation_bytes(resp_tokens) if s.grad else 0),
+                                               "logprobs")}
+            if s.grad:
+                score_info[f"old_{s.as_}_p{p}"] = host(logprob_bytes, "logprobs")
+            args = {"prompt": p, "as": s.as_, "grad": s.grad}
+            if shape.prefix_sharing:
+                kv = f"prefix_{s.model}_p{p}"
+                kv_bytes = dims.kv_bytes(shape.prompt_tokens) + dims.vocab * 4
+                if s.grad:
+                    kv_bytes += dims.activation_bytes(shape.prompt_tokens)
+                if kv not in g.values:
+                    add(f"prefix_{s.model}_p{p}", "prefix", [f"prompt_p{p}", f"vis_p{p}"], [kv],
+                        model=s.model, role=role, args={"prompt": p, "grad": s.grad},
+                        **{kv: dev(kv_bytes, "kv")})
+                add(f"suffix_{s.as_}_p{p}", "suffix_score", [kv, f"responses_p{p}"], outs,
+                    model=s.model, role=role, args=args, **score_info)
+            else:
+                add(f"score_{s.as_}_p{p}", "suffix_score", [f"prompt_p{p}", f"vis_p{p}", f"responses_p{p}"],
+                    outs, model=s.model, role=role, args={**args, "full_sequence": True}, **score_info)
+
+    for p in range(P):
+        add(f"reward_p{p}", "reward", [f"prompt_p{p}", f"responses_p{p}"], [f"rewards_p{p}"],
+            args={"prompt": p}, **{f"rewards_p{p}": host(G * 4, "scalars")})
+    if alg.advantage_fn.options["scope"] == "group":
+        for p in range(P):
+            add(f"advantage_p{p}", "advantage", [f"rewards_p{p}", f"responses_p{p}"], [f"advantages_p{p}"],
+                args={"prompts": [p]}, **{f"advantages_p{p}": host(G * 4, "scalars")})
+        adv_of = lambda p: f"advantages_p{p}"  # noqa: E731
+    else:
+        add("advantage", "advantage", [f"rewards_p{p}" for p in range(P)] + [f"responses_p{p}" for p in range(P)],
+            ["advantages"], args={"prompts": list(range(P))}, advantages=host(P * G * 4, "scalars"))
+        adv_of = lambda p: "advantages"  # noqa: E731
+
+    scored = alg.scored_values()
+    loss_outputs = []
+    for m, groups in enumerate(shape.micro_batches()):
+        inputs = ["rollout_stats"]
+        for p in groups:
+            inputs += [f"{v}_p{p}" for v in scored] + [adv_of(p), f"responses_p{p}", f"rewards_p{p}"]
+        inputs = list(dict.fromkeys(inputs))
+        add(f"loss_m{m}", "loss", inputs, [f"loss_m{m}"], model=policy, args={"prompts": list(groups)},
+            **{f"loss_m{m}": host(64, "scalars")})
+        loss_outputs.append(f"loss_m{m}")
+    add("optimizer_step", "optimizer_step", loss_outputs, ["step"], model=policy, step=host(64, "scalars"))
+    add("weight_sync", "weight_sync", ["step"], ["synced"], model=policy,
+        synced=host(64, "scalars"))
+
+    report_inputs = ["rollout_stats", "step", "synced", *loss_outputs]
+    for p in range(P):
+        report_inputs += [f"prompt_p{p}", f"responses_p{p}", f"rewards_p{p}", adv_of(p)]
+        for s in alg.scores:
+            report_inputs.append(f"old_{s.as_}_p{p}" if s.grad else f"{s.as_}_p{p}")
+    add("report", "report", list(dict.fromkeys(report_inputs)), ["report"], report=host(P * G * 256, "records"))
+    return g.connect().lint()

@@ -1,0 +1,44 @@
+"""User-facing errors. The CLI prints any ``RollplexError`` as one line and exits with code 2.
+
+Each message names the field, node, tensor, file or row at fault and, where it can, how to fix it.
+"""
+from __future__ import annotations
+
+
+class RollplexError(Exception):
+    """Bad input or an impossible request: reported as one clear line, never a traceback."""
+
+    exit_code = 2
+
+
+class ConfigError(RollplexError):
+    """A config file or override is malformed, unknown, or out of range."""
+
+
+class GraphError(RollplexError):
+    """An iteration DAG is malformed: a cycle, a dangling input, an unknown kind or a duplicate name."""
+
+
+class EngineError(RollplexError):
+    """An engine name is unknown, not installed, or cannot serve the model."""
+
+
+class DataError(RollplexError):
+    """A dataset, row or image is missing, unreadable or of the wrong shape."""
+
+
+class CheckpointError(RollplexError):
+    """A checkpoint is corrupt, truncated, or from an incompatible run."""
+
+
+class MemoryPlanError(RollplexError):
+    """No residency plan fits the memory budget."""
+
+
+class NodeFailure(RuntimeError):
+    """An exception inside a node's task, re-raised with the node that ran it (not a user error)."""
+
+    def __init__(self, node: str, kind: str, cause: BaseException) -> None:
+        super().__init__(f"while executing %{node} ({kind}): {type(cause).__name__}: {cause}")
+        self.node = node
+        self.kind = kind

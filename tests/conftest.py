@@ -1,0 +1,21 @@
+"""Shared fixtures. The tiny model is built once per test session into a temporary cache."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+_CACHE = Path(os.environ.setdefault("ROLLPLEX_CACHE", str(Path(__file__).resolve().parents[1] / ".cache" / "test")))
+
+from rollplex import runtime  # noqa: E402
+
+runtime.configure(threads=int(os.environ.get("ROLLPLEX_TEST_THREADS", "2")))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    from rollplex.engines.models import ensure_tiny_vlm
+    from rollplex.tasks.data import default_model_spec
+
+    return ensure_tiny_vlm(default_model_spec(), _CACHE)
