@@ -29,7 +29,9 @@ ROLES = ("decode", "score", "train")
 @dataclass
 class DecodeRequest:
     """One sequence to sample. ``prompt_token_ids`` are the HF-expanded ids (one image pad per vision
-    token), exactly what the scorer sees; ``image_embeds`` is the vit_encode output for the prompt."""
+    token), exactly what the scorer sees; ``image_embeds`` is the vit_encode output for the prompt.
+    ``temperature == 0`` means greedy decoding in every engine (its log-probs are then those of the
+    raw distribution); otherwise log-probs are under the temperature- and top-p-processed one."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -98,6 +100,7 @@ class TrainEngine(ABC):
 
     role = "train"
     module: torch.nn.Module
+    optimizer: torch.optim.Optimizer  # param_groups are where set_lr writes
     device: torch.device
     dtype: torch.dtype
 
@@ -108,6 +111,11 @@ class TrainEngine(ABC):
     @abstractmethod
     def step(self) -> StepStats:
         """Clip, apply and zero the accumulated gradients."""
+
+    def set_lr(self, lr: float) -> None:
+        """Set the learning rate of every parameter group (warm-up uses its own rate)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
 
     @abstractmethod
     def state_dict_for_sync(self) -> Iterable[tuple[str, torch.Tensor]]:

@@ -102,7 +102,7 @@ def compile_iteration(
 ) -> IterationGraph:
     alg.validate()
     g = IterationGraph(name or alg.name)
-    g.meta.update(algorithm=alg.name, shape=shape, policy=alg.rollout_model)
+    g.meta.update(algorithm=alg.name, shape=shape, rollout_model=alg.rollout_model)
     P, G, K = shape.prompts, shape.samples, shape.chunk_tokens
     policy = alg.rollout_model
     resp_tokens = G * shape.max_new_tokens
@@ -133,7 +133,7 @@ def compile_iteration(
     for c in range(shape.chunks):
         last = c == shape.chunks - 1
         inputs = ([f"prompt_p{p}" for p in range(P)] + [f"vis_p{p}" for p in range(P)]) if c == 0 else [state]
-        outputs = [f"decode_state_c{c}"]
+        outputs = [] if last else [f"decode_state_c{c}"]
         info = {f"decode_state_c{c}": host(P * resp_tokens * 8, "sequences")}
         if last:
             outputs += [f"responses_p{p}" for p in range(P)] + ["rollout_stats"]

@@ -38,7 +38,12 @@ class MemoryPlanError(RollplexError):
 class NodeFailure(RuntimeError):
     """An exception inside a node's task, re-raised with the node that ran it (not a user error)."""
 
-    def __init__(self, node: str, kind: str, cause: BaseException) -> None:
-        super().__init__(f"while executing %{node} ({kind}): {type(cause).__name__}: {cause}")
+    def __init__(self, node: str, kind: str, cause: BaseException | str) -> None:
+        detail = cause if isinstance(cause, str) else f"{type(cause).__name__}: {cause}"
+        super().__init__(f"while executing %{node} ({kind}): {detail}")
         self.node = node
         self.kind = kind
+        self.detail = detail
+
+    def __reduce__(self):  # crosses process boundaries through Dask; keep only plain data
+        return (NodeFailure, (self.node, self.kind, self.detail))

@@ -1,0 +1,225 @@
+"""DeepSpeed train engine: ZeRO stage 0-3 around the same HF model and a client torch AdamW.
+
+How the runtime's calls map onto DeepSpeed 0.19.8:
+- The runtime runs forwards on submodules of ``module`` (tasks.lm), never through
+  ``DeepSpeedEngine.forward``. ``backward`` therefore does that forward's bookkeeping itself: it marks
+  a new micro-batch (``clear_backward_seen_flag``) and attaches the backward prologue to the loss
+  (``register_output_backward_hooks``).
+- Each loss is already normalised to the whole batch, so ``backward(loss, scale_wrt_gas=False)``:
+  by default DeepSpeed divides every micro-batch loss by gradient_accumulation_steps again.
+- ``managed_gradient_accumulation: false`` makes ``step()`` the accumulation boundary, so M
+  backwards and one step apply one update. In the default (managed) mode DeepSpeed expects a
+  ``step()`` after every micro-batch and applies on the M-th, which our interface has no place for.
+- A client ``torch.optim.AdamW`` (``zero_allow_untested_optimizer``) needs no FusedAdam/CPUAdam build.
+
+ZeRO-3 partitions the parameters, so this engine's weights cannot be shared by reference with a
+rollout engine; ``state_dict_for_sync`` gathers full copies instead.
+"""
+from __future__ import annotations
+
+import math
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from rollplex.engines.base import EngineContext, EngineSpec, StepStats, TrainEngine, register_engine
+from rollplex.engines.torch_train import (
+    adamw,
+    first_nonfinite,
+    in_param,
+    is_vision_param,
+    load_policy,
+    nonfinite_error,
+)
+from rollplex.errors import CheckpointError, ConfigError
+
+DS_SUBDIR = "deepspeed"  # DeepSpeed's own checkpoint (optimizer state, fp32 master partitions)
+DS_TAG = "state"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(device: torch.device) -> None:
+    """One process group per process; a launcher's (or vLLM's) environment and group win."""
+    import deepspeed
+
+    if not torch.distributed.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            os.environ["MASTER_PORT"] = str(_free_port())
+        for var, default in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+            os.environ.setdefault(var, default)
+    # Idempotent; adopts an existing torch.distributed group instead of creating one.
+    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo",
+                               auto_mpi_discovery=False, verbose=False)
+
+
+def ds_config(ctx: EngineContext, stage: int) -> dict:
+    grad_clip = float(ctx.options.get("grad_clip", 1.0))
+    bf16 = ctx.dtype == torch.bfloat16
+    if ctx.dtype not in (torch.bfloat16, torch.float32):
+        raise ConfigError(f"deepspeed train engine: dtype {ctx.dtype} is not supported; use bfloat16 or float32")
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": int(ctx.options.get("accumulation_steps", 1)),
+        "managed_gradient_accumulation": False,
+        "gradient_clipping": grad_clip,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        # check_grad_overflow makes ZeRO skip (not apply) a step whose norm is NaN/Inf in bf16 too.
+        "bf16": {"enabled": bf16, "check_grad_overflow": True},
+        "fp16": {"enabled": False},
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+
+
+class DeepSpeedTrainEngine(TrainEngine):
+    name = "deepspeed"
+
+    def __init__(self, ctx: EngineContext):
+        import deepspeed
+
+        self.device = torch.device(ctx.device)
+        self.dtype = ctx.dtype
+        self.stage = int(ctx.options.get("zero_stage", 2))
+        if self.stage not in (0, 1, 2, 3):
+            raise ConfigError(f"deepspeed train engine: zero_stage must be 0, 1, 2 or 3, got {self.stage}")
+        init_distributed(self.device)
+        model = load_policy(ctx)
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.ds, self.optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=adamw(params, ctx.options), config=ds_config(ctx, self.stage))
+        self.module = self.ds.module
+        if self.stage == 0 and self.dtype == torch.bfloat16:
+            self._undo_state_init_step()
+        self._trainable = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        self._pending = 0  # backward calls since the last step
+
+    def _undo_state_init_step(self) -> None:
+        """bf16 without ZeRO wraps AdamW in FP16_UnfusedOptimizer, which builds the AdamW state by
+        running one real step on zero gradients: AdamW's step count starts at 1 (the first real update
+        came out 0.75x of torch's after bias correction) and weight decay has shrunk the fp32 masters.
+        Restore both: an empty state and masters equal to the (bf16-exact) parameters."""
+        wrapper = self.ds.optimizer
+        wrapper.optimizer.state.clear()
+        for masters, params in zip(wrapper.fp32_groups, wrapper.fp16_groups):
+            for master, param in zip(masters, params):
+                master.data.copy_(param.data)
+
+    # ------------------------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor) -> None:
+        from deepspeed.runtime.utils import register_output_backward_hooks
+
+        # What DeepSpeedEngine.forward does first: marks a new micro-batch. Without it ZeRO-3 copies
+        # instead of accumulating (only the last micro-batch survives) and ZeRO-1/2 keep stale state.
+        new_micro_batch = getattr(self.ds.optimizer, "clear_backward_seen_flag", None)
+        if new_micro_batch is not None:
+            new_micro_batch()
+        # Keep the hook manager alive through the backward; it runs the prologue once per graph.
+        hooks = register_output_backward_hooks(loss, preprocess_once_fn=self.ds._backward_prologue)
+        self.ds.backward(loss, scale_wrt_gas=False)
+        del hooks
+        self._pending += 1
+
+    def step(self) -> StepStats:
+        lr = float(self.ds.get_lr()[0])
+        if self._pending == 0:  # DeepSpeed's boundary code expects gradients; nothing to apply
+            return StepStats(grad_norm=0.0, lr=lr, skipped=True)
+        self._pending = 0
+        what = f"deepspeed ZeRO-{self.stage} train engine"
+        local_norm = self._check_param_grads(what) if self.stage <= 1 else None
+        self.ds.step()
+        norm = self.ds.get_global_grad_norm()
+        norm = float(norm) if norm is not None else local_norm
+        # Stages 2-3 hold the gradients in ZeRO's flat partitions, where DeepSpeed's own norm check
+        # skips the update (optimizer.overflow) and clears them, but the parameter is no longer known.
+        if not self.ds.was_step_applied() or norm is None or not math.isfinite(norm):
+            where = in_param(None) if self.stage <= 1 else (
+                "somewhere in ZeRO's gradient partitions (which do not keep parameter names; "
+                "train.zero_stage 1 or the torch engine name it)")
+            raise nonfinite_error(what, norm, where)
+        return StepStats(grad_norm=norm, lr=lr)
+
+    def _check_param_grads(self, what: str) -> float:
+        """Stages 0-1 keep gradients on the parameters until ds.step(): refuse a bad step here, where
+        the parameter can still be named. Every rank joins the flag's all-reduce so all raise together.
+        Returns this rank's norm (the global one on a single rank; stage 0 has no other)."""
+        grads = [p.grad for _, p in self._trainable if p.grad is not None]
+        norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+        bad = torch.tensor([0.0 if math.isfinite(norm) else 1.0])
+        if torch.distributed.get_world_size() > 1:
+            bad = bad.to(self.device)
+            torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+        if float(bad.item()) > 0:
+            name = first_nonfinite((n, p.grad) for n, p in self._trainable)
+            for _, p in self._trainable:
+                p.grad = None
+            self.ds.optimizer.zero_grad()
+            raise nonfinite_error(what, norm, in_param(name))
+        return norm
+
+    # ------------------------------------------------------------------------------------------
+    def state_dict_for_sync(self, trainable_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full tensors under module names (as TorchTrainEngine). ZeRO-3 gathers one parameter at a
+        time, so the peak is one full tensor on top of the partitions."""
+        if self.stage < 3:
+            for name, t in self.module.state_dict().items():
+                if not (trainable_only and is_vision_param(name)):
+                    yield name, t
+            return
+        import deepspeed
+
+        for name, p in self.module.named_parameters():
+            if trainable_only and is_vision_param(name):
+                continue
+            with deepspeed.zero.GatheredParameters([p]):
+                full = p.detach().clone()
+            yield name, full
+        persistent = set(self.module.state_dict())  # state_dict() leaves non-persistent buffers out
+        for name, b in self.module.named_buffers():
+            if name in persistent:
+                yield name, b
+
+    def save(self, directory: str) -> None:
+        root = Path(directory)
+        root.mkdir(parents=True, exist_ok=True)
+        rank0 = torch.distributed.get_rank() == 0
+        if self.stage < 3:
+            self.module.save_pretrained(root, is_main_process=rank0)
+        else:  # the module's own tensors are partitions; every rank must join the gathers
+            full = dict(self.state_dict_for_sync())
+            self.module.save_pretrained(root, state_dict=full, is_main_process=rank0)
+        # DeepSpeed's checkpoint holds the per-rank optimizer partitions and, in bf16, the fp32 master
+        # weights, so a resume is exact. It repeats the module weights: accepted, it is the one format
+        # that round-trips every stage and world size.
+        self.ds.save_checkpoint(str(root / DS_SUBDIR), tag=DS_TAG, save_latest=False)
+
+    def load(self, directory: str) -> None:
+        ds_dir = Path(directory) / DS_SUBDIR / DS_TAG
+        if not ds_dir.is_dir():
+            raise CheckpointError(f"{ds_dir}: DeepSpeed state missing; was {directory} written by "
+                                  f"DeepSpeedTrainEngine.save?")
+        path, _ = self.ds.load_checkpoint(str(ds_dir.parent), tag=DS_TAG, load_optimizer_states=True,
+                                          load_lr_scheduler_states=False)
+        if path is None:
+            raise CheckpointError(f"{ds_dir}: DeepSpeed could not load this checkpoint")
+
+    def close(self) -> None:
+        self.ds.destroy()
+
+
+register_engine(EngineSpec(
+    name="deepspeed",
+    role="train",
+    factory=DeepSpeedTrainEngine,
+    requires=("deepspeed",),
+    description="DeepSpeed ZeRO 0-3 (train.zero_stage) with a client torch AdamW",
+))

@@ -1,0 +1,186 @@
+"""Plain PyTorch train engine: one HF Qwen2.5-VL, AdamW over the language model, no sharding.
+
+Also holds the helpers the DeepSpeed engine shares: loading the policy with its vision tower frozen,
+mapping checkpoint names to module names, and naming a non-finite gradient.
+
+Parameter names. ``module.state_dict()`` (transformers 5.19) says ``model.language_model.*`` and
+``model.visual.*``, while ``save_pretrained`` reverts to the original Qwen release names
+(``model.layers.*``, ``visual.*``) in the safetensors file, checked on the tiny model. Sync
+therefore yields module names: ``model.load_state_dict`` accepts only those, and vLLM's Qwen2.5-VL
+loader maps both spellings. ``load`` maps file names back with transformers' own reversal.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+
+from rollplex.engines.base import EngineContext, EngineSpec, StepStats, TrainEngine, register_engine
+from rollplex.errors import CheckpointError
+
+OPTIMIZER_FILE = "optimizer.pt"
+
+
+def is_vision_param(name: str) -> bool:
+    return "visual" in name
+
+
+def load_policy(ctx: EngineContext) -> torch.nn.Module:
+    """The HF model on ctx.device/dtype with its vision tower frozen."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    torch.manual_seed(ctx.seed)
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(ctx.model_path, dtype=ctx.dtype)
+    model.to(ctx.device)
+    for name, p in model.named_parameters():
+        if is_vision_param(name):
+            p.requires_grad_(False)
+    # Log-prob ratios need the same forward at rollout and at training time, so no dropout.
+    model.eval()
+    return model
+
+
+def adamw(params: list[torch.nn.Parameter], options) -> torch.optim.AdamW:
+    return torch.optim.AdamW(
+        params,
+        lr=float(options.get("lr", 2e-3)),
+        betas=tuple(options.get("betas", (0.9, 0.999))),
+        eps=float(options.get("eps", 1e-8)),
+        weight_decay=float(options.get("weight_decay", 0.0)),
+    )
+
+
+def first_nonfinite(named_grads: Iterable[tuple[str, torch.Tensor | None]]) -> str | None:
+    """The name of the first gradient holding a NaN or Inf. Only called once a norm came out bad."""
+    for name, g in named_grads:
+        if g is not None and not bool(torch.isfinite(g).all()):
+            return name
+    return None
+
+
+def nonfinite_error(engine: str, norm: float | None, where: str) -> FloatingPointError:
+    return FloatingPointError(f"{engine}: gradient norm is {norm} (non-finite) {where}; the optimizer "
+                              f"step was not applied and the gradients were cleared")
+
+
+def in_param(name: str | None) -> str:
+    return f"in parameter {name!r}" if name else "in the total (every gradient is finite; their norm overflows)"
+
+
+def checkpoint_to_module_names(module: torch.nn.Module) -> dict[str, str]:
+    """{name in a save_pretrained file: name in module.state_dict()}.
+
+    save_pretrained renames through ``revert_weight_conversion``; that function passes the very tensor
+    objects through, so their ids give the inverse map exactly, for whatever renames the model has.
+    """
+    state = module.state_dict()
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # a transformers without conversion mappings saves module names
+        return {k: k for k in state}
+    by_id = {id(t): k for k, t in state.items()}
+    reverted = revert_weight_conversion(module, dict(state))
+    mapping = {saved: by_id[id(t)] for saved, t in reverted.items() if id(t) in by_id}
+    if len(mapping) != len(state):
+        raise CheckpointError(f"cannot map checkpoint names to {type(module).__name__} parameters: "
+                              f"{len(mapping)} of {len(state)} tensors were passed through unchanged")
+    return mapping
+
+
+def read_safetensors(directory: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a save_pretrained directory, sharded or not, under their file names."""
+    from safetensors.torch import load_file
+
+    root = Path(directory)
+    index = root / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (root / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    else:
+        raise CheckpointError(f"{root}: no model.safetensors or model.safetensors.index.json")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        tensors.update(load_file(str(root / f)))
+    return tensors
+
+
+def load_hf_weights(module: torch.nn.Module, directory: str | Path) -> None:
+    """Copy a save_pretrained checkpoint into ``module`` in place (strict: every tensor, no extras)."""
+    mapping = checkpoint_to_module_names(module)
+    saved = read_safetensors(directory)
+    unknown = sorted(set(saved) - set(mapping))
+    missing = sorted(set(mapping) - set(saved))
+    if unknown or missing:
+        raise CheckpointError(f"{directory}: checkpoint does not match the model; "
+                              f"unexpected {unknown[:5]}, missing {missing[:5]}")
+    module.load_state_dict({mapping[k]: v for k, v in saved.items()}, strict=True)
+
+
+class TorchTrainEngine(TrainEngine):
+    """AdamW on one device. ``backward`` accumulates; ``step`` checks, clips, applies and zeroes.
+
+    In bf16 the parameters and AdamW moments are bf16 too (no fp32 master copy, unlike DeepSpeed),
+    so small updates round away; it is the reference in fp32 and a convenience in bf16.
+    """
+
+    name = "torch"
+
+    def __init__(self, ctx: EngineContext):
+        self.device = torch.device(ctx.device)
+        self.dtype = ctx.dtype
+        self.grad_clip = float(ctx.options.get("grad_clip", 1.0))
+        self.module = load_policy(ctx)
+        self._trainable = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        self.optimizer = adamw([p for _, p in self._trainable], ctx.options)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # The caller normalised the loss to the whole batch, so the M calls simply add up.
+        loss.backward()
+
+    def step(self) -> StepStats:
+        grads = [p.grad for _, p in self._trainable if p.grad is not None]
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        if not grads:
+            return StepStats(grad_norm=0.0, lr=lr, skipped=True)
+        norm = torch.nn.utils.get_total_norm(grads)
+        if not bool(torch.isfinite(norm)):
+            bad = first_nonfinite((n, p.grad) for n, p in self._trainable)
+            self.optimizer.zero_grad(set_to_none=True)
+            raise nonfinite_error("torch train engine", float(norm), in_param(bad))
+        if self.grad_clip > 0:
+            torch.nn.utils.clip_grads_with_norm_([p for _, p in self._trainable], self.grad_clip, norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepStats(grad_norm=float(norm), lr=lr)
+
+    def state_dict_for_sync(self, trainable_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """Module names (see the module docstring). ``trainable_only`` skips the frozen vision tower,
+        which a decode engine loaded once already."""
+        for name, t in self.module.state_dict().items():
+            if not (trainable_only and is_vision_param(name)):
+                yield name, t
+
+    def save(self, directory: str) -> None:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        self.module.save_pretrained(directory)
+        torch.save(self.optimizer.state_dict(), Path(directory) / OPTIMIZER_FILE)
+
+    def load(self, directory: str) -> None:
+        path = Path(directory) / OPTIMIZER_FILE
+        if not path.exists():
+            raise CheckpointError(f"{path}: optimizer state missing; was {directory} written by TrainEngine.save?")
+        load_hf_weights(self.module, directory)
+        # AdamW's state is keyed by parameter order, which from_pretrained reproduces.
+        self.optimizer.load_state_dict(torch.load(path, map_location=self.device, weights_only=True))
+
+
+register_engine(EngineSpec(
+    name="torch",
+    role="train",
+    factory=TorchTrainEngine,
+    requires=("transformers",),
+    description="plain PyTorch AdamW on one device; the reference the sharded engines are tested against",
+))

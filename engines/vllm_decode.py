@@ -1,0 +1,194 @@
+"""vLLM decode engine: in-process ``LLMEngine`` fed with precomputed vision embeddings.
+
+Traps handled here (see shared/STACK.md):
+- vLLM expands each ``<|image_pad|>`` itself from ``image_grid_thw``, so the HF-expanded prompt ids
+  are collapsed back to one pad per image before they are handed over.
+- The ``LLM`` object is not thread-safe: every call into it holds ``self._lock``.
+- Weights are replaced with ``reload_weights`` (in place, HF names); the prefix cache is then reset,
+  because cached KV blocks were computed with the old weights.
+- ``vllm`` is imported inside the constructor, so ``import rollplex.engines`` stays fast.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from rollplex.engines.base import (
+    DecodeEngine,
+    DecodeRequest,
+    EngineContext,
+    EngineSpec,
+    FinishedSequence,
+    register_engine,
+)
+from rollplex.engines.torch_decode import eos_token_ids
+from rollplex.errors import EngineError
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def collapse_pads(ids: Sequence[int], pad_ids: Iterable[int]) -> tuple[list[int], dict[int, int]]:
+    """Collapse each run of one vision pad token to a single pad; also count the runs per pad id."""
+    pads = set(pad_ids)
+    out: list[int] = []
+    runs: dict[int, int] = {p: 0 for p in pads}
+    prev = None
+    for t in ids:
+        if t in pads:
+            if t == prev:
+                continue
+            runs[t] += 1
+        out.append(t)
+        prev = t
+    return out, runs
+
+
+class VLLMDecodeEngine(DecodeEngine):
+    """Options: max_model_len, max_num_seqs, kv_cache_bytes, enforce_eager (True), limit_images (1),
+    limit_videos (0), enable_prefix_caching (True), vllm_kwargs (passed to ``LLM`` unchanged)."""
+
+    def __init__(self, ctx: EngineContext) -> None:
+        from vllm import LLM
+
+        opts = dict(ctx.options)
+        if ctx.dtype not in _DTYPE_NAMES:
+            raise EngineError(f"engine 'vllm': dtype {ctx.dtype} is not one of {sorted(_DTYPE_NAMES.values())}")
+        kwargs = dict(
+            model=str(ctx.model_path),
+            enable_mm_embeds=True,  # we hand over vit_encode's output, not pixels
+            limit_mm_per_prompt={"image": int(opts.get("limit_images", 1)), "video": int(opts.get("limit_videos", 0))},
+            dtype=_DTYPE_NAMES[ctx.dtype],
+            seed=ctx.seed,
+            enforce_eager=bool(opts.get("enforce_eager", True)),  # skips graph capture: 4 s vs 30 s to start
+            enable_prefix_caching=bool(opts.get("enable_prefix_caching", True)),  # G samples share a prefill
+            # vLLM's default reports log-probs of the raw logits (temperature 1, no top-p), whatever the
+            # request's temperature. "processed_logprobs" reports log_softmax of the logits after
+            # temperature and top-p, i.e. the distribution the token was actually drawn from, which is
+            # what the torch engine reports and what importance ratios need. Greedy requests get the
+            # log_softmax of the raw logits in both engines (vLLM applies their top_p only when they
+            # share a batch with sampled requests; leave top_p at 1 for greedy requests).
+            logprobs_mode="processed_logprobs",
+        )
+        for opt, arg in (("max_model_len", "max_model_len"), ("max_num_seqs", "max_num_seqs"),
+                         ("kv_cache_bytes", "kv_cache_memory_bytes")):
+            if opts.get(opt) is not None:
+                kwargs[arg] = int(opts[opt])
+        kwargs.update(opts.get("vllm_kwargs", {}))
+        self._lock = threading.Lock()
+        with self._lock:
+            self.llm = LLM(**kwargs)
+            self._engine = self.llm.llm_engine
+            hf = self._engine.model_config.hf_config
+        self.image_token_id = int(hf.image_token_id)
+        self.video_token_id = int(hf.video_token_id)
+        self.eos_token_ids = eos_token_ids(ctx.model_path, hf)
+        self._live: set[str] = set()
+
+    # ----------------------------------------------------------------------------------------------
+    def _prompt(self, req: DecodeRequest) -> dict:
+        ids, runs = collapse_pads(req.prompt_token_ids, (self.image_token_id, self.video_token_id))
+        if runs[self.video_token_id]:
+            raise EngineError(f"request {req.request_id}: video prompts are not supported by the vllm engine "
+                              "(DecodeRequest carries no video embeddings)")
+        n_images = runs[self.image_token_id]
+        if not n_images:
+            if req.image_embeds is not None:
+                raise EngineError(f"request {req.request_id}: image_embeds given but the prompt has no image pad")
+            return {"prompt_token_ids": ids}
+        if req.image_embeds is None or req.image_grid_thw is None:
+            raise EngineError(f"request {req.request_id}: prompt has {n_images} image(s) but image_embeds or "
+                              "image_grid_thw is missing")
+        n_pads = sum(1 for t in req.prompt_token_ids if t == self.image_token_id)
+        if n_pads != req.image_embeds.shape[0]:
+            raise EngineError(f"request {req.request_id}: {n_pads} image pad tokens but image_embeds has "
+                              f"{req.image_embeds.shape[0]} rows")
+        grid = req.image_grid_thw.reshape(-1, 3)  # vLLM wants [n_images, 3], never [3]
+        if grid.shape[0] != n_images:
+            raise EngineError(f"request {req.request_id}: {n_images} runs of image pads but image_grid_thw "
+                              f"describes {grid.shape[0]} image(s)")
+        # vLLM hashes the embeddings for its caches, on the host
+        mm = {"image": {"image_embeds": req.image_embeds.detach().cpu(), "image_grid_thw": grid.cpu()}}
+        return {"prompt_token_ids": ids, "multi_modal_data": mm}
+
+    def _params(self, req: DecodeRequest):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            max_tokens=req.max_tokens,
+            temperature=req.temperature,  # 0 means greedy, as in the torch engine
+            top_p=req.top_p,
+            seed=req.seed,  # a per-request generator: reproducible whatever else is in the batch
+            logprobs=0,  # only the sampled token's log-prob
+            flat_logprobs=True,
+            stop_token_ids=sorted(set(req.stop_token_ids) | set(self.eos_token_ids)),
+            detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,  # we only read finished sequences
+        )
+
+    def add_requests(self, requests: Sequence[DecodeRequest]) -> None:
+        prepared = [(r.request_id, self._prompt(r), self._params(r)) for r in requests]
+        with self._lock:
+            for rid, prompt, params in prepared:
+                if rid in self._live:
+                    raise EngineError(f"request {rid}: a live request has this id already")
+                self._engine.add_request(rid, prompt, params)
+                self._live.add(rid)
+
+    def step(self, max_tokens: int) -> list[FinishedSequence]:
+        done: list[FinishedSequence] = []
+        with self._lock:
+            for _ in range(max_tokens):
+                if not self._engine.has_unfinished_requests():
+                    break
+                for out in self._engine.step():
+                    if out.finished:
+                        self._live.discard(out.request_id)
+                        done.append(_finished(out))
+        return done
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return self._engine.has_unfinished_requests()
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        weights = list(named_tensors)
+        with self._lock:
+            if self._engine.has_unfinished_requests():
+                raise EngineError(f"engine 'vllm': load_weights while {len(self._live)} request(s) are live; "
+                                  "finish or drop them first")
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            # The worker's reload drops its own encoder and multimodal caches but not the scheduler's
+            # or the renderer's records of them; left alone, the next request with an image seen
+            # before fails with "Encoder cache miss". Reset all three layers together, while idle.
+            self._engine.reset_encoder_cache()
+            self._engine.reset_mm_cache()
+            self._engine.reset_prefix_cache()  # its KV blocks came from the old weights
+
+    def close(self) -> None:
+        with self._lock:
+            self.llm = self._engine = None
+
+
+def _finished(out) -> FinishedSequence:
+    comp = out.outputs[0]
+    tokens = list(comp.token_ids)
+    lps = comp.logprobs
+    flat = getattr(lps, "logprobs", None)
+    if flat is not None and len(flat) == len(tokens):  # FlatLogprobs with logprobs=0: one per position
+        logprobs = [float(x) for x in flat]
+    else:
+        logprobs = [float(pos[t].logprob) for pos, t in zip(lps, tokens)]
+    reason = comp.finish_reason if comp.finish_reason in ("stop", "length") else "stop"
+    return FinishedSequence(out.request_id, tokens, logprobs, reason)
+
+
+SPEC = register_engine(EngineSpec(
+    name="vllm",
+    role="decode",
+    factory=VLLMDecodeEngine,
+    requires=("vllm",),
+    description="vLLM in-process engine with precomputed image embeddings and in-place weight reload",
+))

@@ -1,0 +1,48 @@
+"""Chrome trace events (they open in Perfetto) from the node events workers record."""
+from __future__ import annotations
+
+from collections import defaultdict
+
+
+def chrome_trace(events: list[dict], iteration: int, policy: str) -> dict:
+    """One process per worker, one thread per stream; times in µs from the iteration's first event."""
+    if not events:
+        return {"traceEvents": [], "displayTimeUnit": "ms", "otherData": {"iteration": iteration}}
+    origin = min(e["ts"] for e in events)
+    workers = sorted({str(e["pid"]) for e in events})
+    streams = sorted({str(e["tid"]) for e in events})
+    pid = {w: i for i, w in enumerate(workers)}
+    tid = {s: i for i, s in enumerate(streams)}
+    out = []
+    for w in workers:
+        out.append({"name": "process_name", "ph": "M", "pid": pid[w], "tid": 0, "args": {"name": w}})
+        for s in streams:
+            out.append({"name": "thread_name", "ph": "M", "pid": pid[w], "tid": tid[s], "args": {"name": s}})
+    for e in sorted(events, key=lambda e: e["ts"]):
+        out.append({**e, "ts": round(e["ts"] - origin, 1), "dur": round(e["dur"], 1),
+                    "pid": pid[str(e["pid"])], "tid": tid[str(e["tid"])]})
+    return {"traceEvents": out, "displayTimeUnit": "ms",
+            "otherData": {"iteration": iteration, "policy": policy, "streams": streams, "workers": workers}}
+
+
+def seconds_by_kind(events: list[dict]) -> dict[str, float]:
+    total: dict[str, float] = defaultdict(float)
+    for e in events:
+        total[e["cat"]] += e["dur"] / 1e6
+    return {k: round(v, 5) for k, v in sorted(total.items())}
+
+
+def intervals(trace: dict, kinds: set[str]) -> list[tuple[float, float, str]]:
+    """(start, end, name) in µs of the trace's events of the given kinds."""
+    return [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in trace["traceEvents"]
+            if e.get("ph") == "X" and e.get("cat") in kinds]
+
+
+def overlap_seconds(trace: dict, a: set[str], b: set[str]) -> float:
+    """Total time during which an event of kinds ``a`` and one of kinds ``b`` ran at once."""
+    xs, ys = intervals(trace, a), intervals(trace, b)
+    total = 0.0
+    for s1, e1, _ in xs:
+        for s2, e2, _ in ys:
+            total += max(0.0, min(e1, e2) - max(s1, s2))
+    return total / 1e6

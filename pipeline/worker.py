@@ -1,0 +1,238 @@
+"""Worker-side state: the engines a Dask worker hosts, and the function every node task runs.
+
+Engines are long-lived per worker. They live in this importable module (``current_host()``), set up
+by a ``WorkerPlugin``, because functions submitted from ``__main__`` are pickled by value and would
+see fresh globals. Tensors stay in the worker: a node's task returns a dict of its output values,
+Dask passes that dict by reference to consumers on the same worker, and each value is dropped as
+soon as its last consumer has run (a per-value use count), not when the whole dict is released.
+"""
+from __future__ import annotations
+
+import os
+import resource
+import threading
+import time
+from collections.abc import Callable
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rollplex.errors import NodeFailure, RollplexError
+from rollplex.pipeline.ir import Node
+
+
+@dataclass
+class IterationSettings:
+    """Per-run constants every node may read; shipped once with the host spec."""
+
+    seed: int
+    samples: int
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    pad_id: int
+    stop_token_ids: tuple[int, ...]
+    params: dict = field(default_factory=dict)
+
+    @property
+    def score_temperature(self) -> float:
+        # Greedy sampling (temperature 0) scores under the untempered distribution.
+        return self.temperature if self.temperature > 0 else 1.0
+
+
+@dataclass
+class HostSpec:
+    """Everything a worker needs to build its engines. Small and picklable."""
+
+    model_path: str
+    init_model_path: str  # frozen copies (the reference) always load the initial weights
+    device: str
+    dtype: str
+    threads: int
+    decode_engine: str
+    train_engine: str
+    score_engine: str
+    decode_options: dict
+    train_options: dict
+    algorithm: str  # dags/ name or a path to a DAG file
+    reward: str
+    settings: IterationSettings
+    trainable: tuple[str, ...] = ("actor",)
+    frozen: tuple[str, ...] = ("ref",)
+
+
+class WorkerHost:
+    def __init__(self, spec: HostSpec, name: str = "worker") -> None:
+        from rollplex.engines.base import EngineContext, get_engine
+        from rollplex.pipeline.algorithms import load_algorithm
+        from rollplex.tasks.rewards import get_reward
+
+        self.spec = spec
+        self.name = name
+        torch.set_num_threads(spec.threads)
+        torch.manual_seed(spec.settings.seed)
+        self.device = torch.device(spec.device)
+        dtype = getattr(torch, spec.dtype)
+        self.algorithm = load_algorithm(spec.algorithm)
+        self.reward_fn = self.algorithm.reward_fn.fn if self.algorithm.reward_fn else get_reward(spec.reward)
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(spec.init_model_path)
+
+        def build(engine: str, role: str, path: str, options: dict):
+            ctx = EngineContext(path, self.device, dtype, spec.settings.seed, options)
+            return get_engine(engine, role).factory(ctx)
+
+        self.engines: dict[str, Any] = {}
+        for model in spec.trainable:
+            self.engines[model] = build(spec.train_engine, "train", spec.model_path, spec.train_options)
+        for model in spec.frozen:
+            self.engines[model] = build(spec.score_engine, "score", spec.init_model_path, {})
+        self.decode = build(spec.decode_engine, "decode", spec.model_path, spec.decode_options)
+        self.streams = self._make_streams()
+        self.events: list[dict] = []
+        self._lock = threading.Lock()
+        self._remaining: dict[tuple[int, str], int] = {}
+
+    def _make_streams(self) -> dict[str, Any]:
+        if self.device.type != "cuda":
+            return {}
+        return {"decode": torch.cuda.Stream(self.device), "compute": torch.cuda.Stream(self.device)}
+
+    # -- what tasks see -------------------------------------------------------------------------
+    def model(self, name: str) -> torch.nn.Module:
+        engine = self.engines[name]
+        return engine.module if engine.role == "train" else engine.model
+
+    def train_engine(self, name: str):
+        return self.engines[name]
+
+    def decode_text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    # -- bookkeeping -----------------------------------------------------------------------------
+    def release(self, iteration: int, bundles: dict[str, dict], uses: dict[str, int]) -> None:
+        """Count one use of each input; drop a value from its producer's bundle after its last use."""
+        with self._lock:
+            for value, bundle in bundles.items():
+                key = (iteration, value)
+                left = self._remaining.get(key, uses[value]) - 1
+                if left <= 0:
+                    self._remaining.pop(key, None)
+                    bundle.pop(value, None)
+                else:
+                    self._remaining[key] = left
+
+    def record(self, event: dict) -> None:
+        with self._lock:
+            self.events.append(event)
+
+    def drain(self) -> dict:
+        with self._lock:
+            events, self.events = self.events, []
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        if self.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return {"events": events, "peak_memory_bytes": int(peak), "worker": self.name, "pid": os.getpid()}
+
+    @contextmanager
+    def on_stream(self, stream: str):
+        s = self.streams.get(stream)
+        if s is None:
+            yield
+            return
+        with torch.cuda.stream(s):
+            yield
+        s.synchronize()  # consumers on the other stream may read these outputs next
+
+    def close(self) -> None:
+        for engine in [*self.engines.values(), self.decode]:
+            engine.close()
+
+
+class NodeContext:
+    """The view of the worker a task gets for one node."""
+
+    def __init__(self, host: WorkerHost, iteration: int) -> None:
+        self.host = host
+        self.iteration = iteration
+        self.settings = host.spec.settings
+        self.algorithm = host.algorithm
+        self.reward_fn = host.reward_fn
+        self.params = host.spec.settings.params
+        self.decode_engine = host.decode
+        self.model = host.model
+        self.train_engine = host.train_engine
+        self.decode_text = host.decode_text
+
+
+_HOST: WorkerHost | None = None
+
+
+def current_host() -> WorkerHost:
+    if _HOST is None:
+        raise RuntimeError("this worker has no Rollplex engines; was the RollplexPlugin registered?")
+    return _HOST
+
+
+def install_host(spec: HostSpec, name: str) -> None:
+    global _HOST
+    if _HOST is not None:
+        _HOST.close()
+    _HOST = WorkerHost(spec, name)
+
+
+def uninstall_host() -> None:
+    global _HOST
+    if _HOST is not None:
+        _HOST.close()
+    _HOST = None
+
+
+def run_node(node: Node, iteration: int, uses: dict[str, int], n_values: int, *deps: Any) -> dict[str, Any]:
+    """Run one node. ``deps[:n_values]`` are producer bundles; the rest only order this node."""
+    from rollplex.tasks.registry import task_for
+
+    host = current_host()
+    inputs: dict[str, Any] = {}
+    owners: dict[str, dict] = {}
+    for bundle in deps[:n_values]:
+        for name in node.inputs:
+            if name in bundle and name not in inputs:
+                inputs[name] = bundle[name]
+                owners[name] = bundle
+    missing = [v for v in node.inputs if v not in inputs]
+    if missing:
+        raise NodeFailure(node.name, node.kind, KeyError(f"inputs {missing} were released or never produced"))
+    start = time.time()
+    try:
+        with host.on_stream(node.stream):
+            outputs = task_for(node.kind)(NodeContext(host, iteration), node, inputs)
+    except (RollplexError, NodeFailure):
+        raise
+    except FloatingPointError as exc:
+        raise NodeFailure(node.name, node.kind, exc) from exc
+    except Exception as exc:
+        raise NodeFailure(node.name, node.kind, exc) from exc
+    end = time.time()
+    inputs.clear()
+    host.release(iteration, owners, uses)
+    host.record({"name": node.name, "cat": node.kind, "ph": "X", "ts": start * 1e6, "dur": (end - start) * 1e6,
+                 "pid": host.name, "tid": node.stream, "args": {"model": node.model, "engine": node.engine}})
+    return outputs
+
+
+def provide_input(value: Any, name: str) -> dict[str, Any]:
+    """A graph input (prompt tensors) entering the worker as a one-value bundle."""
+    return {name: value}
+
+
+def call_on_host(fn: Callable[..., Any], *args: Any) -> Any:
+    """Run a host-level function (warm-up, checkpoint I/O) on this worker's engines."""
+    host = current_host()
+    ctx = host.on_stream("compute") if host.streams else nullcontext()
+    with ctx:
+        return fn(host, *args)

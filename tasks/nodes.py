@@ -1,0 +1,265 @@
+"""What each builtin node kind computes, on real tensors of a real transformers model.
+
+Every function here is ``fn(ctx, node, inputs) -> outputs`` (see ``tasks.registry``). ``ctx`` is the
+worker's ``NodeContext``: the engines that host each model, the decode engine, the algorithm, the
+tokenizer and the iteration's settings. Functions never reach into Dask or the scheduler.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rollplex.engines.base import DecodeRequest, FinishedSequence
+from rollplex.tasks import lm
+from rollplex.tasks.registry import register_task
+
+
+@dataclass
+class Responses:
+    """The G sampled responses of one prompt, in sample order."""
+
+    prompt_index: int
+    sequences: list[FinishedSequence]
+
+    @property
+    def token_ids(self) -> list[list[int]]:
+        return [s.token_ids for s in self.sequences]
+
+    def mask(self) -> torch.Tensor:
+        return lm.pad_responses(self.token_ids, 0)[1]
+
+
+def sample_seed(run_seed: int, iteration: int, prompt_id: str, sample: int) -> int:
+    """A stable per-response sampling seed: independent of batch order, schedule and worker."""
+    digest = hashlib.sha256(f"{run_seed}/{iteration}/{prompt_id}/{sample}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def request_id(iteration: int, prompt: int, sample: int) -> str:
+    return f"it{iteration}-p{prompt}-s{sample}"
+
+
+# --------------------------------------------------------------------------------------------------
+@register_task("vit_encode")
+def vit_encode(ctx, node, inputs):
+    prompt = inputs[node.inputs[0]]
+    return {node.outputs[0]: lm.vision_embeds(ctx.model(node.model), prompt)}
+
+
+@register_task("prefix")
+def prefix(ctx, node, inputs):
+    prompt, vis = (inputs[v] for v in node.inputs)
+    state = lm.prefix_forward(ctx.model(node.model), prompt, vis, grad=bool(node.args["grad"]))
+    return {node.outputs[0]: state}
+
+
+@register_task("decode_chunk")
+def decode_chunk(ctx, node, inputs):
+    engine = ctx.decode_engine
+    s = ctx.settings
+    chunk, chunks = node.args["chunk"], node.args["chunks"]
+    if chunk == 0:
+        prompts = [inputs[v] for v in node.inputs if v.startswith("prompt_")]
+        visions = [inputs[v] for v in node.inputs if v.startswith("vis_")]
+        requests = []
+        for p, (prompt, vis) in enumerate(zip(prompts, visions)):
+            for g in range(s.samples):
+                requests.append(DecodeRequest(
+                    request_id=request_id(ctx.iteration, p, g),
+                    prompt_token_ids=prompt.input_ids.tolist(),
+                    image_embeds=vis.image,
+                    image_grid_thw=prompt.image_grid_thw,
+                    max_tokens=s.max_new_tokens,
+                    seed=sample_seed(s.seed, ctx.iteration, prompt.prompt_id, g),
+                    temperature=s.temperature,
+                    top_p=s.top_p,
+                    stop_token_ids=tuple(s.stop_token_ids),
+                ))
+        engine.add_requests(requests)
+        finished: dict[str, FinishedSequence] = {}
+        expected = len(requests)
+    else:
+        previous = inputs[node.inputs[0]]
+        finished, expected = dict(previous["finished"]), previous["expected"]
+    for seq in engine.step(node.args["tokens"]):
+        finished[seq.request_id] = seq
+    if chunk < chunks - 1:
+        return {node.outputs[0]: {"finished": finished, "expected": expected}}
+    out: dict[str, Any] = {}
+    while len(finished) < expected and engine.has_unfinished():  # max_tokens bounds this loop
+        for seq in engine.step(node.args["tokens"]):
+            finished[seq.request_id] = seq
+    if len(finished) != expected:
+        raise RuntimeError(f"decode finished {len(finished)} of {expected} sequences")
+    num_prompts = expected // s.samples
+    lengths = []
+    for p in range(num_prompts):
+        seqs = [finished[request_id(ctx.iteration, p, g)] for g in range(s.samples)]
+        out[f"responses_p{p}"] = Responses(p, seqs)
+        lengths += [len(q.token_ids) for q in seqs]
+    out["rollout_stats"] = {"tokens": sum(lengths), "sequences": len(lengths),
+                            "max_len": max(lengths, default=0)}
+    return out
+
+
+@register_task("suffix_score")
+def suffix_score(ctx, node, inputs):
+    model = ctx.model(node.model)
+    grad = bool(node.args["grad"])
+    s = ctx.settings
+    if node.args.get("full_sequence"):
+        prompt, vis, responses = (inputs[v] for v in node.inputs)
+        values, _ = lm.full_sequence_logprobs(model, prompt, responses.token_ids, pad_id=s.pad_id,
+                                              temperature=s.score_temperature, grad=grad, vis=vis)
+    else:
+        state, responses = (inputs[v] for v in node.inputs)
+        values, _ = lm.suffix_logprobs(model, state, responses.token_ids, pad_id=s.pad_id,
+                                       temperature=s.score_temperature, grad=grad)
+    out = {node.outputs[0]: values if grad else values.detach()}
+    if grad:
+        out[node.outputs[1]] = values.detach().cpu()
+    return out
+
+
+@register_task("reward")
+def reward(ctx, node, inputs):
+    prompt, responses = (inputs[v] for v in node.inputs)
+    texts = [ctx.decode_text(ids) for ids in responses.token_ids]
+    scores = [float(ctx.reward_fn(text, prompt.answer)) for text in texts]
+    return {node.outputs[0]: torch.tensor(scores, dtype=torch.float32)}
+
+
+@register_task("advantage")
+def advantage(ctx, node, inputs):
+    decl = ctx.algorithm.advantage_fn
+    prompts = node.args["prompts"]
+    rewards = [inputs[f"rewards_p{p}"] for p in prompts]
+    masks = [inputs[f"responses_p{p}"].mask() for p in prompts]
+    if decl.options["scope"] == "group":
+        adv = decl.call({"rewards": rewards[0], "mask": masks[0]}, ctx.params)
+        return {node.outputs[0]: torch.as_tensor(adv, dtype=torch.float32).detach()}
+    width = max(m.shape[1] for m in masks)
+    mask = torch.stack([torch.nn.functional.pad(m, (0, width - m.shape[1])) for m in masks])
+    adv = torch.as_tensor(decl.call({"rewards": torch.stack(rewards), "mask": mask}, ctx.params))
+    return {node.outputs[0]: {p: adv[i].detach().float() for i, p in enumerate(prompts)}}
+
+
+def _pad_to(t: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.nn.functional.pad(t, (0, width - t.shape[-1]))
+
+
+@register_task("loss")
+def loss(ctx, node, inputs):
+    """The micro-batch's loss, normalised to the whole batch, then its backward.
+
+    token-mean divides by the batch's total response tokens, the seq-mean modes by its number of
+    responses, so the M micro-batch backwards add up to exactly the full-batch gradient.
+    """
+    alg, engine = ctx.algorithm, ctx.train_engine(node.model)
+    prompts = node.args["prompts"]
+    stats = inputs["rollout_stats"]
+    groups = [inputs[f"responses_p{p}"] for p in prompts]
+    width = max(max((len(t) for t in r.token_ids), default=1) for r in groups)
+    device = engine.device
+    values: dict[str, Any] = {"mask": torch.cat([_pad_to(r.mask(), width) for r in groups]).to(device)}
+    for name in alg.scored_values():
+        values[name] = torch.cat([_pad_to(inputs[f"{name}_p{p}"], width).to(device) for p in prompts])
+    adv = []
+    for p in prompts:
+        a = inputs[f"advantages_p{p}"] if f"advantages_p{p}" in inputs else inputs["advantages"][p]
+        adv.append(a)
+    values["advantages"] = torch.cat(adv).to(device)
+    values["rewards"] = torch.cat([inputs[f"rewards_p{p}"] for p in prompts]).to(device)
+
+    result = alg.loss_fn.call(values, ctx.params)
+    per_token, metrics = result if isinstance(result, tuple) else (result, {})
+    mask = values["mask"]
+    agg = alg.loss_fn.options["agg"]
+    if agg == "token-mean":
+        contribution = (per_token * mask).sum() / max(stats["tokens"], 1)
+    else:
+        seq_len = mask.sum(-1).clamp(min=1)
+        per_seq = (per_token * mask).sum(-1)
+        per_seq = per_seq / seq_len if agg == "seq-mean-token-mean" else per_seq
+        contribution = per_seq.sum() / max(stats["sequences"], 1)
+    if not torch.isfinite(contribution):
+        raise FloatingPointError(f"non-finite loss {contribution.item()} in micro-batch {node.name}")
+    engine.backward(contribution)
+    # Per-token metrics [B, R] are summed here and become token means over the batch in report;
+    # scalar metrics become means over micro-batches.
+    sums = {k: float((v.detach() * mask).sum()) for k, v in metrics.items() if torch.is_tensor(v) and v.dim() == 2}
+    scalars = {k: float(v) for k, v in metrics.items() if k not in sums}
+    return {node.outputs[0]: {"loss": float(contribution.detach()), "tokens": float(mask.sum()),
+                              "sums": sums, "scalars": scalars}}
+
+
+@register_task("optimizer_step")
+def optimizer_step(ctx, node, inputs):
+    stats = ctx.train_engine(node.model).step()
+    return {node.outputs[0]: {"grad_norm": stats.grad_norm, "lr": stats.lr}}
+
+
+@register_task("weight_sync")
+def weight_sync(ctx, node, inputs):
+    weights = ctx.train_engine(node.model).state_dict_for_sync()
+    ctx.decode_engine.load_weights(weights)
+    return {node.outputs[0]: {"version": ctx.iteration + 1}}
+
+
+@register_task("report")
+def report(ctx, node, inputs):
+    """Host-side records of the iteration: one row per response, plus the batch metrics."""
+    alg = ctx.algorithm
+    stats = inputs["rollout_stats"]
+    rows, rewards, losses, sums, scalars = [], [], 0.0, {}, {}
+    micro_batches = [v for k, v in inputs.items() if k.startswith("loss_m")]
+    for value in micro_batches:
+        losses += value["loss"]
+        for k, v in value["sums"].items():
+            sums[k] = sums.get(k, 0.0) + v
+        for k, v in value["scalars"].items():
+            scalars[k] = scalars.get(k, 0.0) + v / len(micro_batches)
+    p = 0
+    while f"responses_p{p}" in inputs:
+        prompt, responses = inputs[f"prompt_p{p}"], inputs[f"responses_p{p}"]
+        r = inputs[f"rewards_p{p}"]
+        adv = inputs[f"advantages_p{p}"] if f"advantages_p{p}" in inputs else inputs["advantages"][p]
+        scored = {s.as_: inputs[f"old_{s.as_}_p{p}" if s.grad else f"{s.as_}_p{p}"] for s in alg.scores}
+        for g, seq in enumerate(responses.sequences):
+            n = len(seq.token_ids)
+            row = {
+                "prompt_id": prompt.prompt_id,
+                "sample": g,
+                "prompt_token_ids": prompt.input_ids.tolist(),
+                "response_token_ids": list(seq.token_ids),
+                "text": ctx.decode_text(seq.token_ids),
+                "answer": prompt.answer,
+                "reward": float(r[g]),
+                "advantage": float(adv[g]),
+                "rollout_logprobs": [float(x) for x in seq.logprobs],
+            }
+            for s in alg.scores:
+                key = f"old_{s.as_}" if s.grad else s.as_
+                row[key] = [float(x) for x in scored[s.as_][g, :n].tolist()]
+            rows.append(row)
+            rewards.append(float(r[g]))
+        p += 1
+    tokens = max(stats["tokens"], 1)
+    step = inputs["step"]
+    rt = torch.tensor(rewards)
+    metrics = {
+        "reward_mean": float(rt.mean()) if rewards else 0.0,
+        "reward_std": float(rt.std()) if len(rewards) > 1 else 0.0,
+        "loss": losses,
+        "grad_norm": step["grad_norm"],
+        "lr": step["lr"],
+        "response_len_mean": stats["tokens"] / max(stats["sequences"], 1),
+    }
+    metrics.update({k: v / tokens for k, v in sums.items()})
+    metrics.update(scalars)
+    if "kl" not in metrics:
+        metrics["kl"] = 0.0
+    return {node.outputs[0]: {"rows": rows, "metrics": metrics}}

@@ -1,0 +1,255 @@
+"""Decode engines: the torch fallback against HF generate, vLLM against the torch engine.
+
+Both engines treat temperature 0 as greedy. The tiny model is random, so its distributions are
+nearly flat: agreement to 1e-4 in fp32 is a real check, and a wrong temperature shows at 1e-2.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from rollplex import runtime
+
+runtime.configure(threads=2)
+
+from rollplex.engines.base import DecodeRequest, EngineContext, get_engine  # noqa: E402
+from rollplex.errors import EngineError  # noqa: E402
+
+CORPUS = ("What colour is the shape? Answer with one word. red green blue",)
+STOP = tuple(range(100, 130))  # ~10% of the vocabulary: some samples stop early, some run to length
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    from rollplex.engines.models import TinyVLMSpec, ensure_tiny_vlm
+
+    cache = Path(os.environ.get("ROLLPLEX_CACHE", Path(__file__).resolve().parents[1] / ".cache" / "test"))
+    return ensure_tiny_vlm(TinyVLMSpec(corpus=CORPUS), cache)
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    return Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts(model_dir, hf_model):
+    """Two prompts of different lengths (different image sizes), with their vision embeddings."""
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    from rollplex.tasks.lm import PromptInputs, vision_embeds
+
+    proc = AutoProcessor.from_pretrained(model_dir)
+    out = []
+    for i, (question, colour, size) in enumerate([("What colour is the shape?", (255, 0, 0), (64, 64)),
+                                                  ("Answer with one word.", (0, 200, 0), (110, 56))]):
+        msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+        text = proc.apply_chat_template(msgs, add_generation_prompt=True)
+        enc = proc(text=[text], images=[Image.new("RGB", size, colour)], return_tensors="pt")
+        p = PromptInputs(f"p{i}", enc["input_ids"][0], pixel_values=enc["pixel_values"],
+                         image_grid_thw=enc["image_grid_thw"])
+        out.append((p, vision_embeds(hf_model, p), enc))
+    assert out[0][0].num_tokens != out[1][0].num_tokens
+    return out
+
+
+def ctx(model_dir, **options) -> EngineContext:
+    return EngineContext(str(model_dir), torch.device("cpu"), torch.float32, seed=0, options=options)
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(model_dir):
+    pytest.importorskip("vllm")
+    engine = get_engine("vllm", "decode").factory(ctx(model_dir, max_model_len=256, kv_cache_bytes=64 << 20))
+    yield engine
+    engine.close()
+
+
+@pytest.fixture
+def torch_engine(model_dir):
+    engine = get_engine("hf", "decode").factory(ctx(model_dir))
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(params=["hf", pytest.param("vllm", marks=pytest.mark.slow)])
+def engine(request):
+    return request.getfixturevalue("torch_engine" if request.param == "hf" else "vllm_engine")
+
+
+def requests(prompts, *, group=1, temperature=0.0, max_tokens=12, seed=0, top_p=1.0, stop=()):
+    out = []
+    for p, vis, _ in prompts:
+        for g in range(group):
+            temp = temperature[g % len(temperature)] if isinstance(temperature, tuple) else temperature
+            out.append(DecodeRequest(f"{p.prompt_id}-{g}", p.input_ids.tolist(), vis.image, p.image_grid_thw,
+                                     max_tokens=max_tokens, seed=seed + 1000 * int(p.prompt_id[1:]) + g,
+                                     temperature=temp, top_p=top_p, stop_token_ids=stop))
+    return out
+
+
+def run(engine, reqs, chunk=1000) -> dict:
+    engine.add_requests(reqs)
+    done = []
+    while engine.has_unfinished():
+        done += engine.step(chunk)
+    assert {r.request_id for r in reqs} <= {d.request_id for d in done}  # plus any added earlier
+    return {d.request_id: d for d in done}
+
+
+def hf_greedy(model, enc, max_tokens) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=max_tokens, do_sample=False)
+    return out[0, enc["input_ids"].shape[1]:].tolist()
+
+
+# --------------------------------------------------------------------------------------------------
+def test_registered():
+    assert get_engine("hf", "decode").requires == ("transformers",)
+    assert get_engine("vllm", "decode").requires == ("vllm",)
+
+
+def test_collapse_pads():
+    from rollplex.engines.vllm_decode import collapse_pads
+
+    ids, runs = collapse_pads([1, 9, 7, 7, 7, 8, 2, 7, 7, 3], (7, 6))
+    assert ids == [1, 9, 7, 8, 2, 7, 3] and runs == {7: 2, 6: 0}
+
+
+def test_torch_greedy_matches_hf_generate(torch_engine, hf_model, prompts):
+    out = run(torch_engine, requests(prompts, group=2), chunk=5)
+    for p, _, enc in prompts:
+        want = hf_greedy(hf_model, enc, 12)
+        assert out[f"{p.prompt_id}-0"].token_ids == want
+        assert out[f"{p.prompt_id}-1"].token_ids == want
+
+
+def test_torch_waiting_and_late_requests_decode_alike(model_dir, prompts):
+    """max_num_seqs=2 queues the second prompt; a request added mid-decode joins the live batch."""
+    def make():
+        return requests(prompts, group=2, temperature=(0.0, 1.0))
+
+    reference = run(get_engine("hf").factory(ctx(model_dir)), make())
+    queued = run(get_engine("hf").factory(ctx(model_dir, max_num_seqs=2)), make())
+    for rid, ref in reference.items():
+        assert queued[rid].token_ids == ref.token_ids
+    # Prompt lengths are 29 and 33. p0 first: after 3 tokens its rows fill 32 columns and the 33-token
+    # p1 shifts them right; p1 first: p0 joins left-padded.
+    for first, second in ((slice(0, 2), slice(2, 4)), (slice(2, 4), slice(0, 2))):
+        late = get_engine("hf").factory(ctx(model_dir))
+        reqs = make()
+        late.add_requests(reqs[first])
+        got = {d.request_id: d for d in late.step(3)}
+        got.update(run(late, reqs[second]))
+        for rid, ref in reference.items():
+            assert got[rid].token_ids == ref.token_ids
+            torch.testing.assert_close(got[rid].logprobs, ref.logprobs, atol=1e-5, rtol=0)
+
+
+def test_chunked_steps_match_one_big_step(engine, prompts):
+    def make():
+        return requests(prompts, group=3, temperature=(1.0, 0.7, 0.0), top_p=0.9, max_tokens=10, stop=STOP)
+
+    whole = run(engine, make(), chunk=1000)
+    chunked = run(engine, make(), chunk=3)
+    assert {k: v.token_ids for k, v in whole.items()} == {k: v.token_ids for k, v in chunked.items()}
+    assert {k: v.finish_reason for k, v in whole.items()} == {k: v.finish_reason for k, v in chunked.items()}
+    assert {v.finish_reason for v in whole.values()} == {"stop", "length"}  # both endings exercised
+    for k, v in whole.items():
+        assert len(v.logprobs) == len(v.token_ids)
+        if v.finish_reason == "stop":
+            assert v.token_ids[-1] in STOP and not set(v.token_ids[:-1]) & set(STOP)
+
+
+def test_seeded_sampling_is_reproducible(engine, prompts):
+    first = run(engine, requests(prompts, group=3, temperature=1.0, seed=5))
+    again = run(engine, requests(prompts, group=3, temperature=1.0, seed=5))
+    other = run(engine, requests(prompts, group=3, temperature=1.0, seed=6))
+    assert {k: v.token_ids for k, v in first.items()} == {k: v.token_ids for k, v in again.items()}
+    assert {k: v.token_ids for k, v in first.items()} != {k: v.token_ids for k, v in other.items()}
+    rows = [v.token_ids for v in first.values()]
+    assert len({tuple(r) for r in rows}) == len(rows)  # the G samples of a prompt differ
+
+
+def test_load_weights_matches_perturbed_hf(engine, hf_model, prompts):
+    original = {k: v.clone() for k, v in hf_model.state_dict().items()}
+    before = [hf_greedy(hf_model, enc, 12) for _, _, enc in prompts]
+    gen = torch.Generator().manual_seed(0)
+    perturbed = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in original.items()
+                 if "language_model" in k or "lm_head" in k}  # the vision tower stays, so embeddings do too
+    try:
+        hf_model.load_state_dict(perturbed, strict=False)
+        engine.load_weights(perturbed.items())
+        out = run(engine, requests(prompts))
+        after = [hf_greedy(hf_model, enc, 12) for _, _, enc in prompts]
+        assert after != before  # the perturbation changes what greedy decoding says
+        for (p, _, _), want in zip(prompts, after):
+            assert out[f"{p.prompt_id}-0"].token_ids == want
+    finally:
+        hf_model.load_state_dict(original)
+        engine.load_weights((k, original[k]) for k in perturbed)
+
+
+def test_torch_load_weights_rejects_unknown_names(torch_engine):
+    with pytest.raises(EngineError, match="model.language_model.nope"):
+        torch_engine.load_weights([("model.language_model.nope", torch.zeros(1))])
+    with pytest.raises(EngineError, match="shape"):
+        torch_engine.load_weights([("lm_head.weight", torch.zeros(1))])
+
+
+def _hf_logprobs(hf_model, prompts, out, temperature):
+    from rollplex.tasks.lm import full_sequence_logprobs
+
+    for p, vis, _ in prompts:
+        seqs = [v for k, v in sorted(out.items()) if k.startswith(p.prompt_id + "-")]
+        lp, mask = full_sequence_logprobs(hf_model, p, [s.token_ids for s in seqs], pad_id=0,
+                                          temperature=temperature, vis=vis)
+        for i, s in enumerate(seqs):
+            n = len(s.token_ids)
+            yield torch.tensor(s.logprobs), lp[i, :n].float()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_sampled_logprobs_match_hf_forward(engine, hf_model, prompts, temperature):
+    out = run(engine, requests(prompts, group=2, temperature=temperature, max_tokens=10, seed=3))
+    for got, want in _hf_logprobs(hf_model, prompts, out, temperature):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    if temperature != 1.0:  # the raw (temperature 1) log-probs are far off: the check has teeth
+        raw = list(_hf_logprobs(hf_model, prompts, out, 1.0))
+        assert max(float((g - w).abs().max()) for g, w in raw) > 1e-2
+
+
+def test_top_p_logprobs_are_under_the_truncated_distribution(engine, hf_model, prompts):
+    """With top-p both engines report log-probs of the renormalised nucleus, the distribution drawn
+    from; the reference applies the nucleus to HF's logits the way vLLM's sampler does."""
+    from rollplex.engines.torch_decode import _apply_top_p
+    from rollplex.tasks.lm import prefix_forward, suffix_logits
+
+    temperature, top_p = 0.6, 0.8
+    out = run(engine, requests(prompts, group=2, temperature=temperature, top_p=top_p, max_tokens=8, seed=9))
+    for p, vis, _ in prompts:
+        prefix = prefix_forward(hf_model, p, vis, grad=False)
+        for g in range(2):
+            seq = out[f"{p.prompt_id}-{g}"]
+            tokens = torch.tensor([seq.token_ids])
+            logits = suffix_logits(hf_model, prefix, tokens, grad=False)[0] / temperature
+            logp = torch.log_softmax(_apply_top_p(logits, torch.full((len(seq.token_ids),), top_p)), -1)
+            want = logp.gather(1, tokens.view(-1, 1)).view(-1)
+            torch.testing.assert_close(torch.tensor(seq.logprobs), want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_vllm_greedy_matches_torch_engine(vllm_engine, torch_engine, prompts):
+    reqs = requests(prompts, group=2, max_tokens=16, stop=STOP)
+    want = run(torch_engine, reqs)
+    got = run(vllm_engine, reqs)
+    for rid, w in want.items():
+        assert got[rid].token_ids == w.token_ids
+        assert got[rid].finish_reason == w.finish_reason
+        torch.testing.assert_close(got[rid].logprobs, w.logprobs, atol=1e-4, rtol=0)
