@@ -117,6 +117,18 @@ class TrainEngine(ABC):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
+    def reset_optimizer_state(self) -> None:
+        """Forget the optimizer's moments, as a fresh optimizer would (used after the warm-up).
+
+        Adam's second moments from supervised warm-up gradients are orders of magnitude larger than
+        RL policy gradients and decay with β2 over ~1000 steps, which would stall RL for as long.
+        Wrappers (DeepSpeed's ZeRO optimizers) hold the torch optimizer as ``.optimizer``.
+        """
+        inner = self.optimizer
+        while hasattr(inner, "optimizer"):
+            inner = inner.optimizer
+        inner.state.clear()
+
     @abstractmethod
     def state_dict_for_sync(self) -> Iterable[tuple[str, torch.Tensor]]:
         """The current weights under HF parameter names, for ``DecodeEngine.load_weights``."""

@@ -32,6 +32,7 @@ class CheckpointState:
 
 
 def name_of(iteration: int) -> str:
+    """iter_000042; the post-warm-up checkpoint is iteration -1, "iter_-00001", which sorts first."""
     return f"iter_{iteration:06d}"
 
 

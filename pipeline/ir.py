@@ -101,7 +101,7 @@ class Node:
 
     def __post_init__(self) -> None:
         get_kind(self.kind)  # raises with the registered names if unknown
-        if not self.name or not self.name.replace("_", "").replace("-", "").replace(".", "").isalnum():
+        if not isinstance(self.name, str) or not self.name or not all(c.isalnum() or c in "_-." for c in self.name):
             raise GraphError(f"node name {self.name!r} must be non-empty letters, digits, '_', '-' or '.'")
         object.__setattr__(self, "inputs", tuple(self.inputs))
         object.__setattr__(self, "outputs", tuple(self.outputs))
@@ -213,7 +213,11 @@ class IterationGraph:
     def topological_order(self) -> list[str]:
         """Deterministic topological order: ties broken by insertion order, never by name."""
         index = {name: i for i, name in enumerate(self.nodes)}
-        return list(nx.lexicographical_topological_sort(self.g, key=index.__getitem__))
+        try:
+            return list(nx.lexicographical_topological_sort(self.g, key=index.__getitem__))
+        except nx.NetworkXUnfeasible:
+            self.lint()  # raises a GraphError that names the cycle
+            raise
 
     def lifetimes(self, order: Iterable[str] | None = None) -> dict[str, tuple[str, str]]:
         """value → (produced by, last used by) under ``order`` (default: topological order)."""
@@ -228,15 +232,25 @@ class IterationGraph:
 
     # -- validation ---------------------------------------------------------------------------
     def lint(self) -> "IterationGraph":
-        """Raise ``GraphError`` naming the first problem: unknown kinds, dangling inputs, cycles."""
+        """Raise ``GraphError`` naming the first problem: unknown kinds, dangling inputs, missing value
+        edges (nodes added after ``connect()``), cycles."""
         for node in self.nodes.values():
-            get_kind(node.kind)
+            try:
+                get_kind(node.kind)
+            except GraphError as exc:
+                raise GraphError(f"%{node.name}: {exc}") from None
             for value_name in node.inputs:
                 if value_name not in self.values:
                     known = ", ".join(sorted(self.values)[:8])
                     raise GraphError(
                         f"%{node.name} reads value {value_name!r}, which no node produces "
                         f"(known values include: {known})"
+                    )
+                producer = self.values[value_name].producer
+                if producer is not None and not self.g.has_edge(producer, node.name):
+                    raise GraphError(
+                        f"%{node.name} reads {value_name!r} from %{producer}, but the graph has no edge "
+                        f"%{producer} -> %{node.name}; call connect() after adding nodes"
                     )
         try:
             cycle = nx.find_cycle(self.g)

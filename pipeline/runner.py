@@ -12,6 +12,8 @@ complete checkpoint and truncates later metric rows, so the sequence has no gaps
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +24,9 @@ from rollplex.errors import EngineError, RollplexError
 from rollplex.pipeline import checkpoints
 from rollplex.pipeline.fsio import append_line, atomic_write_text
 from rollplex.pipeline.trace import chrome_trace, seconds_by_kind
+
+
+MOVING_WINDOW = 10  # iterations averaged for stop_at_reward and the summary's final reward
 
 
 @dataclass
@@ -116,6 +121,9 @@ class Session:
                               dict(cfg.engines.overrides))
         self.shape = shape
         self.dims = dims
+        # After a warm-up the reference is the warmed-up policy, saved once in the run directory.
+        warmed = run_dir / "reference"
+        self.reference_path = str(warmed) if (warmed / "config.json").exists() else self.model_path
         self.graph = schedule(compile_iteration(self.algorithm, shape, choice, dims), cfg.schedule)
         self.tokenizer = self.processor.tokenizer
 
@@ -142,7 +150,7 @@ class Session:
                           **cfg.engines.decode_options}
         alg = self.algorithm
         return HostSpec(
-            model_path=self.model_path, init_model_path=self.model_path, device=self.device, dtype=cfg.model.dtype,
+            model_path=self.model_path, reference_path=self.reference_path, device=self.device, dtype=cfg.model.dtype,
             threads=cfg.cluster.threads, decode_engine=self.decode_engine, train_engine=self.train_engine,
             score_engine=self.score_engine, decode_options=decode_options, train_options=train_options,
             algorithm=cfg.algorithm, reward=cfg.task.reward, settings=settings,
@@ -174,9 +182,24 @@ def _warmup(host, examples: list, lr: float) -> float:
     return loss_sum
 
 
+def _end_warmup(host) -> None:
+    host.train_engine(host.algorithm.rollout_model).reset_optimizer_state()
+
+
 def _sync_decode(host) -> None:
     engine = host.train_engine(host.algorithm.rollout_model)
     host.decode.load_weights(engine.state_dict_for_sync())
+
+
+def _adopt_reference(host, directory: str) -> None:
+    """Make the frozen copies of the policy equal to it now, and save it for resumed runs."""
+    alg = host.algorithm
+    policy = host.train_engine(alg.rollout_model)
+    weights = dict(policy.state_dict_for_sync())
+    for name, decl in alg.models.items():
+        if decl.copy_of == alg.rollout_model:
+            host.engines[name].model.load_state_dict(weights)
+    policy.module.save_pretrained(directory)
 
 
 def _save(host, directory: str) -> None:
@@ -209,17 +232,18 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = 
     runtime.configure(threads=cfg.cluster.threads)
     run_dir = Path(run_dir)
     start_iteration, state = 0, None
+    metrics_path = run_dir / "metrics.jsonl"
     if resume:
         state = checkpoints.latest(run_dir)
-        if state is None:
-            raise RollplexError(f"--resume: {run_dir} has no complete checkpoint to resume from")
-    elif (run_dir / "metrics.jsonl").exists():
+        if state is None:  # killed before the first checkpoint: nothing to keep, start again
+            log(f"--resume: {run_dir} has no complete checkpoint yet; starting the run from the beginning")
+            metrics_path.unlink(missing_ok=True)
+    elif metrics_path.exists():
         raise RollplexError(f"{run_dir} already holds a run; pass --resume to continue it or pick another --out")
     session = Session(cfg, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / "config.yaml", dump_config(cfg))
     atomic_write_text(run_dir / "graph.txt", str(session.graph) + "\n")
-    metrics_path = run_dir / "metrics.jsonl"
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     if state is not None:
@@ -242,6 +266,8 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = 
             executor.call(_load, str(state.directory))
         elif cfg.warmup.steps:
             _run_warmup(cfg, session, executor, metrics_path, log)
+            checkpoints.save(run_dir, -1, lambda d: executor.call(_save, d), loader=session.loader.state_dict(),
+                             keep_last=cfg.checkpoint.keep_last, reward=None)
         bar = tqdm(range(start_iteration, cfg.iterations), disable=not progress, desc="grpo", unit="it",
                    initial=start_iteration, total=cfg.iterations)
         iteration_seconds = []
@@ -267,17 +293,19 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = 
                 checkpoints.save(run_dir, iteration, lambda d: executor.call(_save, d),
                                  loader=session.loader.state_dict(), keep_last=cfg.checkpoint.keep_last,
                                  reward=metrics["reward_mean"])
-            if cfg.stop_at_reward is not None and len(rewards) >= 5 and \
-                    sum(rewards[-5:]) / 5 >= cfg.stop_at_reward:
+            moving = sum(rewards[-MOVING_WINDOW:]) / len(rewards[-MOVING_WINDOW:])
+            if cfg.stop_at_reward is not None and len(rewards) >= MOVING_WINDOW and moving >= cfg.stop_at_reward:
                 if not checkpoints.due(iteration, cfg):
                     checkpoints.save(run_dir, iteration, lambda d: executor.call(_save, d),
                                      loader=session.loader.state_dict(), keep_last=cfg.checkpoint.keep_last,
                                      reward=metrics["reward_mean"])
-                bar.write(f"moving reward {sum(rewards[-5:]) / 5:.3f} ≥ {cfg.stop_at_reward}: stopping")
+                bar.write(f"mean reward of the last {MOVING_WINDOW} iterations {moving:.3f} ≥ "
+                          f"{cfg.stop_at_reward}: stopping")
                 break
         bar.close()
     steady = iteration_seconds[2:] or iteration_seconds
-    return RunSummary(run_dir, len(rewards), rewards[-1] if rewards else float("nan"),
+    final = sum(rewards[-MOVING_WINDOW:]) / len(rewards[-MOVING_WINDOW:]) if rewards else float("nan")
+    return RunSummary(run_dir, len(rewards), final,
                       sum(steady) / max(len(steady), 1))
 
 
@@ -296,5 +324,12 @@ def _run_warmup(cfg: RunConfig, session: Session, executor, metrics_path: Path, 
         row: dict[str, Any] = {"iteration": -cfg.warmup.steps + step, "phase": "warmup", "warmup_step": step,
                                "warmup_loss": loss, "iter_seconds": round(time.time() - t, 4)}
         append_line(metrics_path, json.dumps(row, sort_keys=True))
+    executor.call(_end_warmup)
     executor.call(_sync_decode, stream="decode")
-    log(f"warm-up done: loss {loss:.3f}")
+    target = session.run_dir / "reference"
+    staging = session.run_dir / ".reference-tmp"
+    shutil.rmtree(staging, ignore_errors=True)
+    executor.call(_adopt_reference, str(staging))
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(staging, target)
+    log(f"warm-up done: loss {loss:.3f}; the reference model is now the warmed-up policy")

@@ -61,8 +61,10 @@ def _serial_barriers(graph: IterationGraph) -> None:
             phase_of[kind] = i
     by_phase: dict[int, list[str]] = {}
     for node in graph:
-        phase = phase_of.get(node.kind, len(SERIAL_PHASES) - 1)
-        by_phase.setdefault(phase, []).append(node.name)
+        # Kinds outside SERIAL_PHASES (offload, prefetch, plugins) sit between phases wherever their
+        # data puts them; a barrier on them (e.g. a prefetch feeding a suffix_score) would be a cycle.
+        if node.kind in phase_of:
+            by_phase.setdefault(phase_of[node.kind], []).append(node.name)
     phases = [by_phase[k] for k in sorted(by_phase)]
     for before, after in zip(phases, phases[1:]):
         # Only the last nodes of a phase need an edge: everything else precedes them already.

@@ -47,7 +47,7 @@ class HostSpec:
     """Everything a worker needs to build its engines. Small and picklable."""
 
     model_path: str
-    init_model_path: str  # frozen copies (the reference) always load the initial weights
+    reference_path: str  # frozen copies of the policy (the reference) load the policy as RL began
     device: str
     dtype: str
     threads: int
@@ -79,7 +79,7 @@ class WorkerHost:
         self.reward_fn = self.algorithm.reward_fn.fn if self.algorithm.reward_fn else get_reward(spec.reward)
         from transformers import AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(spec.init_model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(spec.model_path)
 
         def build(engine: str, role: str, path: str, options: dict):
             ctx = EngineContext(path, self.device, dtype, spec.settings.seed, options)
@@ -89,7 +89,7 @@ class WorkerHost:
         for model in spec.trainable:
             self.engines[model] = build(spec.train_engine, "train", spec.model_path, spec.train_options)
         for model in spec.frozen:
-            self.engines[model] = build(spec.score_engine, "score", spec.init_model_path, {})
+            self.engines[model] = build(spec.score_engine, "score", spec.reference_path, {})
         self.decode = build(spec.decode_engine, "decode", spec.model_path, spec.decode_options)
         self.streams = self._make_streams()
         self.events: list[dict] = []

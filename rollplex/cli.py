@@ -35,7 +35,7 @@ def cmd_train(args) -> int:
     cfg = _config_from(args)
     out = Path(args.out or f"runs/{cfg.algorithm.replace('/', '_').removesuffix('.py')}-seed{cfg.seed}")
     summary = train(cfg, out, resume=args.resume, progress=not args.no_progress)
-    print(f"done: {summary.iterations} iterations, final reward {summary.final_reward:.3f}, "
+    print(f"done: {summary.iterations} iterations, mean reward of the last 10 {summary.final_reward:.3f}, "
           f"{summary.seconds_per_iteration:.3f} s/iteration → {summary.run_dir}")
     return 0
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -42,7 +44,7 @@ class ModelConfig:
 class TaskConfig:
     name: str = f("synthetic", choices=("synthetic",), doc="prompt source")
     kinds: list = f(["colour"], doc="synthetic question kinds: colour, shape, count")
-    image_size: int = f(56, lo=28, hi=1024, doc="synthetic image side in pixels (multiple of 28)")
+    image_size: int = f(112, lo=28, hi=1024, doc="synthetic image side in pixels (multiple of 28): 16 vision tokens")
     size: int = f(512, lo=1, doc="number of distinct synthetic items")
     reward: str = f("exact_match", doc="reward function name")
 
@@ -59,7 +61,7 @@ class RolloutConfig:
 
 @dataclass
 class TrainConfig:
-    lr: float = f(2e-3, lo=0.0, hi=1.0, doc="AdamW learning rate")
+    lr: float = f(1e-3, lo=0.0, hi=1.0, doc="AdamW learning rate")
     betas: list = f([0.9, 0.999], doc="AdamW betas")
     eps: float = f(1e-8, lo=0.0, hi=1.0)
     weight_decay: float = f(0.0, lo=0.0, hi=1.0)
@@ -104,11 +106,12 @@ class CheckpointConfig:
 @dataclass
 class RunConfig:
     seed: int = f(0, lo=0, hi=2**31 - 1, doc="run seed: data order, sampling, init")
-    iterations: int = f(120, lo=0, hi=10**9, doc="RL iterations")
+    iterations: int = f(300, lo=0, hi=10**9, doc="RL iterations (at most; see stop_at_reward)")
     schedule: str = f("rollplex", choices=("serial", "rollplex"), doc="iteration schedule policy")
     algorithm: str = f("grpo", doc="a dags/ name (grpo) or a path to a DAG .py file")
     params: dict = f({}, doc="algorithm hyperparameter overrides, e.g. {kl_coef: 0.0}")
-    stop_at_reward: float | None = f(None, lo=0.0, hi=1.0, doc="stop early once the moving reward reaches this")
+    stop_at_reward: float | None = f(0.9, lo=0.0, hi=1.0,
+                                     doc="stop once the mean reward of the last 10 iterations reaches this (null: never)")
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -123,6 +126,19 @@ class RunConfig:
 
 
 # ------------------------------------------------------------------------------------------------
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 reads ``1e-4`` (no dot) as a string; here it is a float, as in YAML 1.2 and Python."""
+
+
+class _Dumper(yaml.SafeDumper):
+    """Quotes strings such as ``"1e-4"`` so that they load back as strings."""
+
+
+_EXP_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9]+$")
+for _cls in (_Loader, _Dumper):
+    _cls.add_implicit_resolver("tag:yaml.org,2002:float", _EXP_FLOAT, list("-+0123456789."))
+
+
 def _suggest(name: str, known: list[str]) -> str:
     close = difflib.get_close_matches(name, known, n=1)
     return f"; did you mean {close[0]!r}?" if close else f"; known fields: {', '.join(known)}"
@@ -144,7 +160,13 @@ def _check_type(path: str, value: Any, annotation: Any) -> Any:
             return value
     elif annotation is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            try:
+                number = float(value)
+            except OverflowError:
+                raise ConfigError(f"{path}: an integer this large does not fit a float") from None
+            if math.isnan(number):
+                raise ConfigError(f"{path}: expected a number, got nan")
+            return number
     elif annotation is str:
         if isinstance(value, str):
             return value
@@ -162,12 +184,14 @@ def _check_type(path: str, value: Any, annotation: Any) -> Any:
 
 def _build(cls: type, data: Any, prefix: str) -> Any:
     if not isinstance(data, dict):
-        raise ConfigError(f"{prefix or 'config'}: expected a mapping of fields, got {type(data).__name__}")
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of fields, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
     fields = {fl.name: fl for fl in dataclasses.fields(cls)}
     for key in data:
         if key not in fields:
-            raise ConfigError(f"unknown field {prefix}{key!s}{_suggest(str(key), list(fields))}")
+            shown = f"{prefix}{key}"
+            shown = shown if shown.isprintable() else repr(shown)  # one line, whatever the key holds
+            raise ConfigError(f"unknown field {shown}{_suggest(str(key), list(fields))}")
     kwargs = {}
     for name, fl in fields.items():
         path = f"{prefix}{name}"
@@ -197,8 +221,8 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
     if not key.strip():
         raise ConfigError(f"--set {item!r}: empty key")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
+        value = yaml.load(raw, Loader=_Loader) if raw.strip() else ""
+    except (yaml.YAMLError, ValueError, RecursionError):  # ValueError: e.g. 2001-13-01 looks like a date
         value = raw
     return key.strip().split("."), value
 
@@ -223,7 +247,13 @@ def read_yaml(path: str | Path) -> dict:
     if not p.exists():
         raise ConfigError(f"config file {p} does not exist")
     try:
-        data = yaml.safe_load(p.read_text())
+        text = p.read_text(encoding="utf-8")  # dump_config's files are written as UTF-8
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {p} cannot be read: {exc}") from None
+    try:
+        data = yaml.load(text, Loader=_Loader)
+    except (ValueError, RecursionError) as exc:  # a constructor failed, e.g. the date 2001-13-01
+        raise ConfigError(f"{p}: malformed YAML: {exc or type(exc).__name__}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -262,7 +292,7 @@ def validate(cfg: RunConfig) -> None:
 
 
 def dump_config(cfg: RunConfig) -> str:
-    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    return yaml.dump(cfg.to_dict(), Dumper=_Dumper, sort_keys=False)
 
 
 def describe_fields(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, str, str]]:

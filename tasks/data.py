@@ -24,13 +24,13 @@ if TYPE_CHECKING:
     from rollplex.tasks.lm import PromptInputs
 
 # Six colours far apart in RGB and from the light-grey background, so one pixel names its colour.
+# Four far-apart hues. With orange and purple as well, a frozen random ViT left red/orange/yellow
+# confusable and GRPO on the tiny model plateaued near 0.6 reward; with these four it passes 0.9.
 COLOURS: dict[str, tuple[int, int, int]] = {
     "red": (220, 20, 20),
     "green": (20, 160, 20),
     "blue": (20, 40, 220),
     "yellow": (240, 210, 0),
-    "purple": (130, 30, 170),
-    "orange": (250, 130, 0),
 }
 SHAPES = ("circle", "square", "triangle")
 COUNT_WORDS = ("one", "two", "three", "four")

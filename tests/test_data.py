@@ -89,10 +89,12 @@ def test_kinds_alternate_and_answers_cover_the_vocabulary():
 
 
 def test_chance_is_the_mean_over_items_of_one_over_vocabulary():
-    assert SyntheticVisualTask().chance == pytest.approx(1 / 6)
-    assert ALL.chance == pytest.approx((1 / 6 + 1 / 3 + 1 / 4) / 3)
+    colours = len(SyntheticVisualTask.answers("colour"))
+    assert SyntheticVisualTask().chance == pytest.approx(1 / colours)
+    per_kind = [len(range(j, ALL.size, 3)) for j in range(3)]  # items cycle colour, shape, count
+    assert ALL.chance == pytest.approx(sum(n / a for n, a in zip(per_kind, (colours, 3, 4))) / ALL.size)
     odd = SyntheticVisualTask(kinds=("colour", "shape"), size=3)  # two colour items, one shape item
-    assert odd.chance == pytest.approx((2 / 6 + 1 / 3) / 3)
+    assert odd.chance == pytest.approx((2 / colours + 1 / 3) / 3)
 
 
 def test_colour_answer_is_the_colour_of_every_shape_pixel():
