@@ -98,6 +98,7 @@ class Algorithm:
         self.reward_fn: FunctionDecl | None = None
         self.advantage_fn: FunctionDecl | None = None
         self.loss_fn: FunctionDecl | None = None
+        self.custom: list[FunctionDecl] = []
 
     # -- models --------------------------------------------------------------------------------
     def policy(self, name: str = "actor", path: str | None = None) -> str:
@@ -154,6 +155,29 @@ class Algorithm:
 
         return register(fn) if fn is not None else register
 
+    def node(self, fn: Callable[..., Any] | None = None, *, writes: str, per: str = "prompt",
+             kind: str = "custom", model: str | None = None):
+        """A node of your own: ``fn``'s parameters name the values it reads, ``writes`` the value it
+        makes. per="prompt": one node per prompt group, each value is that group's (e.g. ``rewards``
+        is a [G] tensor); per="batch": one node, each value is a list over the groups. Any later
+        function (advantage, loss, another node) can read ``writes`` by name. ``kind`` defaults to the
+        builtin host kind "custom"; a registered kind with its own task and engine works the same."""
+        if per not in ("prompt", "batch"):
+            raise GraphError(f"node {writes!r}: per={per!r} is not 'prompt' or 'batch'")
+
+        def register(f: Callable[..., Any]) -> Callable[..., Any]:
+            if writes in self.produced_values():
+                raise GraphError(f"{self.name}: value {writes!r} is produced twice")
+            self.custom.append(FunctionDecl.of(f, writes=writes, per=per, kind=kind, model=model))
+            return f
+
+        return register(fn) if fn is not None else register
+
+    def produced_values(self) -> set[str]:
+        """Per-group values functions can read by name."""
+        return (set(self.scored_values()) | {"responses", "rewards", "advantages", "mask"}
+                | {c.options["writes"] for c in self.custom})
+
     # -- checks ----------------------------------------------------------------------------------
     @property
     def trainable(self) -> list[str]:
@@ -193,14 +217,15 @@ class Algorithm:
             raise GraphError(f"{where}: no @advantage function")
         if self.loss_fn is None:
             raise GraphError(f"{where}: no @loss function")
-        readable = set(self.scored_values()) | {"advantages", "mask", "rewards"}
-        unknown = [r for r in self.loss_fn.reads if r not in readable]
-        if unknown:
-            raise GraphError(f"{where}: loss() reads {unknown}, which nothing produces; "
-                             f"it can read {sorted(readable)}")
-        unknown = [r for r in self.advantage_fn.reads if r not in {"rewards", "mask"}]
-        if unknown:
-            raise GraphError(f"{where}: advantage() reads {unknown}; it can read ['mask', 'rewards']")
+        readable = self.produced_values()
+        for decl, what in ((self.loss_fn, "loss"), (self.advantage_fn, "advantage"),
+                           *((c, f"node {c.options['writes']!r}") for c in self.custom)):
+            unknown = [r for r in decl.reads if r not in readable]
+            if unknown:
+                raise GraphError(f"{where}: {what} function {decl.name}() reads {unknown}, which nothing "
+                                 f"produces; it can read {sorted(readable)}")
+        if "advantages" in self.advantage_fn.reads:
+            raise GraphError(f"{where}: advantage() cannot read its own output 'advantages'")
         return self
 
     def hyperparameters(self) -> dict[str, Any]:

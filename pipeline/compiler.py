@@ -171,25 +171,56 @@ def compile_iteration(
     for p in range(P):
         add(f"reward_p{p}", "reward", [f"prompt_p{p}", f"responses_p{p}"], [f"rewards_p{p}"],
             args={"prompt": p}, **{f"rewards_p{p}": host(G * 4, "scalars")})
-    if alg.advantage_fn.options["scope"] == "group":
-        for p in range(P):
-            add(f"advantage_p{p}", "advantage", [f"rewards_p{p}", f"responses_p{p}"], [f"advantages_p{p}"],
-                args={"prompts": [p]}, **{f"advantages_p{p}": host(G * 4, "scalars")})
-        adv_of = lambda p: f"advantages_p{p}"  # noqa: E731
-    else:
-        add("advantage", "advantage", [f"rewards_p{p}" for p in range(P)] + [f"responses_p{p}" for p in range(P)],
-            ["advantages"], args={"prompts": list(range(P))}, advantages=host(P * G * 4, "scalars"))
-        adv_of = lambda p: "advantages"  # noqa: E731
 
-    scored = alg.scored_values()
+    # Functions (custom nodes, advantage, loss) read values by name; `bind` maps each parameter to
+    # the graph value holding it for each prompt group, with the group index where that value is
+    # batch-level (one value for all groups).
+    group_scope = alg.advantage_fn.options["scope"] == "group"
+    batch_level = {c.options["writes"] for c in alg.custom if c.options["per"] == "batch"}
+    if not group_scope:
+        batch_level.add("advantages")
+
+    def value_of(name: str, p: int) -> tuple[str, int | None]:
+        if name in ("responses", "mask"):
+            return f"responses_p{p}", None
+        if name in batch_level:
+            return name, p
+        return f"{name}_p{p}", None
+
+    def bind(reads, groups) -> tuple[dict, list[str]]:
+        binding = {r: [value_of(r, p) for p in groups] for r in reads}
+        inputs = list(dict.fromkeys(v for pairs in binding.values() for v, _ in pairs))
+        return binding, inputs
+
+    for decl in alg.custom:
+        writes, kind = decl.options["writes"], decl.options["kind"]
+        groups_list = [[p] for p in range(P)] if decl.options["per"] == "prompt" else [list(range(P))]
+        for groups in groups_list:
+            binding, inputs = bind(decl.reads, groups)
+            out = f"{writes}_p{groups[0]}" if decl.options["per"] == "prompt" else writes
+            name = f"{decl.name}_p{groups[0]}" if decl.options["per"] == "prompt" else decl.name
+            add(name, kind, inputs, [out], model=decl.options["model"],
+                args={"prompts": groups, "bind": binding, "function": decl.name},
+                **{out: host(G * len(groups) * 64, "custom")})
+
+    adv_reads = tuple(dict.fromkeys(("rewards", "responses", *alg.advantage_fn.reads)))
+    if group_scope:
+        for p in range(P):
+            binding, inputs = bind(adv_reads, [p])
+            add(f"advantage_p{p}", "advantage", inputs, [f"advantages_p{p}"],
+                args={"prompts": [p], "bind": binding}, **{f"advantages_p{p}": host(G * 4, "scalars")})
+    else:
+        binding, inputs = bind(adv_reads, range(P))
+        add("advantage", "advantage", inputs, ["advantages"], args={"prompts": list(range(P)), "bind": binding},
+            advantages=host(P * G * 4, "scalars"))
+
+    loss_reads = tuple(dict.fromkeys(("responses", "rewards", "advantages", *alg.scored_values(),
+                                      *alg.loss_fn.reads)))
     loss_outputs = []
     for m, groups in enumerate(shape.micro_batches()):
-        inputs = ["rollout_stats"]
-        for p in groups:
-            inputs += [f"{v}_p{p}" for v in scored] + [adv_of(p), f"responses_p{p}", f"rewards_p{p}"]
-        inputs = list(dict.fromkeys(inputs))
-        add(f"loss_m{m}", "loss", inputs, [f"loss_m{m}"], model=policy, args={"prompts": list(groups)},
-            **{f"loss_m{m}": host(64, "scalars")})
+        binding, inputs = bind(loss_reads, groups)
+        add(f"loss_m{m}", "loss", ["rollout_stats", *inputs], [f"loss_m{m}"], model=policy,
+            args={"prompts": list(groups), "bind": binding}, **{f"loss_m{m}": host(64, "scalars")})
         loss_outputs.append(f"loss_m{m}")
     add("optimizer_step", "optimizer_step", loss_outputs, ["step"], model=policy, step=host(64, "scalars"))
     add("weight_sync", "weight_sync", ["step"], ["synced"], model=policy,
@@ -197,7 +228,7 @@ def compile_iteration(
 
     report_inputs = ["rollout_stats", "step", "synced", *loss_outputs]
     for p in range(P):
-        report_inputs += [f"prompt_p{p}", f"responses_p{p}", f"rewards_p{p}", adv_of(p)]
+        report_inputs += [f"prompt_p{p}", f"responses_p{p}", f"rewards_p{p}", value_of("advantages", p)[0]]
         for s in alg.scores:
             report_inputs.append(f"old_{s.as_}_p{p}" if s.grad else f"{s.as_}_p{p}")
     add("report", "report", list(dict.fromkeys(report_inputs)), ["report"], report=host(P * G * 256, "records"))

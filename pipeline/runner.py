@@ -127,6 +127,16 @@ class Session:
         self.graph = schedule(compile_iteration(self.algorithm, shape, choice, dims), cfg.schedule)
         self.tokenizer = self.processor.tokenizer
 
+    def checkpoint(self, executor, iteration: int, reward: float | None) -> Path:
+        """The actor and optimizer (from the worker) plus the processor files, so that the
+        checkpoint directory loads as is in transformers and vLLM."""
+        def write(directory: str) -> None:
+            executor.call(_save, directory)
+            self.processor.save_pretrained(directory)
+
+        return checkpoints.save(self.run_dir, iteration, write, loader=self.loader.state_dict(),
+                                keep_last=self.cfg.checkpoint.keep_last, reward=reward)
+
     def host_spec(self):
         from rollplex.pipeline.worker import HostSpec, IterationSettings
 
@@ -266,8 +276,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = 
             executor.call(_load, str(state.directory))
         elif cfg.warmup.steps:
             _run_warmup(cfg, session, executor, metrics_path, log)
-            checkpoints.save(run_dir, -1, lambda d: executor.call(_save, d), loader=session.loader.state_dict(),
-                             keep_last=cfg.checkpoint.keep_last, reward=None)
+            session.checkpoint(executor, -1, reward=None)
         bar = tqdm(range(start_iteration, cfg.iterations), disable=not progress, desc="grpo", unit="it",
                    initial=start_iteration, total=cfg.iterations)
         iteration_seconds = []
@@ -290,15 +299,11 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = 
                     f"len {metrics['response_len_mean']:.1f}  {result.seconds:.2f}s")
             bar.write(line) if progress else log(line)
             if checkpoints.due(iteration, cfg):
-                checkpoints.save(run_dir, iteration, lambda d: executor.call(_save, d),
-                                 loader=session.loader.state_dict(), keep_last=cfg.checkpoint.keep_last,
-                                 reward=metrics["reward_mean"])
+                session.checkpoint(executor, iteration, reward=metrics["reward_mean"])
             moving = sum(rewards[-MOVING_WINDOW:]) / len(rewards[-MOVING_WINDOW:])
             if cfg.stop_at_reward is not None and len(rewards) >= MOVING_WINDOW and moving >= cfg.stop_at_reward:
                 if not checkpoints.due(iteration, cfg):
-                    checkpoints.save(run_dir, iteration, lambda d: executor.call(_save, d),
-                                     loader=session.loader.state_dict(), keep_last=cfg.checkpoint.keep_last,
-                                     reward=metrics["reward_mean"])
+                    session.checkpoint(executor, iteration, reward=metrics["reward_mean"])
                 bar.write(f"mean reward of the last {MOVING_WINDOW} iterations {moving:.3f} ≥ "
                           f"{cfg.stop_at_reward}: stopping")
                 break

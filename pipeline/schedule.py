@@ -24,7 +24,7 @@ POLICIES = ("serial", "rollplex")
 
 SERIAL_PHASES = (
     ("vit_encode", "decode_chunk"),
-    ("prefix", "suffix_score", "reward", "advantage"),
+    ("prefix", "suffix_score", "reward", "custom", "advantage"),
     ("loss", "optimizer_step"),
     ("weight_sync", "report"),
 )

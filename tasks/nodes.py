@@ -132,23 +132,55 @@ def reward(ctx, node, inputs):
     return {node.outputs[0]: torch.tensor(scores, dtype=torch.float32)}
 
 
-@register_task("advantage")
-def advantage(ctx, node, inputs):
-    decl = ctx.algorithm.advantage_fn
-    prompts = node.args["prompts"]
-    rewards = [inputs[f"rewards_p{p}"] for p in prompts]
-    masks = [inputs[f"responses_p{p}"].mask() for p in prompts]
-    if decl.options["scope"] == "group":
-        adv = decl.call({"rewards": rewards[0], "mask": masks[0]}, ctx.params)
-        return {node.outputs[0]: torch.as_tensor(adv, dtype=torch.float32).detach()}
-    width = max(m.shape[1] for m in masks)
-    mask = torch.stack([torch.nn.functional.pad(m, (0, width - m.shape[1])) for m in masks])
-    adv = torch.as_tensor(decl.call({"rewards": torch.stack(rewards), "mask": mask}, ctx.params))
-    return {node.outputs[0]: {p: adv[i].detach().float() for i, p in enumerate(prompts)}}
+def bound_values(inputs: dict[str, Any], binding: dict) -> dict[str, list]:
+    """Each function parameter's value for each prompt group of the node (see compiler ``bind``)."""
+    out = {}
+    for param, pairs in binding.items():
+        values = []
+        for value_name, group in pairs:
+            value = inputs[value_name]
+            if group is not None:  # a batch-level value, indexed by prompt group
+                value = value[group]
+            values.append(value.mask() if param == "mask" else value)
+        out[param] = values
+    return out
 
 
 def _pad_to(t: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, width - t.shape[-1]))
+
+
+def join_groups(values: list, how: str) -> Any:
+    """Tensors of several groups as one: ``cat`` along responses or ``stack`` per group; 2-D
+    per-token tensors are right-padded to a common length first. Other values stay a list."""
+    if not all(torch.is_tensor(v) for v in values):
+        return values
+    if values[0].dim() >= 2:
+        width = max(v.shape[-1] for v in values)
+        values = [_pad_to(v, width) for v in values]
+    return torch.cat(values) if how == "cat" else torch.stack(values)
+
+
+@register_task("custom")
+def custom(ctx, node, inputs):
+    decl = next(c for c in ctx.algorithm.custom if c.name == node.args["function"])
+    values = bound_values(inputs, node.args["bind"])
+    if decl.options["per"] == "prompt":
+        args = {k: v[0] for k, v in values.items()}
+    else:
+        args = values
+    return {node.outputs[0]: decl.call(args, ctx.params)}
+
+
+@register_task("advantage")
+def advantage(ctx, node, inputs):
+    decl = ctx.algorithm.advantage_fn
+    values = bound_values(inputs, node.args["bind"])
+    if decl.options["scope"] == "group":
+        adv = decl.call({k: v[0] for k, v in values.items()}, ctx.params)
+        return {node.outputs[0]: torch.as_tensor(adv, dtype=torch.float32).detach()}
+    adv = torch.as_tensor(decl.call({k: join_groups(v, "stack") for k, v in values.items()}, ctx.params))
+    return {node.outputs[0]: {p: adv[i].detach().float() for i, p in enumerate(node.args["prompts"])}}
 
 
 @register_task("loss")
@@ -159,24 +191,14 @@ def loss(ctx, node, inputs):
     responses, so the M micro-batch backwards add up to exactly the full-batch gradient.
     """
     alg, engine = ctx.algorithm, ctx.train_engine(node.model)
-    prompts = node.args["prompts"]
     stats = inputs["rollout_stats"]
-    groups = [inputs[f"responses_p{p}"] for p in prompts]
-    width = max(max((len(t) for t in r.token_ids), default=1) for r in groups)
-    device = engine.device
-    values: dict[str, Any] = {"mask": torch.cat([_pad_to(r.mask(), width) for r in groups]).to(device)}
-    for name in alg.scored_values():
-        values[name] = torch.cat([_pad_to(inputs[f"{name}_p{p}"], width).to(device) for p in prompts])
-    adv = []
-    for p in prompts:
-        a = inputs[f"advantages_p{p}"] if f"advantages_p{p}" in inputs else inputs["advantages"][p]
-        adv.append(a)
-    values["advantages"] = torch.cat(adv).to(device)
-    values["rewards"] = torch.cat([inputs[f"rewards_p{p}"] for p in prompts]).to(device)
-
+    bound = bound_values(inputs, node.args["bind"])
+    values = {k: join_groups(v, "cat") for k, v in bound.items()}
+    values["mask"] = join_groups([r.mask() for r in bound["responses"]], "cat")
+    values = {k: v.to(engine.device) if torch.is_tensor(v) else v for k, v in values.items()}
+    mask = values["mask"]
     result = alg.loss_fn.call(values, ctx.params)
     per_token, metrics = result if isinstance(result, tuple) else (result, {})
-    mask = values["mask"]
     agg = alg.loss_fn.options["agg"]
     if agg == "token-mean":
         contribution = (per_token * mask).sum() / max(stats["tokens"], 1)

@@ -1,0 +1,90 @@
+"""Prefix once + G suffixes on its KV must equal G full-sequence forwards: values and gradients."""
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image
+
+from rollplex.tasks import lm
+
+
+@pytest.fixture(scope="module")
+def model_and_prompt(tiny_model_dir):
+    from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
+
+    processor = AutoProcessor.from_pretrained(tiny_model_dir)
+    torch.manual_seed(0)
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_model_dir)
+    for name, p in model.named_parameters():
+        p.requires_grad_("visual" not in name)
+    image = Image.new("RGB", (112, 84), (200, 30, 30))
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is it?"}]}]
+    enc = processor(text=[processor.apply_chat_template(messages, add_generation_prompt=True)], images=[image],
+                    return_tensors="pt")
+    prompt = lm.PromptInputs("p0", enc["input_ids"][0], enc["pixel_values"], enc["image_grid_thw"])
+    return model, prompt
+
+
+RESPONSES = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14], [15]]
+
+
+def _plain_hf_logprobs(model, prompt, responses):
+    """One transformers forward per response over prompt + response, the way a serial runtime scores."""
+    rows = []
+    for r in responses:
+        ids = torch.cat([prompt.input_ids, torch.tensor(r)]).view(1, -1)
+        out = model(input_ids=ids, pixel_values=prompt.pixel_values, image_grid_thw=prompt.image_grid_thw,
+                    mm_token_type_ids=lm.mm_token_types(ids, model.config))
+        logp = torch.log_softmax(out.logits[0, prompt.num_tokens - 1:-1].float(), -1)
+        rows.append(logp.gather(-1, torch.tensor(r).view(-1, 1)).view(-1))
+    return rows
+
+
+def test_prefix_plus_suffix_logprobs_equal_full_sequences(model_and_prompt):
+    model, prompt = model_and_prompt
+    with torch.no_grad():
+        vis = lm.vision_embeds(model, prompt)
+        state = lm.prefix_forward(model, prompt, vis, grad=False)
+        shared, mask = lm.suffix_logprobs(model, state, RESPONSES, pad_id=0, grad=False)
+        plain = _plain_hf_logprobs(model, prompt, RESPONSES)
+        full, _ = lm.full_sequence_logprobs(model, prompt, RESPONSES, pad_id=0, vis=vis)
+    for i, r in enumerate(RESPONSES):
+        assert torch.allclose(shared[i, : len(r)], plain[i], atol=1e-5, rtol=0)
+        assert torch.allclose(full[i, : len(r)], plain[i], atol=1e-5, rtol=0)
+        assert mask[i].sum() == len(r)
+
+
+def test_first_token_is_scored_from_the_prefix_last_logits(model_and_prompt):
+    model, prompt = model_and_prompt
+    with torch.no_grad():
+        state = lm.prefix_forward(model, prompt, lm.vision_embeds(model, prompt), grad=False)
+        logp, _ = lm.suffix_logprobs(model, state, [[7], [9, 3]], pad_id=0, grad=False)
+    expected = torch.log_softmax(state.last_logits, -1)
+    assert logp[0, 0] == expected[7] and logp[1, 0] == expected[9]
+
+
+def test_prefix_plus_suffix_gradient_equals_full_sequence_gradient(model_and_prompt):
+    """One backward through the shared prefix (its KV used by G suffixes) = the sum over G full
+    sequences, for every trainable parameter."""
+    model, prompt = model_and_prompt
+    weights = torch.linspace(0.5, 1.5, steps=sum(len(r) for r in RESPONSES))
+
+    def weighted(rows):
+        flat = torch.cat(rows)
+        return (flat * weights).sum()
+
+    model.zero_grad()
+    vis = lm.vision_embeds(model, prompt)
+    state = lm.prefix_forward(model, prompt, vis, grad=True)
+    shared, _ = lm.suffix_logprobs(model, state, RESPONSES, pad_id=0, grad=True)
+    weighted([shared[i, : len(r)] for i, r in enumerate(RESPONSES)]).backward()
+    grads_shared = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    model.zero_grad()
+    weighted(_plain_hf_logprobs(model, prompt, RESPONSES)).backward()
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        scale = p.grad.abs().max().clamp(min=1e-8)
+        assert float((grads_shared[name] - p.grad).abs().max() / scale) < 1e-4, name
+    model.zero_grad()
