@@ -24,11 +24,13 @@ def builtin_algorithms() -> list[str]:
 
 def _pick(module, where: str) -> Algorithm:
     found = getattr(module, "algorithm", None)
-    if isinstance(found, Algorithm):
-        return found.validate()
-    candidates = [v for v in vars(module).values() if isinstance(v, Algorithm)]
+    candidates = [found] if isinstance(found, Algorithm) else [v for v in vars(module).values()
+                                                                if isinstance(v, Algorithm)]
     if len(candidates) == 1:
-        return candidates[0].validate()
+        try:
+            return candidates[0].validate()
+        except GraphError as exc:
+            raise GraphError(f"{where}: {exc}") from None
     if not candidates:
         raise GraphError(f"{where} defines no Algorithm; create one with rollplex.Algorithm(...)")
     raise GraphError(f"{where} defines {len(candidates)} Algorithms; bind the one to run to `algorithm`")
@@ -53,6 +55,9 @@ def load_algorithm(ref: str) -> Algorithm:
         except SyntaxError as exc:
             sys.modules.pop(name, None)
             raise GraphError(f"{path}:{exc.lineno}: syntax error: {exc.msg}") from None
+        except Exception as exc:  # noqa: BLE001 - user code: report it as one line naming the file
+            sys.modules.pop(name, None)
+            raise GraphError(f"{path}: importing the DAG file failed: {type(exc).__name__}: {exc}") from None
         return _pick(module, str(path))
     known = builtin_algorithms()
     if ref not in known:

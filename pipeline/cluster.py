@@ -32,7 +32,7 @@ class RollplexPlugin(WorkerPlugin):
         from rollplex import runtime
         from rollplex.pipeline.worker import install_host
 
-        runtime.configure(threads=self.spec.threads)
+        runtime.configure(threads=self.spec.threads, device=self.spec.device)
         install_host(self.spec, name=worker.name if isinstance(worker.name, str) else f"worker{worker.name}")
 
     def teardown(self, worker) -> None:
@@ -66,7 +66,7 @@ def connect(address: str | None, workers: int, threads: int, processes: bool = T
         host="127.0.0.1",
         dashboard_address=":8787" if dashboard else None,
         env={"OMP_NUM_THREADS": str(threads)} if processes else None,
-        silence_logs=logging.WARNING,
+        silence_logs=logging.ERROR,
     )
     client = Client(cluster)
     try:

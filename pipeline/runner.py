@@ -47,9 +47,21 @@ def resolve_engines(cfg: RunConfig, device: str) -> tuple[str, str, str]:
     if train == "auto":
         train = "deepspeed" if get_engine("deepspeed").installed() else "torch"
     for name, role in ((decode, "decode"), (train, "train"), (cfg.engines.score, "score")):
-        spec = get_engine(name, role)
+        try:
+            spec = get_engine(name, role)
+        except EngineError as exc:
+            raise EngineError(f"engines.{role}: {exc}") from None
         if not spec.installed():
-            raise EngineError(f"engine {name!r} ({role}) is not installed: missing {', '.join(spec.missing())}")
+            raise EngineError(f"engines.{role}: engine {name!r} is not installed "
+                              f"(missing {', '.join(spec.missing())})")
+    for kind, name in cfg.engines.overrides.items():
+        from rollplex.pipeline.ir import get_kind
+
+        try:
+            role = get_kind(kind).role
+            get_engine(name, role)
+        except RollplexError as exc:
+            raise EngineError(f"engines.overrides.{kind}: {exc}") from None
     return decode, train, cfg.engines.score
 
 
@@ -80,6 +92,9 @@ class Session:
 
     def __init__(self, cfg: RunConfig, run_dir: Path) -> None:
         from transformers import AutoConfig, AutoProcessor
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
 
         from rollplex.engines import base  # noqa: F401 - registers engines
         from rollplex.pipeline.algorithms import load_algorithm
@@ -239,7 +254,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = 
     from rollplex.pipeline.cluster import connect, install_engines
     from rollplex.pipeline.executor import DaskExecutor
 
-    runtime.configure(threads=cfg.cluster.threads)
+    runtime.configure(threads=cfg.cluster.threads, device=resolve_device(cfg))
     run_dir = Path(run_dir)
     start_iteration, state = 0, None
     metrics_path = run_dir / "metrics.jsonl"

@@ -78,6 +78,9 @@ class WorkerHost:
         self.algorithm = load_algorithm(spec.algorithm)
         self.reward_fn = self.algorithm.reward_fn.fn if self.algorithm.reward_fn else get_reward(spec.reward)
         from transformers import AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
 
         self.tokenizer = AutoTokenizer.from_pretrained(spec.model_path)
 

@@ -17,16 +17,19 @@ def _config_from(args) -> "object":
 
     overrides = list(args.set or [])
     config_path = getattr(args, "config", None)
+    dag_file = None
     if config_path and config_path.endswith(".py"):  # a DAG file instead of a config
-        overrides.insert(0, f"algorithm={config_path}")
-        config_path = None
+        dag_file, config_path = config_path, None
     for flag in ("schedule", "iterations", "seed"):
         value = getattr(args, flag, None)
         if value is not None:
             overrides.append(f"{flag}={value}")
     if getattr(args, "scheduler", None):
         overrides.append(f"cluster.scheduler={args.scheduler}")
-    return load_config(config_path, overrides)
+    cfg = load_config(config_path, overrides)
+    if dag_file is not None:
+        cfg.algorithm = dag_file  # a path, taken as is (not through YAML)
+    return cfg
 
 
 def cmd_train(args) -> int:

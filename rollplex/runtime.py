@@ -4,7 +4,9 @@ Everything here is a default (``setdefault``): a user's own environment wins.
 """
 from __future__ import annotations
 
+import logging
 import os
+import warnings
 from pathlib import Path
 
 
@@ -12,18 +14,35 @@ def cache_root() -> Path:
     return Path(os.environ.get("ROLLPLEX_CACHE", Path.home() / ".cache" / "rollplex"))
 
 
-def configure(threads: int | None = None) -> None:
+def configure(threads: int | None = None, device: str | None = None) -> None:
     root = cache_root()
     # vLLM in-process: faster to start, no spawn guard needed, and the engine object can live in a
     # Dask worker's memory. It replaces torch.set_num_threads with a no-op, so threads come from OMP.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CACHE_ROOT", str(root / "vllm"))
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(root / "torch_extensions"))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     os.environ.setdefault("OMP_DYNAMIC", "false")  # fixed team sizes keep CPU reductions reproducible
     if threads is not None:
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    if device == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed otherwise probes and warns
+    quiet()
+
+
+def quiet() -> None:
+    """Keep the console to Rollplex's own lines. vLLM warns on every decode step on CPU (its
+    set_num_threads shim), and transformers/DeepSpeed draw progress bars for tiny loads; errors
+    still show. ROLLPLEX_VERBOSE=1 keeps everything."""
+    if os.environ.get("ROLLPLEX_VERBOSE"):
+        return
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    os.environ.setdefault("DS_LOG_LEVEL", "error")
+    for name in ("distributed", "deepspeed", "DeepSpeed", "torch.distributed", "vllm"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    for category in (FutureWarning, DeprecationWarning, UserWarning):
+        warnings.filterwarnings("ignore", category=category, module=r"(vllm|torch|deepspeed|transformers)\b")

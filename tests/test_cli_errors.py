@@ -108,14 +108,59 @@ def broken_dag_run(tmp_path_factory) -> Result:
 
 
 def test_invalid_algorithm_names_the_value_nothing_produces(broken_dag_run):
-    line = assert_user_error(broken_dag_run, "loss()", "'values'", "broken")
+    line = assert_user_error(broken_dag_run, "policy_loss()", "'values'", "broken")
     assert "nothing produces" in line and "logprobs" in line  # and what it could read instead
 
 
-@pytest.mark.xfail(reason="pipeline/algorithms.py _pick(): Algorithm.validate() errors do not name the DAG file",
-                   strict=False)
 def test_invalid_algorithm_names_the_dag_file(broken_dag_run):
     assert_user_error(broken_dag_run, "broken.py")
+
+
+CYCLIC_DAG = '''\
+"""Two nodes of the user's own, each reading what the other writes: a cycle.
+
+    bonus_p ──writes bonus──▶ penalty_p
+       ▲                          │
+       └──────writes penalty──────┘
+"""
+from rollplex import Algorithm
+
+algorithm = Algorithm("cyclic")
+algorithm.policy("actor")
+algorithm.score("actor", as_="logprobs", grad=True)
+
+
+@algorithm.node(writes="bonus")
+def bonus(rewards, penalty):
+    return rewards - penalty
+
+
+@algorithm.node(writes="penalty")
+def penalty(bonus):
+    return 0.1 * bonus
+
+
+@algorithm.advantage(scope="group")
+def advantages(rewards, bonus):
+    return rewards + bonus
+
+
+@algorithm.loss(agg="token-mean")
+def policy_loss(logprobs, advantages):
+    return -(logprobs * advantages.unsqueeze(-1))
+'''
+
+
+def test_cyclic_user_dag_names_the_cycle_node_by_node(tmp_path):
+    (tmp_path / "cyclic.py").write_text(CYCLIC_DAG)
+    line = assert_user_error(rollplex(tmp_path, "graph", "cyclic.py", "--out", "graph.html"), "cycle")
+    assert "%bonus_p0" in line and "%penalty_p0" in line
+
+
+def test_dag_file_that_fails_to_import_is_one_line(tmp_path):
+    (tmp_path / "bad_import.py").write_text("import no_such_module_anywhere\n")
+    line = assert_user_error(rollplex(tmp_path, "graph", "bad_import.py", "--out", "g.html"), "bad_import.py")
+    assert "no_such_module_anywhere" in line
 
 
 # -- the same commands succeed on good input (so the checks above are not vacuous) ---------------------
