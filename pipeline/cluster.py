@@ -89,6 +89,14 @@ def _check_worker_resources(client) -> None:
                                 "--nthreads 2 --resources \"decode=1,compute=1\"")
 
 
+def uninstall_engines(client) -> None:
+    """Free the engines on a cluster that outlives the run (``--scheduler``)."""
+    try:
+        client.unregister_worker_plugin(PLUGIN_NAME)
+    except Exception:  # noqa: BLE001 - best effort at shutdown; the workers may be gone already
+        pass
+
+
 def install_engines(client, spec: HostSpec) -> None:
     """Register the plugin; it builds the engines on every worker and reports failures here."""
     results = client.register_plugin(RollplexPlugin(spec), name=PLUGIN_NAME)

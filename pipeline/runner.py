@@ -248,11 +248,9 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = 
     import random
 
     import torch
-    from tqdm import tqdm
 
     from rollplex import runtime
-    from rollplex.pipeline.cluster import connect, install_engines
-    from rollplex.pipeline.executor import DaskExecutor
+    from rollplex.pipeline.cluster import connect, install_engines, uninstall_engines
 
     runtime.configure(threads=cfg.cluster.threads, device=resolve_device(cfg))
     run_dir = Path(run_dir)
@@ -266,9 +264,6 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = 
     elif metrics_path.exists():
         raise RollplexError(f"{run_dir} already holds a run; pass --resume to continue it or pick another --out")
     session = Session(cfg, run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(run_dir / "config.yaml", dump_config(cfg))
-    atomic_write_text(run_dir / "graph.txt", str(session.graph) + "\n")
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     if state is not None:
@@ -279,54 +274,70 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = 
     log(f"rollplex: {session.algorithm.name} on {session.device}, schedule={cfg.schedule}, "
         f"engines decode={session.decode_engine} train={session.train_engine} score={session.score_engine}, "
         f"{len(session.graph)} nodes/iteration → {run_dir}")
-    chance = session.task.chance
-    rewards: list[float] = []
     with connect(cfg.cluster.scheduler, cfg.cluster.workers, cfg.cluster.threads, cfg.cluster.processes,
                  cfg.cluster.dashboard) as client:
         t0 = time.time()
         install_engines(client, session.host_spec())
-        executor = DaskExecutor(client)
-        log(f"engines ready in {time.time() - t0:.1f}s")
-        if state is not None:
-            executor.call(_load, str(state.directory))
-        elif cfg.warmup.steps:
-            _run_warmup(cfg, session, executor, metrics_path, log)
-            session.checkpoint(executor, -1, reward=None)
-        bar = tqdm(range(start_iteration, cfg.iterations), disable=not progress, desc="grpo", unit="it",
-                   initial=start_iteration, total=cfg.iterations)
-        iteration_seconds = []
-        for iteration in bar:
-            batch = session.loader.next_batch()
-            inputs = {f"prompt_p{p}": prompt for p, prompt in enumerate(batch)}
-            result = executor.run(session.graph, iteration, inputs)
-            out = result.output["report"]
-            trace = chrome_trace(result.events, iteration, cfg.schedule)
-            write_iteration_files(run_dir, iteration, out["rows"], trace)
-            metrics = {"iteration": iteration, "phase": "rl", **out["metrics"],
-                       "iter_seconds": round(result.seconds, 4),
-                       "seconds_by_kind": seconds_by_kind(result.events),
-                       "peak_memory_bytes": result.peak_memory_bytes, "reward_chance": chance}
-            append_line(metrics_path, json.dumps(metrics, sort_keys=True))
-            rewards.append(metrics["reward_mean"])
-            iteration_seconds.append(result.seconds)
-            line = (f"it {iteration:4d}  reward {metrics['reward_mean']:.3f}  kl {metrics['kl']:.4f}  "
-                    f"loss {metrics['loss']:+.4f}  |g| {metrics['grad_norm']:.3f}  "
-                    f"len {metrics['response_len_mean']:.1f}  {result.seconds:.2f}s")
-            bar.write(line) if progress else log(line)
-            if checkpoints.due(iteration, cfg):
-                session.checkpoint(executor, iteration, reward=metrics["reward_mean"])
-            moving = sum(rewards[-MOVING_WINDOW:]) / len(rewards[-MOVING_WINDOW:])
-            if cfg.stop_at_reward is not None and len(rewards) >= MOVING_WINDOW and moving >= cfg.stop_at_reward:
-                if not checkpoints.due(iteration, cfg):
-                    session.checkpoint(executor, iteration, reward=metrics["reward_mean"])
-                bar.write(f"mean reward of the last {MOVING_WINDOW} iterations {moving:.3f} ≥ "
-                          f"{cfg.stop_at_reward}: stopping")
-                break
-        bar.close()
+        # Written only now: bad input (config, DAG, engines, cluster) fails above with nothing on disk.
+        run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(run_dir / "config.yaml", dump_config(cfg))
+        atomic_write_text(run_dir / "graph.txt", str(session.graph) + "\n")
+        try:
+            summary = _train_loop(cfg, session, client, state, start_iteration, metrics_path, progress, log, t0)
+        finally:
+            if cfg.cluster.scheduler:
+                uninstall_engines(client)
+    return summary
+
+
+def _train_loop(cfg: RunConfig, session: Session, client, state, start_iteration: int, metrics_path: Path,
+                progress: bool, log, t0: float) -> RunSummary:
+    from tqdm import tqdm
+
+    from rollplex.pipeline.executor import DaskExecutor
+
+    run_dir = session.run_dir
+    executor = DaskExecutor(client)
+    log(f"engines ready in {time.time() - t0:.1f}s")
+    if state is not None:
+        executor.call(_load, str(state.directory))
+    elif cfg.warmup.steps:
+        _run_warmup(cfg, session, executor, metrics_path, log)
+        session.checkpoint(executor, -1, reward=None)
+    bar = tqdm(range(start_iteration, cfg.iterations), disable=not progress, desc=session.algorithm.name,
+               unit="it", initial=start_iteration, total=cfg.iterations)
+    rewards: list[float] = []
+    iteration_seconds: list[float] = []
+    for iteration in bar:
+        batch = session.loader.next_batch()
+        inputs = {f"prompt_p{p}": prompt for p, prompt in enumerate(batch)}
+        result = executor.run(session.graph, iteration, inputs)
+        out = result.output["report"]
+        trace = chrome_trace(result.events, iteration, cfg.schedule)
+        write_iteration_files(run_dir, iteration, out["rows"], trace)
+        metrics = {"iteration": iteration, "phase": "rl", **out["metrics"],
+                   "iter_seconds": round(result.seconds, 4),
+                   "seconds_by_kind": seconds_by_kind(result.events),
+                   "peak_memory_bytes": result.peak_memory_bytes, "reward_chance": session.task.chance}
+        append_line(metrics_path, json.dumps(metrics, sort_keys=True))
+        rewards.append(metrics["reward_mean"])
+        iteration_seconds.append(result.seconds)
+        line = (f"it {iteration:4d}  reward {metrics['reward_mean']:.3f}  kl {metrics['kl']:.4f}  "
+                f"loss {metrics['loss']:+.4f}  |g| {metrics['grad_norm']:.3f}  "
+                f"len {metrics['response_len_mean']:.1f}  {result.seconds:.2f}s")
+        bar.write(line) if progress else log(line)
+        moving = sum(rewards[-MOVING_WINDOW:]) / len(rewards[-MOVING_WINDOW:])
+        stop = cfg.stop_at_reward is not None and len(rewards) >= MOVING_WINDOW and moving >= cfg.stop_at_reward
+        if checkpoints.due(iteration, cfg) or stop:
+            session.checkpoint(executor, iteration, reward=metrics["reward_mean"])
+        if stop:
+            bar.write(f"mean reward of the last {MOVING_WINDOW} iterations {moving:.3f} ≥ {cfg.stop_at_reward}: "
+                      "stopping")
+            break
+    bar.close()
     steady = iteration_seconds[2:] or iteration_seconds
     final = sum(rewards[-MOVING_WINDOW:]) / len(rewards[-MOVING_WINDOW:]) if rewards else float("nan")
-    return RunSummary(run_dir, len(rewards), final,
-                      sum(steady) / max(len(steady), 1))
+    return RunSummary(run_dir, len(rewards), final, sum(steady) / max(len(steady), 1))
 
 
 def _run_warmup(cfg: RunConfig, session: Session, executor, metrics_path: Path, log) -> None:

@@ -1,0 +1,78 @@
+"""`rollplex train --scheduler tcp://...` on a cluster started with the stock Dask commands."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+BIN = Path(sys.executable).parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def stock_cluster(tmp_path):
+    port = _free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    env = {**os.environ, "DASK_TEMPORARY_DIRECTORY": str(tmp_path)}
+    scheduler = subprocess.Popen([str(BIN / "dask"), "scheduler", "--host", "127.0.0.1", "--port", str(port),
+                                  "--no-dashboard"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    worker = subprocess.Popen([str(BIN / "dask"), "worker", address, "--nthreads", "2", "--resources",
+                               "decode=1,compute=1", "--no-dashboard", "--host", "127.0.0.1"],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        from distributed import Client
+
+        deadline = time.time() + 60
+        with Client(address, timeout="30s") as client:
+            while not client.scheduler_info()["workers"] and time.time() < deadline:
+                time.sleep(0.2)
+        yield address
+    finally:
+        for proc in (worker, scheduler):
+            proc.terminate()
+        for proc in (worker, scheduler):
+            proc.wait(timeout=30)
+
+
+def test_train_on_a_stock_dask_cluster(stock_cluster, tmp_path):
+    out = tmp_path / "run"
+    result = subprocess.run(
+        [str(BIN / "rollplex"), "train", "--scheduler", stock_cluster, "--iterations", "2", "--out", str(out),
+         "--no-progress", "--set", "warmup.steps=1", "--set", "stop_at_reward=null"],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows if r["phase"] == "rl"] == [0, 1]
+
+
+def test_a_worker_without_stream_resources_is_refused(tmp_path):
+    port = _free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    scheduler = subprocess.Popen([str(BIN / "dask"), "scheduler", "--host", "127.0.0.1", "--port", str(port),
+                                  "--no-dashboard"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    worker = subprocess.Popen([str(BIN / "dask"), "worker", address, "--nthreads", "1", "--no-dashboard",
+                               "--host", "127.0.0.1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(4)
+        result = subprocess.run([str(BIN / "rollplex"), "train", "--scheduler", address, "--iterations", "1",
+                                 "--out", str(tmp_path / "run"), "--set", "warmup.steps=0"],
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2
+        assert "lacks resources" in result.stderr and "--resources" in result.stderr
+        assert not (tmp_path / "run").exists()  # nothing written
+    finally:
+        worker.terminate()
+        scheduler.terminate()
+        worker.wait(timeout=30)
+        scheduler.wait(timeout=30)
