@@ -155,7 +155,7 @@ def plain_grpo(iterations: int, threads: int, seed: int = 0) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------
-def rollplex_run(overrides: list[str], iterations: int, run_dir: Path, echo) -> dict:
+def rollplex_run(overrides: list[str], iterations: int, skip: int, run_dir: Path, echo) -> dict:
     """One `rollplex train` in this process; executor seconds from metrics.jsonl, wall from the log."""
     from rollplex.config import load_config
     from rollplex.pipeline.runner import train
@@ -176,21 +176,18 @@ def rollplex_run(overrides: list[str], iterations: int, run_dir: Path, echo) -> 
     rl = [r for r in rows if r.get("phase") == "rl"]
     wall = [b - a for a, b in zip(stamps[-len(rl) - 1:], stamps[-len(rl):])]
     kinds = sorted({k for r in rl for k in r["seconds_by_kind"]})
-    by_kind = {k: statistics.median(r["seconds_by_kind"].get(k, 0.0) for r in rl[SKIP:] or rl) for k in kinds}
+    by_kind = {k: statistics.median(r["seconds_by_kind"].get(k, 0.0) for r in rl[skip:] or rl) for k in kinds}
     return {"seconds": [r["iter_seconds"] for r in rl], "wall_seconds": wall,
             "reward_mean": statistics.mean(r["reward_mean"] for r in rl),
             "response_len_mean": statistics.mean(r["response_len_mean"] for r in rl),
             "seconds_by_kind_median": by_kind, "overrides": overrides}
 
 
-SKIP = 3
-
 
 def main() -> int:
-    global SKIP
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iterations", type=int, default=20, help="RL iterations per variant")
-    ap.add_argument("--skip", type=int, default=SKIP, help="first iterations left out of the statistics")
+    ap.add_argument("--skip", type=int, default=3, help="first iterations left out of the statistics")
     ap.add_argument("--threads", default="2,1",
                     help="torch threads for the plain trainer, comma-separated; the first is the baseline")
     ap.add_argument("--variants", default="plain,rollplex,rollplex-hf-torch",
@@ -198,7 +195,6 @@ def main() -> int:
     ap.add_argument("--json", type=Path, help="write the results here (atomically)")
     ap.add_argument("--runs-dir", type=Path, help="keep the Rollplex run directories here (default: temp, removed)")
     args = ap.parse_args()
-    SKIP = args.skip
     if args.iterations <= args.skip:
         ap.error(f"--iterations must exceed --skip ({args.skip})")
     threads = [int(t) for t in args.threads.split(",") if t]
@@ -223,7 +219,7 @@ def main() -> int:
             run_dir = runs_root / v
             shutil.rmtree(run_dir, ignore_errors=True)
             print(f"[{v}] running ({' '.join(ROLLPLEX_VARIANTS[v])})", flush=True)
-            results[v] = rollplex_run(ROLLPLEX_VARIANTS[v], args.iterations, run_dir,
+            results[v] = rollplex_run(ROLLPLEX_VARIANTS[v], args.iterations, args.skip, run_dir,
                                       lambda line, v=v: print(f"[{v}] {line}", flush=True))
     finally:
         if args.runs_dir is None:

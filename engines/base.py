@@ -42,6 +42,7 @@ class DecodeRequest:
     temperature: float = 1.0
     top_p: float = 1.0
     stop_token_ids: tuple[int, ...] = ()
+    n: int = 1  # samples of this prompt; sample i draws with seed + i. They finish together.
 
 
 @dataclass
@@ -50,6 +51,7 @@ class FinishedSequence:
     token_ids: list[int]
     logprobs: list[float]  # log-prob of each sampled token under the sampling distribution
     finish_reason: str  # "stop" | "length"
+    index: int = 0  # which of the request's n samples
 
 
 class DecodeEngine(ABC):
@@ -130,8 +132,9 @@ class TrainEngine(ABC):
         inner.state.clear()
 
     @abstractmethod
-    def state_dict_for_sync(self) -> Iterable[tuple[str, torch.Tensor]]:
-        """The current weights under HF parameter names, for ``DecodeEngine.load_weights``."""
+    def state_dict_for_sync(self, trainable_only: bool = False) -> Iterable[tuple[str, torch.Tensor]]:
+        """The current weights under HF parameter names, for ``DecodeEngine.load_weights``;
+        ``trainable_only`` leaves out the frozen vision tower, which never changes."""
 
     @abstractmethod
     def save(self, directory: str) -> None:

@@ -16,6 +16,7 @@ How it decodes:
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -130,27 +131,37 @@ class TorchDecodeEngine(DecodeEngine):
         self._lock = threading.Lock()
         self._pending: list[_Group] = []
         self._rows: _Rows | None = None
-        self._ids: set[str] = set()
+        self._ids: set[str] = set()  # live parent requests
+        self._parent_of: dict[str, tuple[str, int, int]] = {}  # row id -> (request id, sample, n)
+        self._children: dict[str, list[FinishedSequence]] = {}  # finished samples per live request
 
     # ----------------------------------------------------------------------------------------------
     def add_requests(self, requests: Sequence[DecodeRequest]) -> None:
+        with self._lock:
+            for parent in requests:
+                if parent.request_id in self._ids:
+                    raise EngineError(f"request {parent.request_id}: a live request has this id already")
+                if parent.max_tokens < 1 or parent.n < 1:
+                    raise EngineError(f"request {parent.request_id}: max_tokens and n must be >= 1")
+                self._ids.add(parent.request_id)
+                self._children[parent.request_id] = []
+                for i in range(parent.n):  # sample i is a row of its own, seeded seed + i (as in vLLM)
+                    self._parent_of[f"{i}_{parent.request_id}"] = (parent.request_id, i, parent.n)
+                    self._add_row(dataclasses.replace(parent, request_id=f"{i}_{parent.request_id}",
+                                                      seed=parent.seed + i, n=1))
+
+    def _add_row(self, req: DecodeRequest) -> None:
+        """Queue one sample; samples of the same prompt (ids and embeddings) share one prefill group."""
         from rollplex.tasks.lm import PromptInputs, VisionEmbeds
 
-        with self._lock:
-            for req in requests:
-                if req.request_id in self._ids:
-                    raise EngineError(f"request {req.request_id}: a live request has this id already")
-                if req.max_tokens < 1:
-                    raise EngineError(f"request {req.request_id}: max_tokens must be >= 1, got {req.max_tokens}")
-                self._ids.add(req.request_id)
-                group = next((g for g in self._pending if _same_prompt(g.requests[0], req)), None)
-                if group is None:
-                    prompt = PromptInputs(req.request_id, torch.tensor(req.prompt_token_ids, dtype=torch.long),
-                                          image_grid_thw=None if req.image_grid_thw is None
-                                          else req.image_grid_thw.reshape(-1, 3).cpu())
-                    group = _Group(prompt, VisionEmbeds(image=req.image_embeds, video=None), [])
-                    self._pending.append(group)
-                group.requests.append(req)
+        group = next((g for g in self._pending if _same_prompt(g.requests[0], req)), None)
+        if group is None:
+            prompt = PromptInputs(req.request_id, torch.tensor(req.prompt_token_ids, dtype=torch.long),
+                                  image_grid_thw=None if req.image_grid_thw is None
+                                  else req.image_grid_thw.reshape(-1, 3).cpu())
+            group = _Group(prompt, VisionEmbeds(image=req.image_embeds, video=None), [])
+            self._pending.append(group)
+        group.requests.append(req)
 
     def has_unfinished(self) -> bool:
         with self._lock:
@@ -247,9 +258,13 @@ class TorchDecodeEngine(DecodeEngine):
         toks, lps = rows.tokens[idx].cpu().tolist(), rows.logps[idx].cpu().tolist()
         out = []
         for j, i in enumerate(idx):
-            rid = rows.reqs[i].request_id
-            self._ids.discard(rid)
-            out.append(FinishedSequence(rid, toks[j][: n_h[i]], lps[j][: n_h[i]], "stop" if stopped_h[i] else "length"))
+            parent, sample, n = self._parent_of.pop(rows.reqs[i].request_id)
+            seqs = self._children[parent]
+            seqs.append(FinishedSequence(parent, toks[j][: n_h[i]], lps[j][: n_h[i]],
+                                         "stop" if stopped_h[i] else "length", index=sample))
+            if len(seqs) == n:  # a request is handed on when all its samples are done, as vLLM does
+                self._ids.discard(parent)
+                out.extend(sorted(self._children.pop(parent), key=lambda f: f.index))
         keep_list = [i for i, f in enumerate(fin_h) if not f]
         keep = torch.tensor(keep_list, dtype=torch.long, device=self.device)
         rows.last = tok[keep]

@@ -117,6 +117,7 @@ class VLLMDecodeEngine(DecodeEngine):
         from vllm.sampling_params import RequestOutputKind
 
         return SamplingParams(
+            n=req.n,  # one prompt, processed once; vLLM seeds sample i with seed + i
             max_tokens=req.max_tokens,
             temperature=req.temperature,  # 0 means greedy, as in the torch engine
             top_p=req.top_p,
@@ -146,7 +147,7 @@ class VLLMDecodeEngine(DecodeEngine):
                 for out in self._engine.step():
                     if out.finished:
                         self._live.discard(out.request_id)
-                        done.append(_finished(out))
+                        done.extend(_finished(out))
         return done
 
     def has_unfinished(self) -> bool:
@@ -172,17 +173,19 @@ class VLLMDecodeEngine(DecodeEngine):
             self.llm = self._engine = None
 
 
-def _finished(out) -> FinishedSequence:
-    comp = out.outputs[0]
-    tokens = list(comp.token_ids)
-    lps = comp.logprobs
-    flat = getattr(lps, "logprobs", None)
-    if flat is not None and len(flat) == len(tokens):  # FlatLogprobs with logprobs=0: one per position
-        logprobs = [float(x) for x in flat]
-    else:
-        logprobs = [float(pos[t].logprob) for pos, t in zip(lps, tokens)]
-    reason = comp.finish_reason if comp.finish_reason in ("stop", "length") else "stop"
-    return FinishedSequence(out.request_id, tokens, logprobs, reason)
+def _finished(out) -> list[FinishedSequence]:
+    done = []
+    for comp in out.outputs:  # the n samples of the request, once all have finished
+        tokens = list(comp.token_ids)
+        lps = comp.logprobs
+        flat = getattr(lps, "logprobs", None)
+        if flat is not None and len(flat) == len(tokens):  # FlatLogprobs with logprobs=0: one per position
+            logprobs = [float(x) for x in flat]
+        else:
+            logprobs = [float(pos[t].logprob) for pos, t in zip(lps, tokens)]
+        reason = comp.finish_reason if comp.finish_reason in ("stop", "length") else "stop"
+        done.append(FinishedSequence(out.request_id, tokens, logprobs, reason, index=comp.index))
+    return sorted(done, key=lambda f: f.index)
 
 
 SPEC = register_engine(EngineSpec(

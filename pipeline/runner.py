@@ -213,7 +213,7 @@ def _end_warmup(host) -> None:
 
 def _sync_decode(host) -> None:
     engine = host.train_engine(host.algorithm.rollout_model)
-    host.decode.load_weights(engine.state_dict_for_sync())
+    host.decode.load_weights(engine.state_dict_for_sync(trainable_only=True))
 
 
 def _adopt_reference(host, directory: str) -> None:

@@ -32,14 +32,15 @@ class Responses:
         return lm.pad_responses(self.token_ids, 0)[1]
 
 
-def sample_seed(run_seed: int, iteration: int, prompt_id: str, sample: int) -> int:
-    """A stable per-response sampling seed: independent of batch order, schedule and worker."""
-    digest = hashlib.sha256(f"{run_seed}/{iteration}/{prompt_id}/{sample}".encode()).digest()
-    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+def sample_seed(run_seed: int, iteration: int, prompt_id: str) -> int:
+    """A stable sampling seed per prompt and iteration (sample g draws with seed + g): independent
+    of batch order, schedule and worker."""
+    digest = hashlib.sha256(f"{run_seed}/{iteration}/{prompt_id}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x3FFFFFFF
 
 
-def request_id(iteration: int, prompt: int, sample: int) -> str:
-    return f"it{iteration}-p{prompt}-s{sample}"
+def request_id(iteration: int, prompt: int) -> str:
+    return f"it{iteration}-p{prompt}"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -64,40 +65,43 @@ def decode_chunk(ctx, node, inputs):
     if chunk == 0:
         prompts = [inputs[v] for v in node.inputs if v.startswith("prompt_")]
         visions = [inputs[v] for v in node.inputs if v.startswith("vis_")]
-        requests = []
-        for p, (prompt, vis) in enumerate(zip(prompts, visions)):
-            for g in range(s.samples):
-                requests.append(DecodeRequest(
-                    request_id=request_id(ctx.iteration, p, g),
-                    prompt_token_ids=prompt.input_ids.tolist(),
-                    image_embeds=vis.image,
-                    image_grid_thw=prompt.image_grid_thw,
-                    max_tokens=s.max_new_tokens,
-                    seed=sample_seed(s.seed, ctx.iteration, prompt.prompt_id, g),
-                    temperature=s.temperature,
-                    top_p=s.top_p,
-                    stop_token_ids=tuple(s.stop_token_ids),
-                ))
+        # One request per prompt with n = G samples: the prompt and its image embeddings are
+        # processed once, and a group is handed on when all its samples are done.
+        requests = [
+            DecodeRequest(
+                request_id=request_id(ctx.iteration, p),
+                prompt_token_ids=prompt.input_ids.tolist(),
+                image_embeds=vis.image,
+                image_grid_thw=prompt.image_grid_thw,
+                max_tokens=s.max_new_tokens,
+                seed=sample_seed(s.seed, ctx.iteration, prompt.prompt_id),
+                temperature=s.temperature,
+                top_p=s.top_p,
+                stop_token_ids=tuple(s.stop_token_ids),
+                n=s.samples,
+            )
+            for p, (prompt, vis) in enumerate(zip(prompts, visions))
+        ]
         engine.add_requests(requests)
-        finished: dict[str, FinishedSequence] = {}
-        expected = len(requests)
+        finished: dict[tuple[str, int], FinishedSequence] = {}
+        expected = len(requests) * s.samples
     else:
         previous = inputs[node.inputs[0]]
         finished, expected = dict(previous["finished"]), previous["expected"]
     for seq in engine.step(node.args["tokens"]):
-        finished[seq.request_id] = seq
+        finished[seq.request_id, seq.index] = seq
     if chunk < chunks - 1:
         return {node.outputs[0]: {"finished": finished, "expected": expected}}
     out: dict[str, Any] = {}
     while len(finished) < expected and engine.has_unfinished():  # max_tokens bounds this loop
         for seq in engine.step(node.args["tokens"]):
-            finished[seq.request_id] = seq
+            finished[seq.request_id, seq.index] = seq
     if len(finished) != expected:
         raise RuntimeError(f"decode finished {len(finished)} of {expected} sequences")
     num_prompts = expected // s.samples
     lengths = []
     for p in range(num_prompts):
-        seqs = [finished[request_id(ctx.iteration, p, g)] for g in range(s.samples)]
+        seqs = [finished[request_id(ctx.iteration, p), g] for g in range(s.samples)]
         out[f"responses_p{p}"] = Responses(p, seqs)
         lengths += [len(q.token_ids) for q in seqs]
     out["rollout_stats"] = {"tokens": sum(lengths), "sequences": len(lengths),
@@ -226,7 +230,8 @@ def optimizer_step(ctx, node, inputs):
 
 @register_task("weight_sync")
 def weight_sync(ctx, node, inputs):
-    weights = ctx.train_engine(node.model).state_dict_for_sync()
+    # The vision tower is frozen, so only the trainable weights travel.
+    weights = ctx.train_engine(node.model).state_dict_for_sync(trainable_only=True)
     ctx.decode_engine.load_weights(weights)
     return {node.outputs[0]: {"version": ctx.iteration + 1}}
 

@@ -253,3 +253,19 @@ def test_vllm_greedy_matches_torch_engine(vllm_engine, torch_engine, prompts):
         assert got[rid].token_ids == w.token_ids
         assert got[rid].finish_reason == w.finish_reason
         torch.testing.assert_close(got[rid].logprobs, w.logprobs, atol=1e-4, rtol=0)
+
+
+def test_n_samples_equal_n_single_requests_seeded_seed_plus_i(engine, prompts):
+    """A request with n samples is n requests with seeds seed..seed+n-1, handed on together."""
+    p, vis, _ = prompts[0]
+    base = dict(prompt_token_ids=p.input_ids.tolist(), image_embeds=vis.image, image_grid_thw=p.image_grid_thw,
+                max_tokens=6, temperature=1.0)
+    engine.add_requests([DecodeRequest("group", seed=77, n=4, **base)])
+    grouped = []
+    while engine.has_unfinished():
+        grouped += engine.step(2)
+    assert [s.index for s in grouped] == [0, 1, 2, 3] and {s.request_id for s in grouped} == {"group"}
+    singles = run(engine, [DecodeRequest(f"single{i}", seed=77 + i, **base) for i in range(4)])
+    for s in grouped:
+        assert s.token_ids == singles[f"single{s.index}"].token_ids
+        assert s.logprobs == pytest.approx(singles[f"single{s.index}"].logprobs, abs=1e-5)
