@@ -2,8 +2,10 @@
 
 Without an address, a ``LocalCluster`` bound to loopback is started (and stopped with the run).
 With ``--scheduler tcp://HOST:PORT`` Rollplex joins a cluster started by the stock
-``dask scheduler`` and ``dask worker --resources "decode=1,compute=1" --nthreads 2`` commands.
-Each worker declares one unit of resource per stream and runs one thread per stream.
+``dask scheduler`` and ``dask worker --nthreads 3 --resources "decode=1,compute=1,host=1"`` commands.
+Each worker declares one unit of resource per stream and runs one thread per stream: ``decode`` (the
+decode engine), ``compute`` (forward/backward work) and ``host`` (rewards, advantages, reports, which
+then never wait behind model work).
 """
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ from distributed.diagnostics.plugin import WorkerPlugin
 from rollplex.errors import EngineError, RollplexError
 from rollplex.pipeline.worker import HostSpec
 
-STREAMS = ("decode", "compute")
+STREAMS = ("decode", "compute", "host")
+WORKER_FLAGS = '--nthreads 3 --resources "decode=1,compute=1,host=1"'
 PLUGIN_NAME = "rollplex-engines"
 
 
@@ -81,12 +84,12 @@ def _check_worker_resources(client) -> None:
     workers = info.get("workers", {})
     if not workers:
         raise RollplexError("the Dask cluster has no workers; start them with "
-                            "`dask worker ADDRESS --nthreads 2 --resources \"decode=1,compute=1\"`")
+                            f"`dask worker ADDRESS {WORKER_FLAGS}`")
     for address, w in workers.items():
         missing = [s for s in STREAMS if w.get("resources", {}).get(s, 0) < 1]
         if missing:
             raise RollplexError(f"Dask worker {address} lacks resources {missing}; start it with "
-                                "--nthreads 2 --resources \"decode=1,compute=1\"")
+                                f"{WORKER_FLAGS}")
 
 
 def uninstall_engines(client) -> None:

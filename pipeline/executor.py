@@ -56,7 +56,7 @@ def lower(graph: IterationGraph, iteration: int, inputs: dict[str, Any]) -> Lowe
     for name in graph.inputs:
         key = task_key(iteration, f"in/{name}")
         dsk[key] = Task(key, provide_input, DataNode(None, inputs[name]), name)
-        resources[key] = {"compute": 1}
+        resources[key] = {"host": 1}
         priority[key] = 1e6
     for node_name in graph.topological_order():
         node = graph.nodes[node_name]

@@ -29,7 +29,7 @@ class NodeKind:
 
     name: str
     role: str | None  # engine role that executes it: "decode" | "score" | "train" | None (host)
-    stream: str  # default stream: "decode" | "compute"
+    stream: str  # default stream: "decode" | "compute" | "host" (small CPU work beside both)
     phase: str  # "rollout" | "prefix" | "score" | "train" | "sync"
     description: str = ""
 
@@ -65,13 +65,13 @@ for _kind in (
     NodeKind("prefix", "score", "compute", "prefix", "LM forward over one prompt: KV cache + last logits"),
     NodeKind("decode_chunk", "decode", "decode", "rollout", "advance live sequences by up to K tokens"),
     NodeKind("suffix_score", "score", "compute", "score", "per-token outputs of G responses on a prefix"),
-    NodeKind("reward", None, "compute", "score", "verifiable reward of one prompt's responses"),
-    NodeKind("advantage", None, "compute", "score", "advantages from rewards"),
+    NodeKind("reward", None, "host", "score", "verifiable reward of one prompt's responses"),
+    NodeKind("advantage", None, "host", "score", "advantages from rewards"),
     NodeKind("loss", "train", "compute", "train", "loss of one micro-batch, then its backward"),
     NodeKind("optimizer_step", "train", "compute", "train", "apply accumulated gradients"),
     NodeKind("weight_sync", "decode", "decode", "sync", "load the new actor weights into the decode engine"),
-    NodeKind("report", None, "compute", "sync", "gather host-side records and metrics of the iteration"),
-    NodeKind("custom", None, "compute", "score", "a host function of the algorithm's own (Algorithm.node)"),
+    NodeKind("report", None, "host", "sync", "gather host-side records and metrics of the iteration"),
+    NodeKind("custom", None, "host", "score", "a host function of the algorithm's own (Algorithm.node)"),
     NodeKind("offload", None, "compute", "sync", "move a value from HBM to host memory"),
     NodeKind("prefetch", None, "compute", "sync", "bring an offloaded value back to HBM"),
 ):

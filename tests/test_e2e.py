@@ -124,7 +124,7 @@ def test_run_directory_has_every_artefact(runs):
         assert key in row, key
     trace = json.loads((run_dir / "traces" / "iter_000000.json").read_text())
     tracks = {(e["pid"], e["tid"]) for e in trace["traceEvents"] if e["ph"] == "X"}
-    assert len(tracks) == 2  # one worker, two streams
+    assert len(tracks) == 3  # one worker: decode, compute and host streams
     final = run_dir / "checkpoints" / f"iter_{ITERATIONS - 1:06d}"
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(final)
     assert sum(p.numel() for p in model.parameters()) > 0

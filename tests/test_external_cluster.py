@@ -27,8 +27,8 @@ def stock_cluster(tmp_path):
     env = {**os.environ, "DASK_TEMPORARY_DIRECTORY": str(tmp_path)}
     scheduler = subprocess.Popen([str(BIN / "dask"), "scheduler", "--host", "127.0.0.1", "--port", str(port),
                                   "--no-dashboard"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    worker = subprocess.Popen([str(BIN / "dask"), "worker", address, "--nthreads", "2", "--resources",
-                               "decode=1,compute=1", "--no-dashboard", "--host", "127.0.0.1"],
+    worker = subprocess.Popen([str(BIN / "dask"), "worker", address, "--nthreads", "3", "--resources",
+                               "decode=1,compute=1,host=1", "--no-dashboard", "--host", "127.0.0.1"],
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         from distributed import Client
