@@ -222,6 +222,9 @@ def compile_iteration(
         add(f"loss_m{m}", "loss", ["rollout_stats", *inputs], [f"loss_m{m}"], model=policy,
             args={"prompts": list(groups), "bind": binding}, **{f"loss_m{m}": host(64, "scalars")})
         loss_outputs.append(f"loss_m{m}")
+    # Gradients accumulate in floating point, so their order fixes the bits of the update: chain
+    # the micro-batches so that every schedule sums them in the same order.
+    accumulation_order = [f"loss_m{m}" for m in range(len(loss_outputs))]
     add("optimizer_step", "optimizer_step", loss_outputs, ["step"], model=policy, step=host(64, "scalars"))
     add("weight_sync", "weight_sync", ["step"], ["synced"], model=policy,
         synced=host(64, "scalars"))
@@ -232,4 +235,7 @@ def compile_iteration(
         for s in alg.scores:
             report_inputs.append(f"old_{s.as_}_p{p}" if s.grad else f"{s.as_}_p{p}")
     add("report", "report", list(dict.fromkeys(report_inputs)), ["report"], report=host(P * G * 256, "records"))
-    return g.connect().lint()
+    g.connect()
+    for before, after in zip(accumulation_order, accumulation_order[1:]):
+        g.add_order(before, after, reason="accumulation order")
+    return g.lint()

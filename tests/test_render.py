@@ -216,7 +216,7 @@ def test_json_keeps_serialisable_meta_and_lists_the_rest():
     nodes = {n["name"]: n for n in R.to_json(tiny_graph())["nodes"]}
     assert nodes["suffix"]["meta"] == {"priority": 3} and nodes["suffix"]["dropped_meta"] == ["handle"]
     assert nodes["decode"]["placement"] == "gpu0" and nodes["decode"]["stream"] == "decode"
-    assert nodes["reward"]["stream"] == "compute" and nodes["reward"]["placement"] is None
+    assert nodes["reward"]["stream"] == "host" and nodes["reward"]["placement"] is None
     shape = R.to_json(grpo_graph())["meta"]["shape"]  # a dataclass becomes a dict
     assert shape["prompts"] == 8 and shape["prefix_sharing"] is True
     with pytest.raises(ConfigError, match="not a rollplex graph dump"):
