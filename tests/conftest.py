@@ -8,6 +8,8 @@ import pytest
 
 _CACHE = Path(os.environ.setdefault("ROLLPLEX_CACHE", str(Path(__file__).resolve().parents[1] / ".cache" / "test")))
 
+os.environ.setdefault("DASK_TEMPORARY_DIRECTORY", str(_CACHE / "dask"))  # not /tmp: CI leaves no strays
+
 from rollplex import runtime  # noqa: E402
 
 runtime.configure(threads=int(os.environ.get("ROLLPLEX_TEST_THREADS", "2")))
