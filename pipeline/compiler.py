@@ -60,9 +60,11 @@ class BatchShape:
     prompt_tokens: int = 64  # typical prompt length (text + vision tokens), for byte estimates
     vision_tokens: int = 16
     prefix_sharing: bool = True
+    prompts_per_node: int = 1  # prompts per vit_encode / prefix / suffix_score node (batched forwards)
 
     def __post_init__(self) -> None:
-        for name in ("prompts", "samples", "max_new_tokens", "chunk_tokens", "micro_batch_groups"):
+        for name in ("prompts", "samples", "max_new_tokens", "chunk_tokens", "micro_batch_groups",
+                     "prompts_per_node"):
             if getattr(self, name) < 1:
                 raise GraphError(f"batch shape: {name} must be ≥ 1, got {getattr(self, name)}")
 
@@ -71,8 +73,24 @@ class BatchShape:
         return math.ceil(self.max_new_tokens / self.chunk_tokens)
 
     def micro_batches(self) -> list[tuple[int, ...]]:
-        step = self.micro_batch_groups
-        return [tuple(range(i, min(i + step, self.prompts))) for i in range(0, self.prompts, step)]
+        return _split(range(self.prompts), self.micro_batch_groups)
+
+    def node_groups(self, grad: bool) -> list[tuple[int, ...]]:
+        """Prompts per vit/prefix/suffix node. A node whose graph is kept for a backward never spans
+        two micro-batches: each micro-batch's backward must free exactly its own graphs."""
+        if not grad:
+            return _split(range(self.prompts), self.prompts_per_node)
+        return [part for mb in self.micro_batches() for part in _split(mb, self.prompts_per_node)]
+
+
+def _split(items, size: int) -> list[tuple[int, ...]]:
+    items = tuple(items)
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def span(groups: tuple[int, ...]) -> str:
+    """Name suffix of a node over prompts: p3, or p0-3 for a run of prompts."""
+    return f"p{groups[0]}" if len(groups) == 1 else f"p{groups[0]}-{groups[-1]}"
 
 
 @dataclass(frozen=True)
@@ -123,10 +141,10 @@ def compile_iteration(
     for p in range(P):
         g.add_input(f"prompt_p{p}", nbytes=shape.vision_tokens * 4 * 14 * 14 * 3 * 4, what="prompt")
     vision = alg.vision_model
-    for p in range(P):
-        add(f"vit_p{p}", "vit_encode", [f"prompt_p{p}"], [f"vis_p{p}"], model=vision,
-            role=role_of(vision), args={"prompt": p},
-            **{f"vis_p{p}": dev(shape.vision_tokens * dims.hidden * dims.dtype_bytes, "embeddings")})
+    for ps in shape.node_groups(grad=False):
+        add(f"vit_{span(ps)}", "vit_encode", [f"prompt_p{p}" for p in ps], [f"vis_p{p}" for p in ps], model=vision,
+            role=role_of(vision), args={"prompts": list(ps)},
+            **{f"vis_p{p}": dev(shape.vision_tokens * dims.hidden * dims.dtype_bytes, "embeddings") for p in ps})
 
     # Decode: chunk 0 prefills every prompt from its vision embeddings; each chunk advances ≤ K tokens.
     state = None
@@ -144,29 +162,32 @@ def compile_iteration(
         state = f"decode_state_c{c}"
 
     # Scoring: prefix once per prompt (independent of the responses), suffix per prompt group.
+    kv_bytes = dims.kv_bytes(shape.prompt_tokens) + dims.vocab * 4
     for s in alg.scores:
         role = role_of(s.model)
-        for p in range(P):
-            outs = [f"{s.as_}_p{p}"] + ([f"old_{s.as_}_p{p}"] if s.grad else [])
-            score_info = {f"{s.as_}_p{p}": dev(logprob_bytes + (dims.activation_bytes(resp_tokens) if s.grad else 0),
-                                               "logprobs")}
-            if s.grad:
-                score_info[f"old_{s.as_}_p{p}"] = host(logprob_bytes, "logprobs")
-            args = {"prompt": p, "as": s.as_, "grad": s.grad}
-            if shape.prefix_sharing:
-                kv = f"prefix_{s.model}_p{p}"
-                kv_bytes = dims.kv_bytes(shape.prompt_tokens) + dims.vocab * 4
+        for ps in shape.node_groups(grad=s.grad):
+            outs, score_info = [], {}
+            for p in ps:
+                outs += [f"{s.as_}_p{p}"] + ([f"old_{s.as_}_p{p}"] if s.grad else [])
+                score_info[f"{s.as_}_p{p}"] = dev(logprob_bytes + (dims.activation_bytes(resp_tokens) if s.grad
+                                                                   else 0), "logprobs")
                 if s.grad:
-                    kv_bytes += dims.activation_bytes(shape.prompt_tokens)
-                if kv not in g.values:
-                    add(f"prefix_{s.model}_p{p}", "prefix", [f"prompt_p{p}", f"vis_p{p}"], [kv],
-                        model=s.model, role=role, args={"prompt": p, "grad": s.grad},
-                        **{kv: dev(kv_bytes, "kv")})
-                add(f"suffix_{s.as_}_p{p}", "suffix_score", [kv, f"responses_p{p}"], outs,
-                    model=s.model, role=role, args=args, **score_info)
-            else:
-                add(f"score_{s.as_}_p{p}", "suffix_score", [f"prompt_p{p}", f"vis_p{p}", f"responses_p{p}"],
+                    score_info[f"old_{s.as_}_p{p}"] = host(logprob_bytes, "logprobs")
+            args = {"prompts": list(ps), "as": s.as_, "grad": s.grad}
+            responses = [f"responses_p{p}" for p in ps]
+            if not shape.prefix_sharing:
+                add(f"score_{s.as_}_{span(ps)}", "suffix_score",
+                    [f"prompt_p{p}" for p in ps] + [f"vis_p{p}" for p in ps] + responses,
                     outs, model=s.model, role=role, args={**args, "full_sequence": True}, **score_info)
+                continue
+            kvs = [f"prefix_{s.model}_p{p}" for p in ps]
+            if kvs[0] not in g.values:  # two scores of one model share its prefix
+                held = dims.activation_bytes(shape.prompt_tokens) if s.grad else 0
+                add(f"prefix_{s.model}_{span(ps)}", "prefix", [f"prompt_p{p}" for p in ps] + [f"vis_p{p}" for p in ps],
+                    kvs, model=s.model, role=role, args={"prompts": list(ps), "grad": s.grad},
+                    **{kv: dev(kv_bytes + held, "kv") for kv in kvs})
+            add(f"suffix_{s.as_}_{span(ps)}", "suffix_score", kvs + responses, outs,
+                model=s.model, role=role, args=args, **score_info)
 
     for p in range(P):
         add(f"reward_p{p}", "reward", [f"prompt_p{p}", f"responses_p{p}"], [f"rewards_p{p}"],

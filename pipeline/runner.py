@@ -12,6 +12,7 @@ complete checkpoint and truncates later metric rows, so the sequence has no gaps
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import time
@@ -87,6 +88,18 @@ def resolve_model_path(cfg: RunConfig) -> str:
     return str(ensure_tiny_vlm(default_model_spec()))
 
 
+# FLOPs a vit/prefix/suffix node should carry so that its dispatch (Dask task, Python, kernel launches:
+# milliseconds) stays a small share of it: ~0.1-0.5 s of CPU work, a few ms of GPU work.
+MIN_NODE_FLOPS = {"cpu": 2e9, "cuda": 2e12}
+
+
+def auto_prompts_per_node(dims, prompt_tokens: int, prompts: int, device: str) -> int:
+    """One prompt per node wherever a prompt's prefix is real work (any real VLM on a GPU); on a tiny
+    model, batch prompts until a node is worth its dispatch."""
+    per_prompt = 2 * dims.params * max(prompt_tokens, 1)
+    return max(1, min(prompts, math.ceil(MIN_NODE_FLOPS.get(device, 2e12) / per_prompt)))
+
+
 class Session:
     """Everything a run needs on the driver: data, compiled graph, and the cluster connection."""
 
@@ -128,6 +141,8 @@ class Session:
             max_new_tokens=cfg.rollout.max_new_tokens,
             chunk_tokens=cfg.rollout.chunk_tokens,
             micro_batch_groups=min(cfg.train.micro_batch_groups, cfg.rollout.prompts_per_iteration),
+            prompts_per_node=cfg.train.prompts_per_node or auto_prompts_per_node(
+                dims, sample.num_tokens, cfg.rollout.prompts_per_iteration, self.device),
             prompt_tokens=sample.num_tokens,
             vision_tokens=int((sample.input_ids == hf_config.image_token_id).sum()),
             prefix_sharing=cfg.train.prefix_sharing,

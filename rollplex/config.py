@@ -67,6 +67,8 @@ class TrainConfig:
     weight_decay: float = f(0.0, lo=0.0, hi=1.0)
     grad_clip: float = f(1.0, lo=0.0, doc="max gradient norm; 0 disables clipping")
     micro_batch_groups: int = f(2, lo=1, doc="prompt groups per loss/backward node")
+    prompts_per_node: int = f(0, lo=0, doc="prompts per vit_encode/prefix/suffix_score node (one batched "
+                              "forward); 0 = auto: enough prompts that a node's work outweighs its dispatch")
     zero_stage: int = f(2, lo=0, hi=3, doc="DeepSpeed ZeRO stage")
     prefix_sharing: bool = f(True, doc="score the prompt prefix once per group (else full sequences)")
 

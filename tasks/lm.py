@@ -77,17 +77,29 @@ def mm_token_types(input_ids: torch.Tensor, config) -> torch.Tensor:
 
 def vision_embeds(model: torch.nn.Module, prompt: PromptInputs) -> VisionEmbeds:
     """The vision tower's merged output. The tower is frozen, so no graph is kept."""
+    return vision_embeds_batch(model, [prompt])[0]
+
+
+def vision_embeds_batch(model: torch.nn.Module, prompts: list[PromptInputs]) -> list[VisionEmbeds]:
+    """One vision-tower call for the images (and one for the videos) of several prompts."""
     device = _device_of(model)
     core = model.model
-    image = video = None
+    out: list[dict] = [{"image": None, "video": None} for _ in prompts]
     with torch.no_grad():
-        if prompt.pixel_values is not None:
-            out = core.get_image_features(prompt.pixel_values.to(device), prompt.image_grid_thw.to(device))
-            image = torch.cat(out.pooler_output, dim=0)
-        if prompt.pixel_values_videos is not None:
-            out = core.get_video_features(prompt.pixel_values_videos.to(device), prompt.video_grid_thw.to(device))
-            video = torch.cat(out.pooler_output, dim=0)
-    return VisionEmbeds(image, video)
+        for kind, pixels_of, grid_of, features in (
+            ("image", "pixel_values", "image_grid_thw", core.get_image_features),
+            ("video", "pixel_values_videos", "video_grid_thw", core.get_video_features),
+        ):
+            owners = [i for i, p in enumerate(prompts) if getattr(p, pixels_of) is not None]
+            if not owners:
+                continue
+            pixels = torch.cat([getattr(prompts[i], pixels_of) for i in owners]).to(device)
+            grids = [getattr(prompts[i], grid_of).reshape(-1, 3) for i in owners]
+            per_item = features(pixels, torch.cat(grids).to(device)).pooler_output  # one tensor per image
+            items = iter(per_item)
+            for i, grid in zip(owners, grids):
+                out[i][kind] = torch.cat([next(items) for _ in range(grid.shape[0])], dim=0)
+    return [VisionEmbeds(o["image"], o["video"]) for o in out]
 
 
 def rope_positions(model: torch.nn.Module, prompt: PromptInputs) -> tuple[torch.Tensor, int]:
@@ -125,19 +137,43 @@ def embed_prompt(model: torch.nn.Module, prompt: PromptInputs, vis: VisionEmbeds
 
 def prefix_forward(model: torch.nn.Module, prompt: PromptInputs, vis: VisionEmbeds, *, grad: bool) -> PrefixState:
     """LM forward over the prompt once; keeps the autograd graph when ``grad``."""
+    return prefix_forward_batch(model, [prompt], [vis], grad=grad)[0]
+
+
+def prefix_forward_batch(model: torch.nn.Module, prompts: list[PromptInputs], visions: list[VisionEmbeds], *,
+                         grad: bool) -> list[PrefixState]:
+    """One LM forward over several prompts, right-padded to the longest.
+
+    Attention is causal, so a prompt's tokens never see the padding after them: no mask is needed,
+    and each prompt's KV and last logits are read back at its own length.
+    """
     device = _device_of(model)
+    lengths = [p.num_tokens for p in prompts]
+    width = max(lengths)
     with torch.set_grad_enabled(grad):
-        embeds = embed_prompt(model, prompt, vis)
-        pos, delta = rope_positions(model, prompt)
+        rows, positions, deltas = [], [], []
+        for prompt, vis in zip(prompts, visions):
+            embeds = embed_prompt(model, prompt, vis)
+            pos, delta = rope_positions(model, prompt)
+            pad = width - prompt.num_tokens
+            if pad:
+                embeds = torch.nn.functional.pad(embeds, (0, 0, 0, pad))
+                pos = torch.cat([pos, pos[:, :, -1:] + torch.arange(1, pad + 1).view(1, 1, -1)], dim=2)
+            rows.append(embeds)
+            positions.append(pos)
+            deltas.append(delta)
         out = model.model.language_model(
-            inputs_embeds=embeds,
-            position_ids=pos.to(device),
+            inputs_embeds=torch.cat(rows),
+            position_ids=torch.cat(positions, dim=1).to(device),
             past_key_values=DynamicCache(),
             use_cache=True,
         )
-        last_logits = model.lm_head(out.last_hidden_state[:, -1]).float()[0]
-        kv = [(k, v) for k, v, *_ in out.past_key_values]
-    return PrefixState(kv=kv, last_logits=last_logits, rope_delta=delta, length=prompt.num_tokens)
+        index = torch.tensor([n - 1 for n in lengths], device=device)
+        last = model.lm_head(out.last_hidden_state[torch.arange(len(prompts), device=device), index]).float()
+        layers = [(k, v) for k, v, *_ in out.past_key_values]
+    return [PrefixState(kv=[(k[i : i + 1, :, :n], v[i : i + 1, :, :n]) for k, v in layers],
+                        last_logits=last[i], rope_delta=deltas[i], length=n)
+            for i, n in enumerate(lengths)]
 
 
 def pad_responses(responses: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,27 +189,62 @@ def pad_responses(responses: list[list[int]], pad_id: int) -> tuple[torch.Tensor
 
 def suffix_logits(model: torch.nn.Module, prefix: PrefixState, tokens: torch.Tensor, *, grad: bool) -> torch.Tensor:
     """Logits [G, R, V] predicting each response token, from the shared prefix KV."""
+    return suffix_logits_batch(model, [prefix], [tokens], grad=grad)[0]
+
+
+def suffix_logits_batch(model: torch.nn.Module, prefixes: list[PrefixState], tokens: list[torch.Tensor], *,
+                        grad: bool) -> list[torch.Tensor]:
+    """Logits [G_i, R_i, V] for several prompt groups in one LM forward.
+
+    Row r of group i attends to group i's prefix KV (``expand``ed, so gradients add up into the one
+    prefix) and then causally to its own response. Prefixes of different lengths are right-padded to
+    the longest and the padding columns are masked out; equal lengths need no mask at all.
+    """
     device = _device_of(model)
-    tokens = tokens.to(device)
-    group, width = tokens.shape
-    first = prefix.last_logits.view(1, 1, -1).expand(group, 1, -1)
+    tokens = [t.to(device) for t in tokens]
+    width = max(t.shape[1] for t in tokens)
+    firsts = [p.last_logits.view(1, 1, -1).expand(t.shape[0], 1, -1) for p, t in zip(prefixes, tokens)]
     if width == 1:
-        return first
+        return firsts
+    longest = max(p.length for p in prefixes)
     with torch.set_grad_enabled(grad):
-        cache = DynamicCache(ddp_cache_data=[(k.expand(group, -1, -1, -1), v.expand(group, -1, -1, -1))
-                                             for k, v in prefix.kv])
-        feed = tokens[:, :-1]  # token t predicts token t+1; the last token predicts nothing we score
-        start = prefix.length + prefix.rope_delta
-        pos = torch.arange(start, start + feed.shape[1], device=device).view(1, 1, -1).expand(3, group, -1)
-        embeds = model.get_input_embeddings()(feed)
+        layers = []
+        for layer in range(len(prefixes[0].kv)):
+            ks, vs = [], []
+            for p, t in zip(prefixes, tokens):
+                k, v = p.kv[layer]
+                pad = (0, 0, 0, longest - p.length)
+                ks.append(torch.nn.functional.pad(k, pad).expand(t.shape[0], -1, -1, -1))
+                vs.append(torch.nn.functional.pad(v, pad).expand(t.shape[0], -1, -1, -1))
+            layers.append((torch.cat(ks), torch.cat(vs)))
+        feed = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]))[:, :-1] for t in tokens])
+        steps = torch.arange(width - 1, device=device)
+        pos = torch.cat([(p.length + p.rope_delta + steps).view(1, -1).expand(t.shape[0], -1)
+                         for p, t in zip(prefixes, tokens)]).unsqueeze(0).expand(3, -1, -1)
+        mask = None
+        if any(p.length != longest for p in prefixes):
+            dtype = layers[0][0].dtype
+            valid = torch.cat([(torch.arange(longest, device=device) < p.length).expand(t.shape[0], -1)
+                               for p, t in zip(prefixes, tokens)])  # [rows, longest]
+            causal = torch.ones(width - 1, width - 1, dtype=torch.bool, device=device).tril()
+            allowed = torch.cat([valid.view(-1, 1, longest).expand(-1, width - 1, -1),
+                                 causal.expand(valid.shape[0], -1, -1)], dim=2)
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+            mask = {t: mask.unsqueeze(1) for t in set(model.config.get_text_config().layer_types)}
         out = model.model.language_model(
-            inputs_embeds=embeds,
+            inputs_embeds=model.get_input_embeddings()(feed),
             position_ids=pos,
-            past_key_values=cache,
+            past_key_values=DynamicCache(ddp_cache_data=layers),
+            attention_mask=mask,
             use_cache=True,
         )
         rest = model.lm_head(out.last_hidden_state).float()
-    return torch.cat([first, rest], dim=1)
+    result, row = [], 0
+    for first, t in zip(firsts, tokens):
+        n, r = t.shape
+        result.append(torch.cat([first, rest[row : row + n, : r - 1]], dim=1))
+        row += n
+    return result
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -194,11 +265,27 @@ def suffix_logprobs(
     grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs [G, R] of the G responses on the prefix, and their mask [G, R]."""
-    tokens, mask = pad_responses(responses, pad_id)
-    logits = suffix_logits(model, prefix, tokens, grad=grad)
+    return suffix_logprobs_batch(model, [prefix], [responses], pad_id=pad_id, temperature=temperature, grad=grad)[0]
+
+
+def suffix_logprobs_batch(
+    model: torch.nn.Module,
+    prefixes: list[PrefixState],
+    responses: list[list[list[int]]],
+    *,
+    pad_id: int,
+    temperature: float = 1.0,
+    grad: bool,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``suffix_logprobs`` for several prompt groups, in one forward."""
+    padded = [pad_responses(r, pad_id) for r in responses]
+    logits = suffix_logits_batch(model, prefixes, [t for t, _ in padded], grad=grad)
+    out = []
     with torch.set_grad_enabled(grad):
-        logprobs = token_logprobs(logits, tokens, temperature)
-    return logprobs, mask.to(logprobs.device)
+        for lg, (tokens, mask) in zip(logits, padded):
+            logprobs = token_logprobs(lg, tokens, temperature)
+            out.append((logprobs, mask.to(logprobs.device)))
+    return out
 
 
 def full_sequence_logprobs(

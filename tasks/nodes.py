@@ -46,15 +46,18 @@ def request_id(iteration: int, prompt: int) -> str:
 # --------------------------------------------------------------------------------------------------
 @register_task("vit_encode")
 def vit_encode(ctx, node, inputs):
-    prompt = inputs[node.inputs[0]]
-    return {node.outputs[0]: lm.vision_embeds(ctx.model(node.model), prompt)}
+    prompts = [inputs[v] for v in node.inputs]
+    visions = lm.vision_embeds_batch(ctx.model(node.model), prompts)
+    return dict(zip(node.outputs, visions))
 
 
 @register_task("prefix")
 def prefix(ctx, node, inputs):
-    prompt, vis = (inputs[v] for v in node.inputs)
-    state = lm.prefix_forward(ctx.model(node.model), prompt, vis, grad=bool(node.args["grad"]))
-    return {node.outputs[0]: state}
+    n = len(node.args["prompts"])
+    prompts = [inputs[v] for v in node.inputs[:n]]
+    visions = [inputs[v] for v in node.inputs[n:]]
+    states = lm.prefix_forward_batch(ctx.model(node.model), prompts, visions, grad=bool(node.args["grad"]))
+    return dict(zip(node.outputs, states))
 
 
 @register_task("decode_chunk")
@@ -114,17 +117,21 @@ def suffix_score(ctx, node, inputs):
     model = ctx.model(node.model)
     grad = bool(node.args["grad"])
     s = ctx.settings
+    n = len(node.args["prompts"])
+    responses = [inputs[v].token_ids for v in node.inputs[-n:]]
     if node.args.get("full_sequence"):
-        prompt, vis, responses = (inputs[v] for v in node.inputs)
-        values, _ = lm.full_sequence_logprobs(model, prompt, responses.token_ids, pad_id=s.pad_id,
-                                              temperature=s.score_temperature, grad=grad, vis=vis)
+        prompts, visions = [inputs[v] for v in node.inputs[:n]], [inputs[v] for v in node.inputs[n:2 * n]]
+        values = [lm.full_sequence_logprobs(model, p, r, pad_id=s.pad_id, temperature=s.score_temperature,
+                                            grad=grad, vis=v)[0] for p, v, r in zip(prompts, visions, responses)]
     else:
-        state, responses = (inputs[v] for v in node.inputs)
-        values, _ = lm.suffix_logprobs(model, state, responses.token_ids, pad_id=s.pad_id,
-                                       temperature=s.score_temperature, grad=grad)
-    out = {node.outputs[0]: values if grad else values.detach()}
-    if grad:
-        out[node.outputs[1]] = values.detach().cpu()
+        states = [inputs[v] for v in node.inputs[:n]]
+        values = [lp for lp, _ in lm.suffix_logprobs_batch(model, states, responses, pad_id=s.pad_id,
+                                                            temperature=s.score_temperature, grad=grad)]
+    out, names = {}, iter(node.outputs)
+    for value in values:
+        out[next(names)] = value if grad else value.detach()
+        if grad:
+            out[next(names)] = value.detach().cpu()
     return out
 
 

@@ -232,7 +232,7 @@ def test_node_is_frozen_and_meta_is_not_part_of_equality():
     with pytest.raises(AttributeError):
         a.name = "m"  # type: ignore[misc]
     b = Node("n", "reward", args={"p": 1}, meta={"stream": "decode"})
-    assert a == b and b.stream == "decode" and a.stream == "compute"
+    assert a == b and b.stream == "decode" and a.stream == "host"
 
 
 # -- lifetimes -------------------------------------------------------------------------------------

@@ -88,3 +88,49 @@ def test_prefix_plus_suffix_gradient_equals_full_sequence_gradient(model_and_pro
         scale = p.grad.abs().max().clamp(min=1e-8)
         assert float((grads_shared[name] - p.grad).abs().max() / scale) < 1e-4, name
     model.zero_grad()
+
+
+def _prompt(processor, size, text):
+    image = Image.new("RGB", size, (30, 200, 30))
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
+    enc = processor(text=[processor.apply_chat_template(messages, add_generation_prompt=True)], images=[image],
+                    return_tensors="pt")
+    return lm.PromptInputs(text, enc["input_ids"][0], enc["pixel_values"], enc["image_grid_thw"])
+
+
+def test_batched_forwards_equal_one_prompt_at_a_time(model_and_prompt, tiny_model_dir):
+    """Several prompts of different lengths in one vision, prefix and suffix call: same values and
+    the same gradients as one call per prompt (padding is masked, never attended to)."""
+    from transformers import AutoProcessor
+
+    model, first = model_and_prompt
+    processor = AutoProcessor.from_pretrained(tiny_model_dir)
+    prompts = [first, _prompt(processor, (56, 56), "Which colour?"), _prompt(processor, (112, 112), "Colour.")]
+    assert len({p.num_tokens for p in prompts}) == 3
+    groups = [RESPONSES, [[3, 4], [5]], [[6, 7, 8, 9, 10, 11]]]
+
+    def run(batched: bool):
+        model.zero_grad()
+        if batched:
+            visions = lm.vision_embeds_batch(model, prompts)
+            states = lm.prefix_forward_batch(model, prompts, visions, grad=True)
+            scored = lm.suffix_logprobs_batch(model, states, groups, pad_id=0, grad=True)
+        else:
+            visions = [lm.vision_embeds(model, p) for p in prompts]
+            states = [lm.prefix_forward(model, p, v, grad=True) for p, v in zip(prompts, visions)]
+            scored = [lm.suffix_logprobs(model, s, g, pad_id=0, grad=True) for s, g in zip(states, groups)]
+        total = sum((lp * mask).sum() * (i + 1) for i, (lp, mask) in enumerate(scored))
+        total.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        return visions, [lp.detach() * mask for lp, mask in scored], grads
+
+    vis_a, lp_a, g_a = run(batched=True)
+    vis_b, lp_b, g_b = run(batched=False)
+    for a, b in zip(vis_a, vis_b):
+        assert torch.allclose(a.image, b.image, atol=1e-6)
+    for a, b in zip(lp_a, lp_b):
+        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5)
+    for name in g_b:
+        scale = g_b[name].abs().max().clamp(min=1e-8)
+        assert float((g_a[name] - g_b[name]).abs().max() / scale) < 1e-4, name
+    model.zero_grad()
