@@ -16,9 +16,8 @@ from collections.abc import Iterator
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from rollplex.errors import EngineError, RollplexError
-from rollplex.pipeline.worker import HostSpec
+from rollplex.pipeline.worker import STREAMS, HostSpec
 
-STREAMS = ("decode", "compute", "host")
 WORKER_FLAGS = '--nthreads 3 --resources "decode=1,compute=1,host=1"'
 PLUGIN_NAME = "rollplex-engines"
 

@@ -163,6 +163,7 @@ def compile_iteration(
 
     # Scoring: prefix once per prompt (independent of the responses), suffix per prompt group.
     kv_bytes = dims.kv_bytes(shape.prompt_tokens) + dims.vocab * 4
+    grad_nodes: dict[tuple[str, str], list[str]] = {}  # nodes whose graphs a backward will walk
     for s in alg.scores:
         role = role_of(s.model)
         for ps in shape.node_groups(grad=s.grad):
@@ -188,6 +189,9 @@ def compile_iteration(
                     **{kv: dev(kv_bytes + held, "kv") for kv in kvs})
             add(f"suffix_{s.as_}_{span(ps)}", "suffix_score", kvs + responses, outs,
                 model=s.model, role=role, args=args, **score_info)
+            if s.grad:
+                grad_nodes.setdefault(("prefix", s.model), []).append(f"prefix_{s.model}_{span(ps)}")
+                grad_nodes.setdefault(("suffix", s.as_), []).append(f"suffix_{s.as_}_{span(ps)}")
 
     for p in range(P):
         add(f"reward_p{p}", "reward", [f"prompt_p{p}", f"responses_p{p}"], [f"rewards_p{p}"],
@@ -243,9 +247,10 @@ def compile_iteration(
         add(f"loss_m{m}", "loss", ["rollout_stats", *inputs], [f"loss_m{m}"], model=policy,
             args={"prompts": list(groups), "bind": binding}, **{f"loss_m{m}": host(64, "scalars")})
         loss_outputs.append(f"loss_m{m}")
-    # Gradients accumulate in floating point, so their order fixes the bits of the update: chain
-    # the micro-batches so that every schedule sums them in the same order.
-    accumulation_order = [f"loss_m{m}" for m in range(len(loss_outputs))]
+    # Gradients accumulate in floating point, so their order fixes the bits of the update: chain the
+    # micro-batches, and the forwards whose graphs they walk (autograd orders a backward by the
+    # creation order of the forward's ops), so that every schedule sums them in the same order.
+    chains = [[f"loss_m{m}" for m in range(len(loss_outputs))], *grad_nodes.values()]
     add("optimizer_step", "optimizer_step", loss_outputs, ["step"], model=policy, step=host(64, "scalars"))
     add("weight_sync", "weight_sync", ["step"], ["synced"], model=policy,
         synced=host(64, "scalars"))
@@ -257,6 +262,8 @@ def compile_iteration(
             report_inputs.append(f"old_{s.as_}_p{p}" if s.grad else f"{s.as_}_p{p}")
     add("report", "report", list(dict.fromkeys(report_inputs)), ["report"], report=host(P * G * 256, "records"))
     g.connect()
-    for before, after in zip(accumulation_order, accumulation_order[1:]):
-        g.add_order(before, after, reason="accumulation order")
+    for chain in chains:
+        for before, after in zip(chain, chain[1:]):
+            if before in g.nodes and after in g.nodes:
+                g.add_order(before, after, reason="accumulation order")
     return g.lint()

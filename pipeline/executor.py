@@ -119,7 +119,7 @@ class DaskExecutor:
         """Run ``fn(host, *args)`` on a worker's engines, on one of its streams."""
         from rollplex.pipeline.worker import call_on_host
 
-        future = self.client.submit(call_on_host, fn, *args, resources={stream: 1}, pure=False)
+        future = self.client.submit(call_on_host, fn, *args, stream=stream, resources={stream: 1}, pure=False)
         return future.result()
 
 

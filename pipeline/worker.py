@@ -13,7 +13,8 @@ import resource
 import threading
 import time
 from collections.abc import Callable
-from contextlib import contextmanager, nullcontext
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,8 @@ import torch
 
 from rollplex.errors import NodeFailure, RollplexError
 from rollplex.pipeline.ir import Node
+
+STREAMS = ("decode", "compute", "host")  # a worker's streams; Dask resources of the same names
 
 
 @dataclass
@@ -98,6 +101,12 @@ class WorkerHost:
         self.events: list[dict] = []
         self._lock = threading.Lock()
         self._remaining: dict[tuple[int, str], int] = {}
+        # One OS thread per stream, whatever Dask thread holds the stream's resource. Thread-local
+        # state then follows the stream: the CUDA stream or green context it binds, and autograd's
+        # per-thread op sequence numbers, which order a backward's gradient accumulation. Without
+        # it, where a forward ran would change the bits of the update.
+        self._stream_threads = {name: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rollplex-{name}")
+                                for name in STREAMS}
 
     def _make_streams(self) -> dict[str, Any]:
         if self.device.type != "cuda":
@@ -141,6 +150,14 @@ class WorkerHost:
             torch.cuda.reset_peak_memory_stats(self.device)
         return {"events": events, "peak_memory_bytes": int(peak), "worker": self.name, "pid": os.getpid()}
 
+    def run_on_stream(self, stream: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn`` on the stream's own thread, inside its CUDA stream where there is one."""
+        def bound():
+            with self.on_stream(stream):
+                return fn(*args)
+
+        return self._stream_threads[stream].submit(bound).result()
+
     @contextmanager
     def on_stream(self, stream: str):
         s = self.streams.get(stream)
@@ -154,6 +171,8 @@ class WorkerHost:
     def close(self) -> None:
         for engine in [*self.engines.values(), self.decode]:
             engine.close()
+        for pool in self._stream_threads.values():
+            pool.shutdown(wait=False)
 
 
 class NodeContext:
@@ -212,8 +231,7 @@ def run_node(node: Node, iteration: int, uses: dict[str, int], n_values: int, *d
         raise NodeFailure(node.name, node.kind, KeyError(f"inputs {missing} were released or never produced"))
     start = time.time()
     try:
-        with host.on_stream(node.stream):
-            outputs = task_for(node.kind)(NodeContext(host, iteration), node, inputs)
+        outputs = host.run_on_stream(node.stream, task_for(node.kind), NodeContext(host, iteration), node, inputs)
     except (RollplexError, NodeFailure):
         raise
     except FloatingPointError as exc:
@@ -233,9 +251,7 @@ def provide_input(value: Any, name: str) -> dict[str, Any]:
     return {name: value}
 
 
-def call_on_host(fn: Callable[..., Any], *args: Any) -> Any:
-    """Run a host-level function (warm-up, checkpoint I/O) on this worker's engines."""
+def call_on_host(fn: Callable[..., Any], *args: Any, stream: str = "compute") -> Any:
+    """Run a host-level function (warm-up, checkpoint I/O) on this worker's engines, on a stream."""
     host = current_host()
-    ctx = host.on_stream("compute") if host.streams else nullcontext()
-    with ctx:
-        return fn(host, *args)
+    return host.run_on_stream(stream, fn, host, *args)
