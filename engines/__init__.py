@@ -1,4 +1,11 @@
 """engines"""
 # Importing the engine modules registers them. They import vllm/transformers only when an engine is
 # built, so this stays fast; a module runs once per process, so the registry never sees a duplicate.
-from rollplex.engines import deepspeed_train, hf_score, torch_decode, torch_train, vllm_decode  # noqa: F401
+from rollplex.engines import (  # noqa: F401
+    deepspeed_train,
+    graph_decode,
+    hf_score,
+    torch_decode,
+    torch_train,
+    vllm_decode,
+)

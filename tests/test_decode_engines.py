@@ -5,6 +5,8 @@ nearly flat: agreement to 1e-4 in fp32 is a real check, and a wrong temperature 
 """
 from __future__ import annotations
 
+import dataclasses
+
 import os
 from pathlib import Path
 
@@ -78,9 +80,18 @@ def torch_engine(model_dir):
     engine.close()
 
 
-@pytest.fixture(params=["hf", pytest.param("vllm", marks=pytest.mark.slow)])
+@pytest.fixture
+def graph_engine(model_dir):
+    """The static-KV engine on its eager path (CUDA graphs are captured on a GPU only)."""
+    engine = get_engine("torch-graph", "decode").factory(ctx(model_dir, max_num_seqs=32, max_model_len=256))
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(params=["hf", "torch-graph", pytest.param("vllm", marks=pytest.mark.slow)])
 def engine(request):
-    return request.getfixturevalue("torch_engine" if request.param == "hf" else "vllm_engine")
+    return request.getfixturevalue({"hf": "torch_engine", "torch-graph": "graph_engine",
+                                    "vllm": "vllm_engine"}[request.param])
 
 
 def requests(prompts, *, group=1, temperature=0.0, max_tokens=12, seed=0, top_p=1.0, stop=()):
@@ -269,3 +280,23 @@ def test_n_samples_equal_n_single_requests_seeded_seed_plus_i(engine, prompts):
     for s in grouped:
         assert s.token_ids == singles[f"single{s.index}"].token_ids
         assert s.logprobs == pytest.approx(singles[f"single{s.index}"].logprobs, abs=1e-5)
+
+
+def test_graph_engine_greedy_matches_torch_engine(graph_engine, torch_engine, prompts):
+    reqs = requests(prompts, group=2, temperature=0.0)
+    want = run(torch_engine, reqs)
+    got = run(graph_engine, reqs, chunk=3)
+    for rid, seq in want.items():
+        assert got[rid].token_ids == seq.token_ids and got[rid].finish_reason == seq.finish_reason
+        assert got[rid].logprobs == pytest.approx(seq.logprobs, abs=1e-4)
+
+
+def test_graph_engine_long_tail_packs_rows_without_changing_tokens(model_dir, prompts):
+    """Rows that finish early leave the batch; the rest move to the front and decode on. Their tokens
+    are those of each request decoded alone (per-request noise, not per-batch)."""
+    reqs = [dataclasses.replace(r, max_tokens=3 + 4 * i) for i, r in enumerate(requests(prompts, group=2,
+                                                                                         temperature=1.0))]
+    together = run(get_engine("torch-graph").factory(ctx(model_dir, max_num_seqs=8)), reqs, chunk=2)
+    for r in reqs:
+        alone = run(get_engine("torch-graph").factory(ctx(model_dir, max_num_seqs=8)), [r])
+        assert together[r.request_id].token_ids == alone[r.request_id].token_ids

@@ -1,0 +1,384 @@
+"""A static-KV decode engine in plain torch whose decode step is one CUDA graph per batch size.
+
+Where vLLM's CUDA build is absent (the lent GPU machine), this is the decode engine; its interface is
+vLLM's (``DecodeEngine``). HF's eager decode is bound by kernel launches (tens of ms per step for a
+3B model), so the step here is written for capture instead:
+
+- The KV cache is one preallocated buffer per layer, [rows, kv_heads, max_len, head_dim]. A row's
+  prompt KV (from ``tasks.lm.prefix_forward_batch``, once per prompt and copied into its n rows) fills
+  slots [0, L); each step writes one slot per row at its own position, via ``index_put_``.
+- Attention is a plain grouped-query batched matmul over all slots with a length mask: no repeat of
+  K/V per query head, no host-side mask building, fixed shapes.
+- Sampling runs inside the step: a counter-based hash of (request seed, token index, vocab id) gives
+  each row its uniform noise, so a row's tokens do not depend on the batch, the graph or the chunking.
+  Gumbel-max over logits / temperature draws the token; its log-prob is taken from the same
+  distribution.
+- Graphs are captured for a few batch sizes. When rows finish, the live ones are packed to the front
+  and the next step replays the smallest graph that holds them, so the long tail runs small graphs.
+On CPU (and wherever CUDA graphs are off) the same step runs eagerly: CI tests this path.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from rollplex.engines.base import (
+    DecodeEngine,
+    DecodeRequest,
+    EngineContext,
+    EngineSpec,
+    FinishedSequence,
+    register_engine,
+)
+from rollplex.engines.torch_decode import _apply_top_p, eos_token_ids
+from rollplex.errors import EngineError
+
+_MASK64 = (1 << 64) - 1
+
+
+def _i64(x: int) -> int:
+    """A 64-bit constant as the signed int64 torch stores."""
+    x &= _MASK64
+    return x - (1 << 64) if x >> 63 else x
+
+
+_GOLDEN, _MIX1, _MIX2 = _i64(0x9E3779B97F4A7C15), _i64(0xBF58476D1CE4E5B9), _i64(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's ``>>`` sign-extends)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def counter_uniform(seed: torch.Tensor, index: torch.Tensor, vocab: int) -> torch.Tensor:
+    """U(0,1) noise [B, V] from splitmix64 of (seed, token index, vocab id): a pure function of its
+    inputs, so it is the same in a graph, eagerly, and whatever else shares the batch."""
+    ids = torch.arange(vocab, device=seed.device, dtype=torch.long)
+    x = seed.view(-1, 1) * _GOLDEN + index.view(-1, 1) * _MIX1 + ids.view(1, -1)
+    x = (x ^ _shr(x, 30)) * _MIX1
+    x = (x ^ _shr(x, 27)) * _MIX2
+    x = x ^ _shr(x, 31)
+    return (_shr(x, 40).to(torch.float32) + 0.5) / float(1 << 24)
+
+
+@dataclasses.dataclass
+class _Row:
+    parent: str
+    sample: int
+    n: int
+    request: DecodeRequest
+
+
+class _Weights:
+    """The text model's tensors, referenced (not copied) from an HF Qwen2.5-VL model."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        lm = model.model.language_model
+        cfg = model.config.get_text_config()
+        self.embed = lm.embed_tokens.weight
+        self.norm_w, self.eps = lm.norm.weight, lm.norm.variance_epsilon
+        self.lm_head = model.lm_head.weight
+        self.layers = lm.layers
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.inv_freq = lm.rotary_emb.inv_freq
+        self.attn_scale = self.head_dim ** -0.5
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class _Batch:
+    """Static device buffers of the live rows: everything a step reads and writes."""
+
+    def __init__(self, w: _Weights, rows: int, max_len: int, layers: int, vocab: int, dtype, device) -> None:
+        shape = (rows, w.kv_heads, max_len, w.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        z = lambda dt: torch.zeros(rows, dtype=dt, device=device)  # noqa: E731
+        self.logits = torch.zeros(rows, vocab, dtype=torch.float32, device=device)
+        self.length = z(torch.long)  # filled KV slots = position of the next token's KV
+        self.rope_pos = z(torch.long)  # M-RoPE text position of the next token
+        self.seed, self.n_gen, self.max_new = z(torch.long), z(torch.long), z(torch.long)
+        self.temp, self.top_p, self.done = z(torch.float32), z(torch.float32), z(torch.bool)
+        self.stop = torch.full((rows, 4), -1, dtype=torch.long, device=device)
+        # Sized for the longest response at once: graphs hold these buffers' addresses.
+        self.tokens = torch.zeros(rows, max_len, dtype=torch.long, device=device)
+        self.logps = torch.zeros(rows, max_len, dtype=torch.float32, device=device)
+        self.max_len = max_len
+
+
+class GraphDecodeEngine(DecodeEngine):
+    """Options: max_num_seqs (rows), max_model_len (KV slots per row), graph_batch_sizes (captured;
+    default powers of two up to max_num_seqs), cuda_graphs (default True on CUDA), share_model (an
+    HF model whose weights the engine uses in place: no second copy)."""
+
+    def __init__(self, ctx: EngineContext) -> None:
+        opts = dict(ctx.options)
+        self.device = torch.device(ctx.device)
+        model = opts.get("share_model")
+        if model is None:
+            from transformers import Qwen2_5_VLForConditionalGeneration
+
+            model = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(ctx.model_path), dtype=ctx.dtype)
+            model = model.to(self.device).eval().requires_grad_(False)
+        self.model = model
+        text = model.config.get_text_config()
+        if set(getattr(text, "layer_types", ["full_attention"])) != {"full_attention"}:
+            raise EngineError("engine 'torch-graph': only full-attention models are supported")
+        self.w = _Weights(model)
+        self.vocab = text.vocab_size
+        self.dtype = self.w.embed.dtype
+        self.eos_token_ids = eos_token_ids(ctx.model_path, model.config)
+        self.rows = int(opts.get("max_num_seqs") or 64)
+        self.max_len = int(opts.get("max_model_len") or 2048)
+        self.use_graphs = bool(opts.get("cuda_graphs", self.device.type == "cuda"))
+        sizes = opts.get("graph_batch_sizes") or [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b < self.rows]
+        self.sizes = sorted({int(b) for b in sizes if b <= self.rows} | {self.rows})
+        self.batch = _Batch(self.w, self.rows, self.max_len, len(self.w.layers), self.vocab, self.dtype, self.device)
+        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self._lock = threading.Lock()
+        self._pending: list[DecodeRequest] = []
+        self._live: list[_Row | None] = [None] * self.rows  # row slot -> what it decodes
+        self._children: dict[str, list[FinishedSequence]] = {}
+        self.steps_run = 0
+
+    # -- the interface -----------------------------------------------------------------------------
+    def add_requests(self, requests: Sequence[DecodeRequest]) -> None:
+        with self._lock:
+            for req in requests:
+                if req.request_id in self._children:
+                    raise EngineError(f"request {req.request_id}: a live request has this id already")
+                if len(req.prompt_token_ids) + req.max_tokens > self.max_len:
+                    raise EngineError(f"request {req.request_id}: prompt {len(req.prompt_token_ids)} + max_tokens "
+                                      f"{req.max_tokens} exceeds max_model_len {self.max_len}")
+                self._children[req.request_id] = []
+                self._pending.append(req)
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self._pending) or any(r is not None for r in self._live)
+
+    def step(self, max_tokens: int) -> list[FinishedSequence]:
+        with self._lock, torch.no_grad():
+            self._admit()
+            done: list[FinishedSequence] = []
+            for _ in range(max_tokens):
+                live = self._live_count()
+                if live == 0:
+                    break
+                self._run_step(self._graph_size(live))
+            done += self._collect()
+            return done
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        with self._lock, torch.no_grad():
+            if self._pending or any(r is not None for r in self._live):
+                raise EngineError("engine 'torch-graph': load_weights while requests are live")
+            params = dict(self.model.named_parameters())
+            for name, tensor in named_tensors:
+                target = params.get(name)
+                if target is None:
+                    raise EngineError(f"engine 'torch-graph': unknown tensor {name!r}")
+                if target.data_ptr() != tensor.data_ptr():  # a shared tensor is current already
+                    target.copy_(tensor)
+
+    def close(self) -> None:
+        with self._lock:
+            self._graphs.clear()
+            self.batch = None
+
+    # -- admission: prefill queued prompts into free rows ----------------------------------------
+    def _live_count(self) -> int:
+        return sum(r is not None for r in self._live)
+
+    def _admit(self) -> None:
+        from rollplex.tasks.lm import PromptInputs, VisionEmbeds, prefix_forward_batch
+
+        free = [i for i, r in enumerate(self._live) if r is None]
+        take = []
+        while self._pending and self._pending[0].n <= len(free) - sum(r.n for r in take):
+            take.append(self._pending.pop(0))
+        if not take:
+            if self._pending and not self._live_count():
+                raise EngineError(f"engine 'torch-graph': a request needs {self._pending[0].n} rows; "
+                                  f"max_num_seqs is {self.rows}")
+            return
+        prompts = [PromptInputs(r.request_id, torch.tensor(r.prompt_token_ids, dtype=torch.long),
+                                image_grid_thw=None if r.image_grid_thw is None else r.image_grid_thw.reshape(-1, 3))
+                   for r in take]
+        visions = [VisionEmbeds(image=r.image_embeds, video=None) for r in take]
+        states = prefix_forward_batch(self.model, prompts, visions, grad=False)
+        b = self.batch
+        for req, state in zip(take, states):
+            stops = sorted(set(req.stop_token_ids) | set(self.eos_token_ids))[: b.stop.shape[1]]
+            for sample in range(req.n):
+                row = free.pop(0)
+                self._live[row] = _Row(req.request_id, sample, req.n, req)
+                for layer, (k, v) in enumerate(state.kv):
+                    b.k[layer][row, :, : state.length] = k[0]
+                    b.v[layer][row, :, : state.length] = v[0]
+                b.logits[row] = state.last_logits
+                b.length[row] = state.length
+                b.rope_pos[row] = state.length + state.rope_delta
+                b.seed[row] = req.seed + sample
+                b.n_gen[row] = 0
+                b.max_new[row] = req.max_tokens
+                b.temp[row] = req.temperature
+                b.top_p[row] = req.top_p
+                b.done[row] = False
+                b.stop[row] = -1
+                b.stop[row, : len(stops)] = torch.tensor(stops, dtype=torch.long)
+        self._pack()
+
+    def _pack(self) -> None:
+        """Move the live rows to the front, so a small graph covers them all."""
+        live = [i for i, r in enumerate(self._live) if r is not None]
+        if live == list(range(len(live))):
+            return
+        order = live + [i for i, r in enumerate(self._live) if r is None]
+        index = torch.tensor(order, device=self.device)
+        b = self.batch
+        for layer in range(len(b.k)):  # index_select then copy_: the graphs keep the same storage
+            b.k[layer].copy_(b.k[layer].index_select(0, index))
+            b.v[layer].copy_(b.v[layer].index_select(0, index))
+        for name in ("logits", "length", "rope_pos", "seed", "n_gen", "max_new", "temp", "top_p", "done", "stop",
+                     "tokens", "logps"):
+            t = getattr(b, name)
+            t.copy_(t.index_select(0, index))
+        self._live = [self._live[i] for i in order]
+
+    def _graph_size(self, live: int) -> int:
+        return next(s for s in self.sizes if s >= live)
+
+    # -- the step ------------------------------------------------------------------------------------
+    def _step(self, n: int, top_p: bool) -> None:
+        """Sample a token for rows [0, n) from their logits, then feed it to get the next logits."""
+        b, w = self.batch, self.w
+        logits, temp = b.logits[:n], b.temp[:n]
+        greedy = temp <= 0
+        scaled = logits / torch.where(greedy, torch.ones_like(temp), temp).view(-1, 1)
+        if top_p:  # vLLM's nucleus: mask the tail, keep the top token; log-probs are under what is drawn from
+            scaled = _apply_top_p(scaled, torch.where(greedy, torch.ones_like(temp), b.top_p[:n]))
+        logp = F.log_softmax(scaled, dim=-1)
+        gumbel = -torch.log(-torch.log(counter_uniform(b.seed[:n], b.n_gen[:n], self.vocab)))
+        token = torch.where(greedy, logits.argmax(-1), (scaled + gumbel).argmax(-1))
+        active = ~b.done[:n]
+        col = b.n_gen[:n].clamp(max=b.tokens.shape[1] - 1).view(-1, 1)
+        b.tokens[:n].scatter_(1, col, torch.where(active, token, b.tokens[:n].gather(1, col).view(-1)).view(-1, 1))
+        b.logps[:n].scatter_(1, col, torch.where(active, logp.gather(1, token.view(-1, 1)).view(-1),
+                                                 b.logps[:n].gather(1, col).view(-1)).view(-1, 1))
+        n_gen = b.n_gen[:n] + active.long()
+        b.n_gen[:n].copy_(n_gen)
+        stopped = (token.view(-1, 1) == b.stop[:n]).any(-1)
+        b.done[:n].copy_(b.done[:n] | (active & (stopped | (n_gen >= b.max_new[:n]))))
+
+        # Forward the sampled token. Finished rows compute too (fixed shapes) but write nothing read.
+        x = F.embedding(token, w.embed)  # [n, hidden]
+        pos = b.rope_pos[:n].float().view(-1, 1) * w.inv_freq.view(1, -1)
+        cos = torch.cat([pos.cos(), pos.cos()], -1).to(x.dtype).view(n, 1, 1, -1)
+        sin = torch.cat([pos.sin(), pos.sin()], -1).to(x.dtype).view(n, 1, 1, -1)
+        slot = b.length[:n].clamp(max=b.max_len - 1)
+        rows = torch.arange(n, device=x.device)
+        valid = (torch.arange(b.max_len, device=x.device).view(1, -1) <= slot.view(-1, 1))  # [n, L]
+        bias = torch.zeros(valid.shape, dtype=torch.float32, device=x.device).masked_fill(~valid, float("-inf"))
+        group = w.heads // w.kv_heads
+        where = (rows.view(-1, 1), torch.arange(w.kv_heads, device=x.device).view(1, -1), slot.view(-1, 1))
+        for i, layer in enumerate(w.layers):
+            attn = layer.self_attn
+            h = _rms(x, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
+            q = F.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(n, w.kv_heads, group, w.head_dim)
+            k = F.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(n, w.kv_heads, 1, w.head_dim)
+            v = F.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(n, w.kv_heads, w.head_dim)
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin).view(n, w.kv_heads, w.head_dim)
+            b.k[i].index_put_(where, k)  # this row's slot, every kv head
+            b.v[i].index_put_(where, v)
+            keys, values = b.k[i][:n], b.v[i][:n]  # [n, kv, L, d]
+            scores = torch.matmul(q, keys.transpose(-1, -2)).float() * w.attn_scale  # [n, kv, group, L]
+            probs = torch.softmax(scores + bias.view(n, 1, 1, -1), dim=-1).to(values.dtype)
+            out = torch.matmul(probs, values).reshape(n, w.heads * w.head_dim)
+            x = x + F.linear(out, attn.o_proj.weight)
+            h = _rms(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
+            mlp = layer.mlp
+            x = x + F.linear(F.silu(F.linear(h, mlp.gate_proj.weight)) * F.linear(h, mlp.up_proj.weight),
+                             mlp.down_proj.weight)
+        b.logits[:n].copy_(F.linear(_rms(x, w.norm_w, w.eps), w.lm_head).float())
+        b.length[:n].add_(1)
+        b.rope_pos[:n].add_(1)
+
+    def _run_step(self, n: int) -> None:
+        self.steps_run += 1
+        top_p = any(r is not None and r.request.top_p < 1.0 and r.request.temperature > 0 for r in self._live)
+        if not self.use_graphs:
+            self._step(n, top_p)
+            return
+        graph = self._graphs.get((n, top_p))
+        if graph is None:
+            graph = self._capture(n, top_p)
+        graph.replay()
+
+    def _capture(self, n: int, top_p: bool) -> torch.cuda.CUDAGraph:
+        """Capture the step for n rows. Warm up on a side stream first, as torch requires; the warm-up
+        steps run on rows that are finished or empty, so they change nothing that is read."""
+        b = self.batch
+        saved = {name: getattr(b, name).clone() for name in ("logits", "length", "rope_pos", "n_gen", "done",
+                                                              "tokens", "logps")}
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._step(n, top_p)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            self._step(n, top_p)
+        for name, value in saved.items():  # capture ran the step once more: undo its writes
+            getattr(b, name).copy_(value)
+        self._graphs[n, top_p] = graph
+        return graph
+
+    # -- finished rows ---------------------------------------------------------------------------------
+    def _collect(self) -> list[FinishedSequence]:
+        b = self.batch
+        done = b.done.cpu().tolist()
+        finished = [i for i, r in enumerate(self._live) if r is not None and done[i]]
+        if not finished:
+            return []
+        n_gen = b.n_gen.cpu().tolist()
+        tokens, logps = b.tokens.cpu().tolist(), b.logps.cpu().tolist()
+        out = []
+        for i in finished:
+            row = self._live[i]
+            self._live[i] = None
+            count = n_gen[i]
+            ids = tokens[i][:count]
+            stop = set(row.request.stop_token_ids) | set(self.eos_token_ids)
+            reason = "stop" if ids and ids[-1] in stop else "length"
+            seqs = self._children[row.parent]
+            seqs.append(FinishedSequence(row.parent, ids, logps[i][:count], reason, index=row.sample))
+            if len(seqs) == row.n:
+                out.extend(sorted(self._children.pop(row.parent), key=lambda f: f.index))
+        self._pack()
+        return out
+
+
+SPEC = register_engine(EngineSpec(
+    name="torch-graph",
+    role="decode",
+    factory=GraphDecodeEngine,
+    requires=("transformers",),
+    description="static-KV torch engine: grouped-query attention, in-step sampling, CUDA graphs per batch size",
+))
