@@ -149,7 +149,7 @@ class GraphDecodeEngine(DecodeEngine):
         sizes = opts.get("graph_batch_sizes") or [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b < self.rows]
         self.sizes = sorted({int(b) for b in sizes if b <= self.rows} | {self.rows})
         self.batch = _Batch(self.w, self.rows, self.max_len, len(self.w.layers), self.vocab, self.dtype, self.device)
-        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[int, bool, int], torch.cuda.CUDAGraph] = {}
         self._lock = threading.Lock()
         self._pending: list[DecodeRequest] = []
         self._live: list[_Row | None] = [None] * self.rows  # row slot -> what it decodes
@@ -325,29 +325,35 @@ class GraphDecodeEngine(DecodeEngine):
         if not self.use_graphs:
             self._step(n, top_p)
             return
-        graph = self._graphs.get((n, top_p))
+        # Graphs belong to the stream they were captured on: one captured on an ordinary stream uses
+        # every SM even when replayed on a green context's stream, so each stream gets its own.
+        stream = torch.cuda.current_stream(self.device)
+        key = (n, top_p, stream.cuda_stream)
+        graph = self._graphs.get(key)
         if graph is None:
-            graph = self._capture(n, top_p)
+            graph = self._graphs[key] = self._capture(n, top_p, stream)
         graph.replay()
 
-    def _capture(self, n: int, top_p: bool) -> torch.cuda.CUDAGraph:
-        """Capture the step for n rows. Warm up on a side stream first, as torch requires; the warm-up
-        steps run on rows that are finished or empty, so they change nothing that is read."""
+    def _capture(self, n: int, top_p: bool, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
+        """Capture the step for n rows on ``stream`` (a side stream if that is the default one), after
+        warm-up steps. Warm-up and capture advance live rows; their bookkeeping is restored after, and
+        the KV slots they wrote lie past each row's length, where the next real step overwrites them."""
         b = self.batch
         saved = {name: getattr(b, name).clone() for name in ("logits", "length", "rope_pos", "n_gen", "done",
                                                               "tokens", "logps")}
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
+        if stream == torch.cuda.default_stream(self.device):
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
             for _ in range(2):
                 self._step(n, top_p)
-        torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=side):
+        with torch.cuda.graph(graph, stream=stream):
             self._step(n, top_p)
-        for name, value in saved.items():  # capture ran the step once more: undo its writes
-            getattr(b, name).copy_(value)
-        self._graphs[n, top_p] = graph
+        with torch.cuda.stream(stream):
+            for name, value in saved.items():
+                getattr(b, name).copy_(value)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
         return graph
 
     # -- finished rows ---------------------------------------------------------------------------------

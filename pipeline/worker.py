@@ -13,7 +13,7 @@ import resource
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,7 +67,11 @@ class HostSpec:
 
 
 class WorkerHost:
-    def __init__(self, spec: HostSpec, name: str = "worker") -> None:
+    """``engines``/``decode``/``streams`` may be given ready-made (benchmarks build them once and run
+    several policies on them); otherwise they are built from the spec."""
+
+    def __init__(self, spec: HostSpec, name: str = "worker", engines: dict | None = None, decode=None,
+                 streams: dict | None = None) -> None:
         from rollplex.engines.base import EngineContext, get_engine
         from rollplex.pipeline.algorithms import load_algorithm
         from rollplex.tasks.rewards import get_reward
@@ -91,13 +95,15 @@ class WorkerHost:
             ctx = EngineContext(path, self.device, dtype, spec.settings.seed, options)
             return get_engine(engine, role).factory(ctx)
 
-        self.engines: dict[str, Any] = {}
-        for model in spec.trainable:
-            self.engines[model] = build(spec.train_engine, "train", spec.model_path, spec.train_options)
-        for model in spec.frozen:
-            self.engines[model] = build(spec.score_engine, "score", spec.reference_path, {})
-        self.decode = build(spec.decode_engine, "decode", spec.model_path, spec.decode_options)
-        self.streams = self._make_streams()
+        self.engines: dict[str, Any] = dict(engines or {})
+        if engines is None:
+            for model in spec.trainable:
+                self.engines[model] = build(spec.train_engine, "train", spec.model_path, spec.train_options)
+            for model in spec.frozen:
+                self.engines[model] = build(spec.score_engine, "score", spec.reference_path, {})
+        self.decode = decode if decode is not None else build(spec.decode_engine, "decode", spec.model_path,
+                                                               spec.decode_options)
+        self.streams = streams if streams is not None else self._make_streams()
         self.events: list[dict] = []
         self._lock = threading.Lock()
         self._remaining: dict[tuple[int, str], int] = {}
@@ -150,13 +156,17 @@ class WorkerHost:
             torch.cuda.reset_peak_memory_stats(self.device)
         return {"events": events, "peak_memory_bytes": int(peak), "worker": self.name, "pid": os.getpid()}
 
+    def submit(self, stream: str, fn: Callable[..., Any], *args: Any) -> Future:
+        """Run ``fn(*args)`` on the stream's own thread; a Future of its result."""
+        return self._stream_threads[stream].submit(fn, *args)
+
     def run_on_stream(self, stream: str, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run ``fn`` on the stream's own thread, inside its CUDA stream where there is one."""
+        """Run ``fn`` on the stream's thread, inside its CUDA stream where there is one; wait for it."""
         def bound():
             with self.on_stream(stream):
                 return fn(*args)
 
-        return self._stream_threads[stream].submit(bound).result()
+        return self.submit(stream, bound).result()
 
     @contextmanager
     def on_stream(self, stream: str):
@@ -214,10 +224,26 @@ def uninstall_host() -> None:
     _HOST = None
 
 
-def run_node(node: Node, iteration: int, uses: dict[str, int], n_values: int, *deps: Any) -> dict[str, Any]:
-    """Run one node. ``deps[:n_values]`` are producer bundles; the rest only order this node."""
+def execute_node(host: WorkerHost, node: Node, iteration: int, inputs: dict[str, Any]) -> dict[str, Any]:
+    """Run one node's task on the calling thread (its stream's thread), timed, errors naming the node."""
     from rollplex.tasks.registry import task_for
 
+    start = time.time()
+    try:
+        with host.on_stream(node.stream):
+            outputs = task_for(node.kind)(NodeContext(host, iteration), node, inputs)
+    except (RollplexError, NodeFailure):
+        raise
+    except Exception as exc:  # FloatingPointError from a non-finite loss or gradient included
+        raise NodeFailure(node.name, node.kind, exc) from exc
+    end = time.time()
+    host.record({"name": node.name, "cat": node.kind, "ph": "X", "ts": start * 1e6, "dur": (end - start) * 1e6,
+                 "pid": host.name, "tid": node.stream, "args": {"model": node.model, "engine": node.engine}})
+    return outputs
+
+
+def run_node(node: Node, iteration: int, uses: dict[str, int], n_values: int, *deps: Any) -> dict[str, Any]:
+    """A Dask task: run one node. ``deps[:n_values]`` are producer bundles; the rest only order it."""
     host = current_host()
     inputs: dict[str, Any] = {}
     owners: dict[str, dict] = {}
@@ -229,20 +255,9 @@ def run_node(node: Node, iteration: int, uses: dict[str, int], n_values: int, *d
     missing = [v for v in node.inputs if v not in inputs]
     if missing:
         raise NodeFailure(node.name, node.kind, KeyError(f"inputs {missing} were released or never produced"))
-    start = time.time()
-    try:
-        outputs = host.run_on_stream(node.stream, task_for(node.kind), NodeContext(host, iteration), node, inputs)
-    except (RollplexError, NodeFailure):
-        raise
-    except FloatingPointError as exc:
-        raise NodeFailure(node.name, node.kind, exc) from exc
-    except Exception as exc:
-        raise NodeFailure(node.name, node.kind, exc) from exc
-    end = time.time()
+    outputs = host.submit(node.stream, execute_node, host, node, iteration, inputs).result()
     inputs.clear()
     host.release(iteration, owners, uses)
-    host.record({"name": node.name, "cat": node.kind, "ph": "X", "ts": start * 1e6, "dur": (end - start) * 1e6,
-                 "pid": host.name, "tid": node.stream, "args": {"model": node.model, "engine": node.engine}})
     return outputs
 
 

@@ -1,0 +1,78 @@
+"""Run a scheduled iteration in this process, on one ``WorkerHost``'s stream threads.
+
+The same node semantics as the Dask path (``pipeline/executor.py``): a node starts once every
+predecessor (value or ordering edge) has finished, each stream runs one node at a time and picks its
+ready node of highest priority, each value is dropped after its last consumer, and every node leaves a
+trace event. What it leaves out is the scheduler between nodes, so it serves benchmarks that compare
+policies side by side in one process (``rollplex bench``) and single-device jobs where the few
+milliseconds per Dask hop would matter.
+"""
+from __future__ import annotations
+
+import heapq
+import queue
+import time
+from typing import Any
+
+from rollplex.pipeline.executor import IterationResult
+from rollplex.pipeline.ir import IterationGraph
+from rollplex.pipeline.worker import WorkerHost, execute_node
+
+
+class LocalExecutor:
+    def __init__(self, host: WorkerHost) -> None:
+        self.host = host
+
+    def run(self, graph: IterationGraph, iteration: int, inputs: dict[str, Any]) -> IterationResult:
+        order = {name: i for i, name in enumerate(graph.topological_order())}
+        waiting = {name: graph.g.in_degree(name) for name in graph.nodes}
+        uses = {v: len(graph.consumers(v)) for v in graph.values}
+        values: dict[str, Any] = dict(inputs)
+        ready: dict[str, list] = {}
+        busy: set[str] = set()
+        done_queue: queue.Queue = queue.Queue()
+        start = time.time()
+
+        def push(name: str) -> None:
+            node = graph.nodes[name]
+            heapq.heappush(ready.setdefault(node.stream, []), (-float(node.meta.get("priority", 0.0)),
+                                                               order[name], name))
+
+        def dispatch() -> None:
+            for stream, heap in ready.items():
+                if stream in busy or not heap:
+                    continue
+                _, _, name = heapq.heappop(heap)
+                node = graph.nodes[name]
+                node_inputs = {v: values[v] for v in node.inputs}
+                busy.add(stream)
+                future = self.host.submit(stream, execute_node, self.host, node, iteration, node_inputs)
+                future.add_done_callback(lambda f, name=name: done_queue.put((name, f)))
+
+        for name in graph.nodes:
+            if waiting[name] == 0:
+                push(name)
+        dispatch()
+        finished = 0
+        output = None
+        while finished < len(graph.nodes):
+            name, future = done_queue.get()
+            node = graph.nodes[name]
+            busy.discard(node.stream)
+            outputs = future.result()  # re-raises the node's failure, naming it
+            finished += 1
+            values.update(outputs)
+            for v in node.inputs:  # a value's lifetime ends with its last consumer
+                uses[v] -= 1
+                if uses[v] == 0:
+                    values.pop(v, None)
+            for succ in graph.g.successors(name):
+                waiting[succ] -= 1
+                if waiting[succ] == 0:
+                    push(succ)
+            if graph.g.out_degree(name) == 0:
+                output = outputs
+            dispatch()
+        seconds = time.time() - start
+        drained = self.host.drain()
+        return IterationResult(output, drained["events"], drained["peak_memory_bytes"], seconds)
