@@ -18,7 +18,9 @@ class HFScoreEngine(ScoreEngine):
 
         self.device = torch.device(ctx.device)
         self.dtype = ctx.dtype
-        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(ctx.model_path, dtype=ctx.dtype)
+        model = ctx.options.get("module")  # a model built by the caller (rollplex bench), used as is
+        if model is None:
+            model = Qwen2_5_VLForConditionalGeneration.from_pretrained(ctx.model_path, dtype=ctx.dtype)
         model.to(self.device).eval()
         model.requires_grad_(False)
         self.model = model

@@ -28,11 +28,14 @@ def is_vision_param(name: str) -> bool:
 
 
 def load_policy(ctx: EngineContext) -> torch.nn.Module:
-    """The HF model on ctx.device/dtype with its vision tower frozen."""
+    """The HF model on ctx.device/dtype with its vision tower frozen (``options["module"]``: a model
+    built by the caller, used as is, e.g. by ``rollplex bench``)."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     torch.manual_seed(ctx.seed)
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(ctx.model_path, dtype=ctx.dtype)
+    model = ctx.options.get("module")
+    if model is None:
+        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(ctx.model_path, dtype=ctx.dtype)
     model.to(ctx.device)
     for name, p in model.named_parameters():
         if is_vision_param(name):

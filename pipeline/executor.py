@@ -17,7 +17,7 @@ import dask
 from dask._task_spec import DataNode, Task, TaskRef
 
 from rollplex.pipeline.ir import IterationGraph
-from rollplex.pipeline.worker import provide_input, run_node
+from rollplex.pipeline.worker import IterationResult, provide_input, run_node
 
 
 class KeyLookup:
@@ -79,14 +79,6 @@ def lower(graph: IterationGraph, iteration: int, inputs: dict[str, Any]) -> Lowe
     if len(sinks) != 1:
         raise ValueError(f"an iteration graph needs exactly one sink (the report); found {sinks}")
     return LoweredIteration(dsk, resources, priority, workers, task_key(iteration, sinks[0]))
-
-
-@dataclass
-class IterationResult:
-    output: Any
-    events: list[dict]
-    peak_memory_bytes: int
-    seconds: float
 
 
 class DaskExecutor:

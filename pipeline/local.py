@@ -14,9 +14,8 @@ import queue
 import time
 from typing import Any
 
-from rollplex.pipeline.executor import IterationResult
 from rollplex.pipeline.ir import IterationGraph
-from rollplex.pipeline.worker import WorkerHost, execute_node
+from rollplex.pipeline.worker import IterationResult, WorkerHost, execute_node
 
 
 class LocalExecutor:

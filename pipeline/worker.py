@@ -27,6 +27,16 @@ STREAMS = ("decode", "compute", "host")  # a worker's streams; Dask resources of
 
 
 @dataclass
+class IterationResult:
+    """What running one iteration returns to the driver, whichever executor ran it."""
+
+    output: Any
+    events: list[dict]
+    peak_memory_bytes: int
+    seconds: float
+
+
+@dataclass
 class IterationSettings:
     """Per-run constants every node may read; shipped once with the host spec."""
 
@@ -71,7 +81,7 @@ class WorkerHost:
     several policies on them); otherwise they are built from the spec."""
 
     def __init__(self, spec: HostSpec, name: str = "worker", engines: dict | None = None, decode=None,
-                 streams: dict | None = None) -> None:
+                 streams: dict | None = None, tokenizer=None) -> None:
         from rollplex.engines.base import EngineContext, get_engine
         from rollplex.pipeline.algorithms import load_algorithm
         from rollplex.tasks.rewards import get_reward
@@ -89,7 +99,7 @@ class WorkerHost:
 
         hf_logging.disable_progress_bar()
 
-        self.tokenizer = AutoTokenizer.from_pretrained(spec.model_path)
+        self.tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(spec.model_path)
 
         def build(engine: str, role: str, path: str, options: dict):
             ctx = EngineContext(path, self.device, dtype, spec.settings.seed, options)
@@ -104,6 +114,10 @@ class WorkerHost:
         self.decode = decode if decode is not None else build(spec.decode_engine, "decode", spec.model_path,
                                                                spec.decode_options)
         self.streams = streams if streams is not None else self._make_streams()
+        # Optional SM partition: {stream: (green context, its stream, SMs)}. A GPU stream runs on its
+        # partition while the other GPU stream is busy, and on the whole GPU alone.
+        self.partitions: dict | None = None
+        self._busy = {"decode": 0, "compute": 0}
         self.events: list[dict] = []
         self._lock = threading.Lock()
         self._remaining: dict[tuple[int, str], int] = {}
@@ -174,9 +188,18 @@ class WorkerHost:
         if s is None:
             yield
             return
-        with torch.cuda.stream(s):
-            yield
-        s.synchronize()  # consumers on the other stream may read these outputs next
+        other = "compute" if stream == "decode" else "decode"
+        with self._lock:
+            if self.partitions and stream in self.partitions and self._busy.get(other):
+                s = self.partitions[stream][1]
+            self._busy[stream] = self._busy.get(stream, 0) + 1
+        try:
+            with torch.cuda.stream(s):
+                yield
+            s.synchronize()  # consumers on the other stream may read these outputs next
+        finally:
+            with self._lock:
+                self._busy[stream] -= 1
 
     def close(self) -> None:
         for engine in [*self.engines.values(), self.decode]:

@@ -9,10 +9,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from rollplex.errors import RollplexError
+from rollplex.errors import Interrupted, RollplexError
 
 
-def _config_from(args) -> "object":
+def _config_from(args, base: Path | None = None) -> "object":
     from rollplex.config import load_config
 
     overrides = list(args.set or [])
@@ -20,6 +20,7 @@ def _config_from(args) -> "object":
     dag_file = None
     if config_path and config_path.endswith(".py"):  # a DAG file instead of a config
         dag_file, config_path = config_path, None
+    config_path = config_path or base
     for flag in ("schedule", "iterations", "seed"):
         value = getattr(args, flag, None)
         if value is not None:
@@ -37,6 +38,9 @@ def cmd_train(args) -> int:
 
     cfg = _config_from(args)
     out = Path(args.out or f"runs/{cfg.algorithm.replace('/', '_').removesuffix('.py')}-seed{cfg.seed}")
+    saved = out / "config.yaml"
+    if args.resume and saved.is_file() and not (args.config or "").endswith((".yaml", ".yml")):
+        cfg = _config_from(args, base=saved)  # continue the run as configured; flags and --set still apply
     summary = train(cfg, out, resume=args.resume, progress=not args.no_progress)
     print(f"done: {summary.iterations} iterations, mean reward of the last 10 {summary.final_reward:.3f}, "
           f"{summary.seconds_per_iteration:.3f} s/iteration → {summary.run_dir}")
@@ -54,6 +58,23 @@ def cmd_graph(args) -> int:
         return 0
     render(session.graph, args.format, args.out)
     print(f"wrote {args.out} ({len(session.graph)} nodes, {args.format})")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from rollplex.pipeline.bench import POLICIES, BenchConfig, run
+
+    policies = tuple(args.policies.split(",")) if args.policies else POLICIES
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        raise RollplexError(f"--policies: {unknown} unknown; choose from {', '.join(POLICIES)}")
+    cfg = BenchConfig(model=args.model, prompts=args.prompts, samples=args.samples,
+                      vision_tokens=args.vision_tokens, max_new_tokens=args.max_new_tokens,
+                      mean_new_tokens=args.mean_new_tokens, chunk_tokens=args.chunk_tokens,
+                      iterations=args.iterations, policies=policies, train_engine=args.train_engine,
+                      decode_sms=args.decode_sms, out=args.out, device=args.device, dtype=args.dtype,
+                      layers=args.layers)
+    run(cfg)
     return 0
 
 
@@ -97,6 +118,24 @@ def build_parser() -> argparse.ArgumentParser:
     common(g)
     g.set_defaults(fn=cmd_graph)
 
+    b = sub.add_parser("bench", help="GRPO iterations of a VLM-shaped model under each policy, side by side")
+    b.add_argument("--model", default="qwen2.5-vl-3b", help="preset (qwen2.5-vl-3b/7b/32b) or a config.json")
+    b.add_argument("--prompts", type=int, default=8)
+    b.add_argument("--samples", type=int, default=8)
+    b.add_argument("--vision-tokens", type=int, default=1024, help="merged vision tokens per prompt")
+    b.add_argument("--max-new-tokens", type=int, default=256)
+    b.add_argument("--mean-new-tokens", type=int, default=96, help="centre of the long-tailed length spread")
+    b.add_argument("--chunk-tokens", type=int, default=32)
+    b.add_argument("--iterations", type=int, default=4, help="per policy; the first is a warm-up")
+    b.add_argument("--policies", help="comma-separated subset of serial-noshare,serial,rollplex")
+    b.add_argument("--train-engine", default="torch", choices=("torch", "deepspeed"))
+    b.add_argument("--decode-sms", type=int, default=0, help="SMs for decode while prefix work runs (0: auto)")
+    b.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    b.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    b.add_argument("--layers", type=int, help="override the preset's depth (smoke runs)")
+    b.add_argument("--out", default="bench", help="directory for bench.json, traces and bench.png")
+    b.set_defaults(fn=cmd_bench)
+
     e = sub.add_parser("engines", help="list the registered engines per role and whether each is installed")
     e.set_defaults(fn=cmd_engines)
     return parser
@@ -106,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
+    except Interrupted as exc:  # not an error: a requested stop, resumable
+        print(f"rollplex: {exc}", file=sys.stderr)
+        return exc.exit_code
     except RollplexError as exc:
         print(f"rollplex: error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -7,7 +7,7 @@ tokenizer and the iteration's settings. Functions never reach into Dask or the s
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -43,6 +43,12 @@ def request_id(iteration: int, prompt: int) -> str:
     return f"it{iteration}-p{prompt}"
 
 
+def _sample_key(seq: FinishedSequence) -> tuple[str, int]:
+    """(prompt's request id, sample) for a group request (n samples) or a per-sample one (id/g)."""
+    parent, _, sample = seq.request_id.partition("/")
+    return (parent, int(sample)) if sample else (parent, seq.index)
+
+
 # --------------------------------------------------------------------------------------------------
 @register_task("vit_encode")
 def vit_encode(ctx, node, inputs):
@@ -69,9 +75,12 @@ def decode_chunk(ctx, node, inputs):
         prompts = [inputs[v] for v in node.inputs if v.startswith("prompt_")]
         visions = [inputs[v] for v in node.inputs if v.startswith("vis_")]
         # One request per prompt with n = G samples: the prompt and its image embeddings are
-        # processed once, and a group is handed on when all its samples are done.
-        requests = [
-            DecodeRequest(
+        # processed once, and a group is handed on when all its samples are done. A prompt whose
+        # meta caps each sample's length (benchmarks' long-tail workloads) gets one request per
+        # sample, seeded seed + g as sample g of the group would be.
+        requests = []
+        for p, (prompt, vis) in enumerate(zip(prompts, visions)):
+            base = DecodeRequest(
                 request_id=request_id(ctx.iteration, p),
                 prompt_token_ids=prompt.input_ids.tolist(),
                 image_embeds=vis.image,
@@ -83,22 +92,26 @@ def decode_chunk(ctx, node, inputs):
                 stop_token_ids=tuple(s.stop_token_ids),
                 n=s.samples,
             )
-            for p, (prompt, vis) in enumerate(zip(prompts, visions))
-        ]
+            caps = prompt.meta.get("max_tokens")
+            if caps is None:
+                requests.append(base)
+                continue
+            requests += [replace(base, request_id=f"{base.request_id}/{g}", max_tokens=int(cap), seed=base.seed + g, n=1)
+                         for g, cap in enumerate(caps)]
         engine.add_requests(requests)
         finished: dict[tuple[str, int], FinishedSequence] = {}
-        expected = len(requests) * s.samples
+        expected = sum(r.n for r in requests)
     else:
         previous = inputs[node.inputs[0]]
         finished, expected = dict(previous["finished"]), previous["expected"]
     for seq in engine.step(node.args["tokens"]):
-        finished[seq.request_id, seq.index] = seq
+        finished[_sample_key(seq)] = seq
     if chunk < chunks - 1:
         return {node.outputs[0]: {"finished": finished, "expected": expected}}
     out: dict[str, Any] = {}
     while len(finished) < expected and engine.has_unfinished():  # max_tokens bounds this loop
         for seq in engine.step(node.args["tokens"]):
-            finished[seq.request_id, seq.index] = seq
+            finished[_sample_key(seq)] = seq
     if len(finished) != expected:
         raise RuntimeError(f"decode finished {len(finished)} of {expected} sequences")
     num_prompts = expected // s.samples

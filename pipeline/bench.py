@@ -1,0 +1,367 @@
+"""``rollplex bench``: full GRPO iterations of a VLM-shaped model under each policy, side by side.
+
+One process, one set of engines: a Qwen2.5-VL model with random weights built from a preset config
+(3B by default), its frozen reference copy, and the static-KV CUDA-graph decode engine running on the
+actor's own weights (no second copy). Every policy starts each measured iteration from the same
+weights and optimizer state and the same prompts, so their updates can be compared and their times
+are the medians of the iterations after a warm-up one.
+
+Policies:
+- ``serial-noshare``: today's runtimes. Phase barriers, and every response is scored and trained over
+  its full sequence (the prompt re-run G times).
+- ``serial``: phase barriers, prefix sharing on (prefix once per prompt, G suffixes on its KV).
+- ``rollplex``: no barriers. Vision and prefix work run on the compute stream inside the decode window;
+  on CUDA, while both streams are busy each runs on its own green context (SM partition), and alone
+  each gets the whole GPU.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rollplex.errors import RollplexError
+
+POLICIES = ("serial-noshare", "serial", "rollplex")
+
+
+@dataclass
+class BenchConfig:
+    model: str = "qwen2.5-vl-3b"
+    prompts: int = 8
+    samples: int = 8
+    vision_tokens: int = 1024  # merged vision tokens per prompt (one image)
+    text_tokens: int = 64
+    max_new_tokens: int = 256
+    mean_new_tokens: int = 96  # response lengths: a long-tailed (log-normal) spread capped at max
+    chunk_tokens: int = 32
+    iterations: int = 4  # the first is a warm-up (graph capture, allocator) and is not timed
+    policies: tuple[str, ...] = POLICIES
+    train_engine: str = "torch"
+    decode_sms: int = 0  # SMs for decode while both streams are busy; 0: chosen from the batch
+    seed: int = 0
+    out: str = "bench"
+    device: str = "cuda"
+    dtype: str = "bfloat16"
+    layers: int | None = None  # override the preset's depth (smoke tests on small machines)
+
+
+class _Tokenizer:
+    """The bench's prompts are token ids; text only feeds the reward, so ids print as text."""
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return " ".join(map(str, ids))
+
+
+def bench_reward(text: str, answer: str) -> float:
+    """A reward with real variance: whether the response's first token id is even. Random weights
+    make it a coin flip per sample, so GRPO's advantages and the loss are not trivially zero."""
+    first = text.split(" ", 1)[0]
+    return float(first.isdigit() and int(first) % 2 == 0)
+
+
+def hf_config(cfg: BenchConfig):
+    from transformers import Qwen2_5_VLConfig
+
+    from rollplex.pipeline.modelspec import load_model
+
+    spec = load_model(cfg.model)
+    half = spec.head_dim // 2
+    mrope = [half // 4, (half - half // 4) // 2, half - half // 4 - (half - half // 4) // 2]
+    return Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
+                         num_hidden_layers=cfg.layers or spec.layers, num_attention_heads=spec.heads,
+                         num_key_value_heads=spec.kv_heads, max_position_embeddings=32768,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": mrope},
+                         tie_word_embeddings=spec.tied),
+        vision_config=dict(depth=spec.vit_depth, hidden_size=spec.vit_hidden, intermediate_size=spec.vit_intermediate,
+                           num_heads=spec.vit_heads, out_hidden_size=spec.hidden, fullatt_block_indexes=[7, 15, 23, 31],
+                           window_size=112, patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
+        image_token_id=spec.vocab - 5, video_token_id=spec.vocab - 4, vision_start_token_id=spec.vocab - 3,
+        vision_end_token_id=spec.vocab - 2, tie_word_embeddings=spec.tied,
+    ), spec
+
+
+def build_model(cfg: BenchConfig):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    config, spec = hf_config(cfg)
+    torch.manual_seed(cfg.seed)
+    dtype = getattr(torch, cfg.dtype)
+    with torch.device(cfg.device):
+        model = Qwen2_5_VLForConditionalGeneration._from_config(config, dtype=dtype)
+    model.eval()
+    for name, p in model.named_parameters():
+        p.requires_grad_("visual" not in name)
+    return model, spec
+
+
+def make_prompts(cfg: BenchConfig, config, iteration: int) -> list:
+    """P prompts: vision start, one image of ``vision_tokens`` merged tokens, text, generation
+    header; random pixels; per-sample response lengths drawn from a long-tailed distribution."""
+    from rollplex.tasks.lm import PromptInputs
+
+    gen = torch.Generator().manual_seed(cfg.seed * 1000 + iteration)
+    side = int(math.sqrt(cfg.vision_tokens)) * 2  # merged tokens = (side/2)²
+    prompts = []
+    for p in range(cfg.prompts):
+        text = torch.randint(100, config.get_text_config().vocab_size - 100, (cfg.text_tokens,), generator=gen)
+        ids = torch.cat([torch.tensor([config.vision_start_token_id]),
+                         torch.full((side * side // 4,), config.image_token_id),
+                         torch.tensor([config.vision_end_token_id]), text])
+        pixels = torch.randn(side * side, 3 * 2 * 14 * 14, generator=gen).to(getattr(torch, cfg.dtype))
+        lengths = torch.distributions.LogNormal(math.log(cfg.mean_new_tokens), 0.8).sample((cfg.samples,))
+        lengths = [int(min(cfg.max_new_tokens, max(4, x))) for x in lengths.tolist()]
+        prompts.append(PromptInputs(f"bench-{iteration}-{p}", ids, pixels, torch.tensor([[1, side, side]]),
+                                    meta={"max_tokens": lengths}))
+    return prompts
+
+
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class PolicyResult:
+    policy: str
+    seconds: list[float] = field(default_factory=list)
+    by_kind: dict[str, float] = field(default_factory=dict)
+    peak_bytes: int = 0
+    hidden_share: float = 0.0
+    decode_seconds: float = 0.0
+    tokens: int = 0
+    update: dict[str, torch.Tensor] | None = None
+    trace: dict | None = None
+    decode_bytes: float = 0.0  # weights + KV bytes the decode steps had to read, per iteration
+
+    def decode_bandwidth(self) -> float:
+        return self.decode_bytes / self.decode_seconds if self.decode_seconds else 0.0
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds) if self.seconds else float("nan")
+
+
+def _host(cfg: BenchConfig, actor_engine, ref_engine, decode, policy: str, streams: dict):
+    from rollplex.pipeline.worker import HostSpec, IterationSettings, WorkerHost
+
+    settings = IterationSettings(seed=cfg.seed, samples=cfg.samples, max_new_tokens=cfg.max_new_tokens,
+                                 temperature=1.0, top_p=1.0, pad_id=0, stop_token_ids=(), params={})
+    spec = HostSpec(model_path="", reference_path="", device=cfg.device, dtype=cfg.dtype, threads=8,
+                    decode_engine="torch-graph", train_engine=cfg.train_engine, score_engine="transformers",
+                    decode_options={}, train_options={}, algorithm="grpo", reward="bench_parity",
+                    settings=settings)
+    return WorkerHost(spec, name=f"gpu0/{policy}", engines={"actor": actor_engine, "ref": ref_engine},
+                      decode=decode, streams=streams, tokenizer=_Tokenizer())
+
+
+def compile_for(cfg: BenchConfig, policy: str, config):
+    from rollplex.dags.grpo import grpo
+    from rollplex.pipeline.compiler import BatchShape, EngineChoice, ModelDims, compile_iteration
+    from rollplex.pipeline.schedule import schedule
+
+    shape = BatchShape(prompts=cfg.prompts, samples=cfg.samples, max_new_tokens=cfg.max_new_tokens,
+                       chunk_tokens=cfg.chunk_tokens, micro_batch_groups=1,
+                       prompt_tokens=cfg.vision_tokens + cfg.text_tokens + 2, vision_tokens=cfg.vision_tokens,
+                       prefix_sharing=policy != "serial-noshare")
+    engines = EngineChoice({"decode": "torch-graph", "train": cfg.train_engine, "score": "transformers"})
+    graph = compile_iteration(grpo, shape, engines, ModelDims.from_hf_config(config, 2))
+    return schedule(graph, "rollplex" if policy == "rollplex" else "serial")
+
+
+def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
+    from rollplex.engines.base import EngineContext, get_engine
+    from rollplex.pipeline.local import LocalExecutor
+    from rollplex.pipeline.trace import chrome_trace, overlap_seconds, seconds_by_kind
+    from rollplex.tasks.rewards import get_reward, register_reward
+
+    import rollplex.engines  # noqa: F401 - registers the engines
+
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise RollplexError("rollplex bench: no CUDA device (use --device cpu with a small --model for a smoke run)")
+    try:
+        get_reward("bench_parity")
+    except RollplexError:
+        register_reward("bench_parity", bench_reward)
+    out_dir = Path(cfg.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    model, spec = build_model(cfg)
+    config = model.config
+    ref = copy.deepcopy(model).requires_grad_(False)
+    dtype = getattr(torch, cfg.dtype)
+    device = torch.device(cfg.device)
+    train_ctx = EngineContext("", device, dtype, cfg.seed, {"module": model, "lr": 1e-6, "grad_clip": 1.0,
+                                                           "zero_stage": 2, "accumulation_steps": cfg.prompts})
+    actor = get_engine(cfg.train_engine, "train").factory(train_ctx)
+    ref_engine = get_engine("transformers", "score").factory(EngineContext("", device, dtype, cfg.seed, {"module": ref}))
+    longest = cfg.vision_tokens + cfg.text_tokens + 2 + cfg.max_new_tokens + 8
+    decode = get_engine("torch-graph", "decode").factory(EngineContext(
+        "", device, dtype, cfg.seed, {"share_model": actor.module, "max_num_seqs": cfg.prompts * cfg.samples,
+                                      "max_model_len": longest}))
+    start_state = {k: v.detach().clone() for k, v in actor.module.state_dict().items()}
+    start_optim = copy.deepcopy(actor.optimizer.state_dict())
+    log(f"bench: {cfg.model} ({sum(p.numel() for p in model.parameters()) / 1e9:.2f}B params, {cfg.dtype}) on "
+        f"{torch.cuda.get_device_name() if cfg.device == 'cuda' else 'cpu'}; built in {time.time() - t0:.1f}s")
+    partitions = sm_partitions(cfg, decode) if cfg.device == "cuda" else None
+    results: dict[str, PolicyResult] = {}
+    for policy in cfg.policies:
+        graph = compile_for(cfg, policy, config)
+        streams = ({"decode": torch.cuda.Stream(device), "compute": torch.cuda.Stream(device)}
+                   if cfg.device == "cuda" else {})
+        host = _host(cfg, actor, ref_engine, decode, policy, streams)
+        if policy == "rollplex" and partitions is not None:
+            host.partitions = partitions
+        executor = LocalExecutor(host)
+        res = PolicyResult(policy)
+        for iteration in range(cfg.iterations):
+            actor.module.load_state_dict(start_state)  # every policy, every iteration: same start
+            actor.optimizer.load_state_dict(start_optim)
+            prompts = make_prompts(cfg, config, iteration)
+            if cfg.device == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            steps_before = decode.steps_run
+            result = executor.run(graph, iteration, {f"prompt_p{p}": x for p, x in enumerate(prompts)})
+            if iteration == 0:
+                res.update = {k: v.detach().float().clone() for k, v in actor.module.state_dict().items()
+                              if "visual" not in k}
+                continue
+            res.seconds.append(result.seconds)
+            res.peak_bytes = max(res.peak_bytes, result.peak_memory_bytes)
+            kinds = seconds_by_kind(result.events)
+            for k, v in kinds.items():
+                res.by_kind[k] = res.by_kind.get(k, 0.0) + v / (cfg.iterations - 1)
+            trace = chrome_trace(result.events, iteration, policy)
+            prefix_time = sum(e["dur"] for e in trace["traceEvents"] if e.get("cat") in ("prefix", "vit_encode")) / 1e6
+            hidden = overlap_seconds(trace, {"prefix", "vit_encode"}, {"decode_chunk"})
+            res.hidden_share += (hidden / prefix_time if prefix_time else 0.0) / (cfg.iterations - 1)
+            res.decode_seconds += kinds.get("decode_chunk", 0.0) / (cfg.iterations - 1)
+            res.tokens = result.output["report"]["metrics"]["response_len_mean"] * cfg.prompts * cfg.samples
+            res.trace = trace
+            prompt_len = cfg.vision_tokens + cfg.text_tokens + 2
+            kv_reads = sum(prompt_len * len(r["response_token_ids"]) + len(r["response_token_ids"]) ** 2 / 2
+                           for r in result.output["report"]["rows"])
+            weights = sum(p.numel() * p.element_size() for n, p in actor.module.named_parameters() if "visual" not in n)
+            res.decode_bytes += ((decode.steps_run - steps_before) * weights
+                                 + kv_reads * spec.kv_bytes_per_token(2)) / (cfg.iterations - 1)
+        results[policy] = res
+        log(f"  {policy:15s} {res.median:7.3f} s/it   " + "  ".join(f"{k} {v:.2f}" for k, v in sorted(res.by_kind.items())))
+    return report(cfg, spec, results, out_dir, decode, log)
+
+
+def sm_partitions(cfg: BenchConfig, decode) -> dict | None:
+    """Green-context streams for decode and compute while both run, or None where unsupported."""
+    try:
+        from torch.cuda.green_contexts import GreenContext
+    except ImportError:
+        return None
+    total = torch.cuda.get_device_properties(0).multi_processor_count
+    decode_sms = cfg.decode_sms or 64  # ROLLPLEX.md: small-batch decode keeps its bandwidth on 32-64 SMs
+    try:
+        made = {}
+        for name, sms in (("decode", decode_sms), ("compute", total - decode_sms)):
+            ctx = GreenContext.create(num_sms=sms, device_id=0)
+            if hasattr(ctx, "Stream"):
+                stream = ctx.Stream()
+            else:  # torch 2.10/2.11: make the context current, create a stream in it, pop it
+                ctx.set_context()
+                stream = torch.cuda.Stream()
+                ctx.pop_context()
+            made[name] = (ctx, stream, sms)
+        return made
+    except Exception as exc:  # noqa: BLE001 - a driver or build without green contexts: plain streams
+        print(f"bench: green contexts unavailable ({type(exc).__name__}: {exc}); plain streams")
+        return None
+
+
+def lower_bound(cfg: BenchConfig, spec, res: PolicyResult, decode_bw: float = 4.3e12, peak: float = 788e12) -> float:
+    """max(decode at HBM bandwidth, all FLOPs at peak) for the iteration's actual token counts."""
+    rows, tokens = cfg.prompts * cfg.samples, res.tokens
+    steps = cfg.max_new_tokens  # the longest response bounds the number of decode steps
+    prompt = cfg.vision_tokens + cfg.text_tokens + 2
+    weight_bytes = spec.lm_params * 2
+    kv = spec.kv_bytes_per_token(2)
+    mean_len = tokens / rows
+    decode_bytes = steps * weight_bytes + rows * (prompt + mean_len / 2) * kv * mean_len
+    flops = 0.0
+    flops += spec.vit_flops(cfg.vision_tokens * 4, cfg.vision_tokens * 4) * cfg.prompts
+    flops += 2 * spec.prefill_flops(prompt) * cfg.prompts * 3  # ref forward + actor forward and backward (x2)
+    flops += 2 * spec.lm_params * tokens * 4  # decode + ref suffix + actor suffix fwd/bwd
+    return max(decode_bytes / decode_bw, flops / peak)
+
+
+def report(cfg, spec, results: dict[str, PolicyResult], out_dir: Path, decode, log) -> dict:
+    from rollplex.pipeline.fsio import atomic_write_text
+
+    base = results.get("serial-noshare")
+    rows = []
+    log("")
+    log(f"{'policy':16s} {'s/it':>7s} {'×noshare':>9s} {'peak GiB':>9s} {'hidden':>7s} {'tok/s':>8s} {'÷bound':>7s} "
+        f"{'decode TB/s':>11s}")
+    for name, res in results.items():
+        bound = lower_bound(cfg, spec, res)
+        speedup = base.median / res.median if base else float("nan")
+        row = {"policy": name, "median_s": res.median, "all_s": res.seconds, "speedup_vs_serial_noshare": speedup,
+               "peak_hbm_bytes": res.peak_bytes, "prefix_hidden_share": res.hidden_share,
+               "tokens_per_s": res.tokens / res.median, "lower_bound_s": bound, "ratio_to_bound": res.median / bound,
+               "seconds_by_kind": res.by_kind, "decode_seconds": res.decode_seconds,
+               "decode_bytes_per_s": res.decode_bandwidth()}
+        rows.append(row)
+        log(f"{name:16s} {res.median:7.3f} {speedup:9.2f} {res.peak_bytes / 2**30:9.1f} {res.hidden_share:7.0%} "
+            f"{row['tokens_per_s']:8.0f} {row['ratio_to_bound']:7.2f} {res.decode_bandwidth() / 1e12:11.2f}")
+        if res.trace is not None:
+            atomic_write_text(out_dir / f"trace_{name}.json", json.dumps(res.trace))
+    checks = compare_updates(results)
+    for line in checks:
+        log(line)
+    summary = {"config": cfg.__dict__ | {"policies": list(cfg.policies)}, "results": rows, "update_checks": checks,
+               "device": torch.cuda.get_device_name() if cfg.device == "cuda" else "cpu",
+               "date": time.strftime("%Y-%m-%d")}
+    atomic_write_text(out_dir / "bench.json", json.dumps(summary, indent=1, default=str))
+    _plot(results, out_dir)
+    return summary
+
+
+def compare_updates(results: dict[str, PolicyResult]) -> list[str]:
+    """The first iteration's update from the same start: rollplex against each serial policy."""
+    lines = []
+    ref = results.get("serial")
+    for name, res in results.items():
+        if ref is None or res is ref or res.update is None:
+            continue
+        worst = max(float((res.update[k] - ref.update[k]).abs().max() / ref.update[k].abs().max().clamp(min=1e-12))
+                    for k in ref.update)
+        lines.append(f"update {name} vs serial: max relative difference {worst:.2e}")
+    return lines
+
+
+def _plot(results: dict[str, PolicyResult], out_dir: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(results), 1, figsize=(12, 2.2 * len(results)), squeeze=False)
+    colours = {"decode_chunk": "#4c72b0", "prefix": "#dd8452", "vit_encode": "#c44e52", "suffix_score": "#55a868",
+               "loss": "#8172b3", "optimizer_step": "#937860", "weight_sync": "#da8bc3"}
+    for ax, (name, res) in zip(axes[:, 0], results.items()):
+        if res.trace is None:
+            continue
+        tracks = {}
+        for e in res.trace["traceEvents"]:
+            if e.get("ph") != "X":
+                continue
+            y = tracks.setdefault(e["tid"], len(tracks))
+            ax.barh(y, e["dur"] / 1e6, left=e["ts"] / 1e6, color=colours.get(e["cat"], "#999999"), height=0.8)
+        ax.set_yticks(list(tracks.values()))
+        ax.set_yticklabels([str(t) for t in tracks])
+        ax.set_title(f"{name}: {res.median:.2f} s/iteration", fontsize=9)
+    axes[-1, 0].set_xlabel("seconds")
+    fig.tight_layout()
+    fig.savefig(out_dir / "bench.png", dpi=110)
+    plt.close(fig)
