@@ -253,6 +253,8 @@ class IterationGraph:
                         f"%{node.name} reads {value_name!r} from %{producer}, but the graph has no edge "
                         f"%{producer} -> %{node.name}; call connect() after adding nodes"
                     )
+        if nx.is_directed_acyclic_graph(self.g):  # linear; find_cycle is far slower on big graphs
+            return self
         try:
             cycle = nx.find_cycle(self.g)
         except nx.NetworkXNoCycle:
