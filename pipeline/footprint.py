@@ -1,0 +1,185 @@
+"""What occupies a GPU during an iteration, in bytes, from the model, the workload and the layout.
+
+- ``annotate``: a copy of the compiled graph whose device values carry bf16 bytes from the model
+  spec and the sampled response lengths (the compiler's estimates are sized for the tiny fp32
+  model), and whose nodes carry ``meta["workspace"]``, the transient bytes per GPU while they run.
+- ``residents``: the tensors outside the graph, each with the nodes that use it: actor weights,
+  gradients, fp32 master weights and Adam moments (sharded by TP and, per ZeRO stage, by DP),
+  frozen reference weights, the rollout engine's weights in its own TP layout, and its KV pool.
+- ``breakdown``: the bytes live at one moment, grouped into the terms people reason with.
+
+Activation bytes per token and layer (bf16, Korthikanti et al. 2022 with flash attention): 34·h
+without checkpointing, 2·h (the layer input) with it.
+"""
+from __future__ import annotations
+
+from rollplex.pipeline.costs import CostModel
+from rollplex.pipeline.ir import IterationGraph, Node
+from rollplex.pipeline.memory import Resident
+from rollplex.pipeline.schedule import copy_graph, rebuild
+
+GiB = 1024**3
+
+
+def activation_bytes(cm: CostModel, tokens: float) -> float:
+    per = 2 if cm.w.checkpointing else 34
+    return per * cm.m.hidden * cm.m.layers * tokens
+
+
+def annotate(graph: IterationGraph, cm: CostModel) -> IterationGraph:
+    """bf16 value bytes, ``workspace`` per node, and in ``actor_forward="recompute"`` mode actor
+    forwards that score without grad, re-run by the loss: the suffix always, the prefix too when
+    ``cm.recompute_prefix`` (barrier policies: verl computes old log-probs in a separate pass)."""
+    m, w = cm.m, cm.w
+    L = w.prefix_tokens
+    recompute = w.actor_forward == "recompute"
+    nodes, infos = [], {}
+    for node in graph:
+        args = dict(node.args)
+        prompts = list(args.get("prompts", [args["prompt"]] if "prompt" in args else []))
+        if recompute and args.get("grad") and (node.kind == "suffix_score"
+                                               or (node.kind == "prefix" and cm.recompute_prefix)):
+            args.update(grad=False, recompute_in_loss=True)
+        grad = bool(args.get("grad"))
+        full = bool(args.get("full_sequence"))
+        for out in node.outputs:
+            v = graph.values[out]
+            if v.device != "device":
+                continue
+            p = _prompt_of(out, prompts)
+            nbytes = v.nbytes
+            if node.kind == "vit_encode":
+                nbytes = w.vision_total * m.hidden * 2
+            elif node.kind == "prefix":
+                nbytes = L * m.kv_bytes_per_token() + m.vocab * 4 + (activation_bytes(cm, L) if grad else 0)
+            elif node.kind == "suffix_score" and p is not None:
+                tokens = cm.tokens(p, full)
+                nbytes = sum(cm.profile.lengths[p]) * 4 + (activation_bytes(cm, tokens) if grad else 0)
+            infos[out] = dict(nbytes=int(nbytes), device=v.device, what=v.what)
+        meta = dict(node.meta)
+        meta["workspace"] = int(_workspace(cm, node.kind, prompts, full))
+        nodes.append(Node(node.name, node.kind, node.inputs, node.outputs, node.model, node.engine, args, meta))
+    out = rebuild(graph, nodes, infos)
+    # A forward that no longer keeps a graph for the backward need not follow the accumulation
+    # order (the compiler chains grad forwards with each other and after the previous backward).
+    for node in nodes:
+        if node.args.get("recompute_in_loss"):
+            for u in list(out.g.predecessors(node.name)):
+                if out.g.edges[u, node.name]["reason"] == "accumulation order":
+                    out.g.remove_edge(u, node.name)
+    return out
+
+
+def _prompt_of(value: str, prompts: list[int]) -> int | None:
+    for p in prompts:
+        if value.endswith(f"_p{p}"):
+            return p
+    return prompts[0] if len(prompts) == 1 else None
+
+
+def _workspace(cm: CostModel, kind: str, prompts: list[int], full: bool) -> float:
+    """Transient bytes per GPU: fp32 logits of one chunk of tokens and one layer's activations."""
+    m, w, lay = cm.m, cm.w, cm.layout
+    if kind not in ("vit_encode", "prefix", "suffix_score", "loss"):
+        return 0.0
+    if kind == "vit_encode":
+        return len(prompts) * w.vision_total * 4 * m.vit_hidden * 34 / lay.tp_train
+    if kind == "prefix":
+        tokens = len(prompts) * w.prefix_tokens
+    else:
+        tokens = sum(cm.tokens(p, full) for p in prompts)
+    gpus = lay.tp_train if kind != "loss" else len(lay.train)
+    logits = min(tokens, 8192) * m.vocab * 4 * (2 if kind == "loss" else 1) / lay.tp_train
+    layer = (34 if kind == "loss" else 8) * m.hidden * tokens / gpus
+    return logits + layer
+
+
+def residents(graph: IterationGraph, cm: CostModel) -> list[Resident]:
+    """The tensors outside the graph, placed per the cost model's layout."""
+    lay, m = cm.layout, cm.m
+    policy = graph.meta.get("rollout_model", "actor")
+    by_kind: dict[str, list[Node]] = {}
+    for node in graph:
+        by_kind.setdefault(node.kind, []).append(node)
+    order = {n: i for i, n in enumerate(graph.topological_order())}
+
+    def named(kinds, model=None):
+        return [n.name for k in kinds for n in by_kind.get(k, []) if model is None or n.model == model]
+
+    # The vision tower is frozen (common in RL recipes, and the graph has no ViT backward): one
+    # frozen copy serves rollout, reference and actor; only the LM trains.
+    actor_reads = named(["prefix", "suffix_score", "loss"], policy) + named(["weight_sync"])
+    losses = sorted(named(["loss"]), key=order.__getitem__)
+    opt = named(["optimizer_step"])
+    train = tuple(lay.train)
+    W = m.lm_params
+    vit_pool, vit_tp = (lay.train, lay.tp_train) if lay.colocated else (lay.rollout, lay.tp_rollout)
+    out = [
+        Resident("vision.weights", tuple(vit_pool), m.vit_params * 2 / vit_tp,
+                 tuple((n, "read") for n in named(["vit_encode"])), frozen=True, what="weights"),
+        Resident(f"{policy}.weights", train, W * 2 / cm.shard("weights"),
+                 tuple((n, "read") for n in actor_reads) + tuple((n, "write") for n in opt), what="weights"),
+        Resident(f"{policy}.grads", train, W * 2 / cm.shard("grads"),
+                 tuple((n, "write" if i == 0 else "read") for i, n in enumerate(losses))
+                 + tuple((n, "read") for n in opt), what="grads"),
+        Resident(f"{policy}.master", train, W * 4 / cm.shard("optimizer"),
+                 tuple((n, "read") for n in opt), what="optimizer"),
+        Resident(f"{policy}.adam", train, W * 8 / cm.shard("optimizer"),
+                 tuple((n, "read") for n in opt), what="optimizer"),
+    ]
+    frozen = sorted({n.model for n in graph if n.model and n.model != policy and n.kind in ("prefix", "suffix_score")})
+    for model in frozen:
+        uses = [n.name for k in ("prefix", "suffix_score") for n in by_kind.get(k, [])
+                if n.model == model and not n.args.get("cached")]
+        shard = lay.tp_train * (lay.train_dp if cm.w.zero >= 3 else 1)
+        out.append(Resident(f"{model}.weights", train, W * 2 / shard, tuple((n, "read") for n in uses),
+                            frozen=True, what="weights"))
+    decode = sorted(named(["decode_chunk"]), key=order.__getitem__)
+    rollout = tuple(lay.rollout)
+    out.append(Resident("rollout.weights", rollout, cm.rollout_copy_bytes(),
+                        tuple((n, "read") for n in decode) + tuple((n, "write") for n in named(["weight_sync"])),
+                        what="weights"))
+    out.append(Resident("rollout.kv_pool", rollout, cm.kv_pool_bytes(),
+                        tuple((n, "write" if i == 0 else "read") for i, n in enumerate(decode)), what="kv pool"))
+    return out
+
+
+TERMS = (("weights", "weights (actor, frozen, rollout copy)"), ("grads", "gradients"),
+         ("optimizer", "optimizer (fp32 master + Adam m, v)"), ("kv pool", "decode KV pool"),
+         ("kv", "prefix KV + activations kept for the backward"), ("embeddings", "vision embeddings"),
+         ("logprobs", "suffix outputs (+ activations)"), ("workspace", "transient workspace (logits, one layer)"))
+
+
+def breakdown(live: list[tuple[str, float]], graph: IterationGraph, rs: list[Resident]) -> list[tuple[str, float]]:
+    """Group ``(tensor, bytes)`` into TERMS (plus 'other')."""
+    what = {r.name: r.what for r in rs}
+    totals: dict[str, float] = {}
+    for name, nbytes in live:
+        if name.startswith("workspace of"):
+            key = "workspace"
+        elif name in what:
+            key = what[name]
+        else:
+            base = name.split("@")[0]
+            key = graph.values[base].what if base in graph.values else "other"
+        totals[key] = totals.get(key, 0.0) + nbytes
+    rows = [(label, totals.pop(key, 0.0)) for key, label in TERMS]
+    rows += [(key, b) for key, b in sorted(totals.items())]
+    return [(label, b) for label, b in rows if b > 0]
+
+
+def copy_with_cache_hits(graph: IterationGraph, cm: CostModel, hit) -> IterationGraph:
+    """Reference prefix nodes whose prompts all hit the cross-iteration cache load their KV and
+    last logits from host memory (a copy) instead of running: ``hit(prompt) -> bool``."""
+    policy = graph.meta.get("rollout_model", "actor")
+    nodes = []
+    kv = cm.w.prefix_tokens * cm.m.kv_bytes_per_token() + cm.m.vocab * 4
+    for node in graph:
+        prompts = list(node.args.get("prompts", []))
+        if node.kind == "prefix" and node.model != policy and prompts and all(hit(p) for p in prompts):
+            inputs = tuple(v for v in node.inputs if not v.startswith("vis_"))  # no vision tower needed
+            node = Node(node.name, node.kind, inputs, node.outputs, node.model, node.engine,
+                        {**node.args, "cached": True, "bytes_per_gpu": kv * len(prompts) / cm.layout.tp_train},
+                        dict(node.meta))
+        nodes.append(node)
+    return rebuild(graph, nodes) if nodes else copy_graph(graph)
