@@ -138,6 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("engines", help="list the registered engines per role and whether each is installed")
     e.set_defaults(fn=cmd_engines)
+
+    from rollplex.commands_simulate import add_parser as add_simulate  # light: heavy imports are inside
+
+    add_simulate(sub)
     return parser
 
 
