@@ -101,12 +101,15 @@ class _Engine:
         self.seq += 1
         heapq.heappush(self.events, (t, self.seq, kind, i, ver))
 
-    def run(self) -> Timing:
+    def run(self, bound: float = math.inf) -> Timing | None:
+        """Times of every job; None as soon as the clock passes ``bound`` (a trial that lost)."""
         for i, m in enumerate(self.missing):
             if m == 0:
                 self._push(0.0, _READY, i)
         while self.events:
             t = self.events[0][0]
+            if t > bound:
+                return None
             self.now = t
             touched: set[int] = set()
             dirty: set[str] = set()
@@ -211,7 +214,8 @@ class _Dispatch(_Engine):
     def __init__(self, p: Problem) -> None:
         super().__init__(p)
         self.queues: dict[str, dict[tuple, list]] = {lane: {} for lane in self.lane_order}
-        self.candidates: dict[int, tuple[tuple[int, ...], ...]] = {}
+        self.ids: dict[tuple[tuple[int, ...], ...], int] = {}  # candidate lists, interned
+        self.candidates: list[tuple[tuple[int, ...], ...]] = []
 
     def _ready(self, i: int) -> None:
         job = self.jobs[i]
@@ -220,15 +224,20 @@ class _Dispatch(_Engine):
         elif job.follow >= 0 and self.gang[job.follow] in job.gangs:
             key = ("g", self.gang[job.follow])
         else:
-            key = ("f", id(job.gangs))
-            self.candidates[id(job.gangs)] = job.gangs
+            k = self.ids.get(job.gangs)
+            if k is None:
+                k = self.ids[job.gangs] = len(self.candidates)
+                self.candidates.append(job.gangs)
+            key = ("f", k)
         heapq.heappush(self.queues[job.lane].setdefault(key, []), (-job.priority, job.tiebreak, i))
 
     def _fill(self, lane: str, touched: set[int]) -> None:
+        queues = self.queues[lane]
+        if not queues:
+            return
         free = {g for g in range(self.p.gpus) if self._open(lane, g)}
         if not free:
             return
-        queues = self.queues[lane]
         heads = [(q[0][0], q[0][1], key) for key, q in queues.items() if q]
         heapq.heapify(heads)
         while heads and free:
@@ -249,6 +258,8 @@ class _Dispatch(_Engine):
             free.difference_update(gang)
             if queue:
                 heapq.heappush(heads, (queue[0][0], queue[0][1], key))
+            else:
+                del queues[key]
 
 
 class _Replay(_Engine):
@@ -279,8 +290,9 @@ class _Replay(_Engine):
                     self.ptr[(h, lane)] += 1
 
 
-def dispatch(problem: Problem) -> Timing:
-    return _Dispatch(problem).run()
+def dispatch(problem: Problem, bound: float = math.inf) -> Timing | None:
+    """List-schedule ``problem``; with a ``bound``, None once the schedule would end later."""
+    return _Dispatch(problem).run(bound)
 
 
 def replay(problem: Problem, gangs: list[tuple[int, ...]], order: dict[tuple[int, str], list[int]]) -> Timing:
