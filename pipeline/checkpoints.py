@@ -3,7 +3,10 @@
 A checkpoint is written into a hidden temporary directory (model + optimizer from the train engine,
 then ``state.json``, ``rng.pt`` and a ``manifest.json`` of sha256 checksums), fsynced, and renamed
 into place. A kill at any moment leaves either the previous checkpoints or the new complete one;
-``latest`` ignores temporaries and verifies checksums before trusting a directory.
+``latest`` ignores temporaries and verifies checksums before trusting a directory. Directories leave
+the same way they arrive: renamed out of sight first (``.trash-*``), then deleted, so a kill during
+retention never leaves a half-deleted directory that still looks complete. ``clean_stale`` removes
+what killed writers left behind.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from pathlib import Path
 import torch
 
 from rollplex.errors import CheckpointError
+from rollplex.pipeline.faults import point
 from rollplex.pipeline.fsio import atomic_write_text, fsync_dir
 
 
@@ -69,6 +73,7 @@ def save(run_dir: Path, iteration: int, save_model: Callable[[str], None], *, lo
     tmp.mkdir()
     try:
         save_model(str(tmp))
+        point("checkpoint:staged")
         torch.save(capture_rng(), tmp / "rng.pt")
         state = {"iteration": iteration, "loader": loader, "reward": reward}
         (tmp / "state.json").write_text(json.dumps(state, sort_keys=True))
@@ -79,19 +84,54 @@ def save(run_dir: Path, iteration: int, save_model: Callable[[str], None], *, lo
                 os.fsync(f.fileno())
         atomic_write_text(tmp / "manifest.json", json.dumps({"iteration": iteration, "files": manifest}, indent=1))
         fsync_dir(tmp)
-        if final.exists():  # a resumed run re-reaching the same iteration replaces it
-            shutil.rmtree(final)
+        point("checkpoint:manifest")
+        if final.exists():  # a run rolled back past this iteration replaces it
+            _discard(final)
         os.replace(tmp, final)
         fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    point("checkpoint:renamed")
     _retain(root, keep_last)
+    point("checkpoint:retained")
     return final
 
 
+def _discard(directory: Path) -> None:
+    """Rename out of sight (atomic), then delete: never a half-deleted directory under its real name."""
+    trash = directory.with_name(f".trash-{directory.name}-{os.getpid()}")
+    shutil.rmtree(trash, ignore_errors=True)
+    os.replace(directory, trash)
+    fsync_dir(directory.parent)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def clean_stale(run_dir: Path) -> list[Path]:
+    """Remove what writers killed mid-way left: temporary and trashed checkpoints, temporary files of
+    atomic writes, the reference's staging directory. Returns what it removed."""
+    run_dir = Path(run_dir)
+    stale = [*(run_dir / "checkpoints").glob(".tmp-*"), *(run_dir / "checkpoints").glob(".trash-*"),
+             *run_dir.glob(".reference-tmp*")]
+    for sub in (run_dir, run_dir / "rollouts", run_dir / "traces"):
+        stale += [p for p in sub.glob(".*.tmp") if p.is_file()]
+    for p in stale:
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+    return stale
+
+
 def _complete(root: Path) -> list[Path]:
-    return sorted(p for p in root.glob("iter_*") if (p / "manifest.json").exists())
+    """Renamed-into-place checkpoints, oldest first (by iteration: names stop sorting at 10^6)."""
+    def iteration(p: Path) -> int:
+        try:
+            return int(p.name.removeprefix("iter_"))
+        except ValueError:
+            return -(2**62)
+
+    return sorted((p for p in root.glob("iter_*") if (p / "manifest.json").exists()), key=iteration)
 
 
 def _retain(root: Path, keep_last: int) -> None:
@@ -106,7 +146,7 @@ def _retain(root: Path, keep_last: int) -> None:
     keep = set(done[-keep_last:]) | ({best} if best else set())
     for p in done:
         if p not in keep:
-            shutil.rmtree(p, ignore_errors=True)
+            _discard(p)
 
 
 def verify(directory: Path) -> dict:
@@ -115,9 +155,14 @@ def verify(directory: Path) -> dict:
         manifest = json.loads(manifest_path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"checkpoint {directory}: unreadable manifest.json ({exc})") from None
-    for rel, info in manifest.get("files", {}).items():
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not {"state.json", "rng.pt"} <= set(files):
+        raise CheckpointError(f"checkpoint {directory}: manifest.json does not list state.json and rng.pt")
+    for rel, info in files.items():
         p = directory / rel
-        if not p.exists():
+        if not isinstance(info, dict) or not {"bytes", "sha256"} <= set(info):
+            raise CheckpointError(f"checkpoint {directory}: manifest.json entry for {rel} is malformed")
+        if not p.is_file():
             raise CheckpointError(f"checkpoint {directory}: {rel} is missing")
         if p.stat().st_size != info["bytes"]:
             raise CheckpointError(f"checkpoint {directory}: {rel} is truncated "
@@ -127,19 +172,59 @@ def verify(directory: Path) -> dict:
     return manifest
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
 def load_state(directory: Path) -> CheckpointState:
     verify(directory)
-    state = json.loads((directory / "state.json").read_text())
     try:
+        state = json.loads((directory / "state.json").read_text())
+        iteration, loader, reward = int(state["iteration"]), dict(state["loader"]), state.get("reward")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"checkpoint {directory}: state.json is malformed ({_first_line(exc)})") from None
+    try:
+        # weights_only: torch's restricted unpickler, which builds tensors and plain containers only.
         rng = torch.load(directory / "rng.pt", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means a bad file
-        raise CheckpointError(f"checkpoint {directory}: rng.pt cannot be read ({exc})") from None
-    return CheckpointState(state["iteration"], directory, state["loader"], rng, state.get("reward"))
+        raise CheckpointError(f"checkpoint {directory}: rng.pt cannot be read ({_first_line(exc)})") from None
+    return CheckpointState(iteration, directory, loader, rng, reward)
 
 
 def latest(run_dir: Path) -> CheckpointState | None:
+    """The newest complete checkpoint, verified. A corrupt one is refused, never skipped silently:
+    the error says which earlier checkpoint removing it would fall back to."""
     done = _complete(Path(run_dir) / "checkpoints")
-    return load_state(done[-1]) if done else None
+    if not done:
+        return None
+    try:
+        return load_state(done[-1])
+    except CheckpointError as exc:
+        fallback = (f"; to resume from {done[-2].name} instead, remove {done[-1]}" if len(done) > 1
+                    else "; it is the only checkpoint, so the run must start again")
+        raise CheckpointError(f"{exc}{fallback}") from None
+
+
+def latest_name(run_dir: Path) -> str | None:
+    """The newest complete checkpoint's name, unverified (for messages)."""
+    done = _complete(Path(run_dir) / "checkpoints")
+    return done[-1].name if done else None
+
+
+def rl_rewards(path: Path) -> list[float]:
+    """The mean reward of each RL iteration logged so far (a resumed run's stop_at_reward window)."""
+    if not path.exists():
+        return []
+    rewards = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if row.get("phase") == "rl":
+            rewards.append(float(row["reward_mean"]))
+    return rewards
 
 
 def truncate_metrics(path: Path, iteration: int) -> None:

@@ -35,6 +35,30 @@ class MemoryPlanError(RollplexError):
     """No residency plan fits the memory budget."""
 
 
+class NonFiniteError(RollplexError):
+    """A NaN/Inf loss or gradient stopped an iteration before its update was applied. Not bad input,
+    so a distinct exit code; the last checkpoint is untouched and ``--resume`` continues from it."""
+
+    exit_code = 3
+
+
+class Interrupted(RollplexError):
+    """SIGINT/SIGTERM: the run stopped between iterations (after a checkpoint where there was state to
+    keep). Exit code 128 + the signal number, as a shell reports a death by that signal."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+    def __reduce__(self):
+        return (Interrupted, (str(self), self.exit_code - 128))
+
+
+class WorkerLost(RuntimeError):
+    """A Dask worker that hosted engines died or was replaced; its engine state is gone (internal:
+    the runner rolls back to the last checkpoint and replays)."""
+
+
 class NodeFailure(RuntimeError):
     """An exception inside a node's task, re-raised with the node that ran it (not a user error)."""
 
