@@ -8,6 +8,8 @@ Run directory layout:
     checkpoints/iter_NNNNNN/    the actor in HF format + optimizer, RNG and data-loader state
 Every file is written atomically (temp file + rename); ``--resume`` continues from the last
 complete checkpoint and truncates later metric rows, so the sequence has no gaps or duplicates.
+A lost Dask worker rolls the run back to its last checkpoint and replays from there, and
+SIGINT/SIGTERM stop it after the iteration in flight with a checkpoint (``pipeline/recovery.py``).
 """
 from __future__ import annotations
 
@@ -21,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from rollplex.config import RunConfig, dump_config
-from rollplex.errors import EngineError, RollplexError
+from rollplex.errors import EngineError, Interrupted, NodeFailure, NonFiniteError, RollplexError, WorkerLost
 from rollplex.pipeline import checkpoints
+from rollplex.pipeline.faults import point
 from rollplex.pipeline.fsio import append_line, atomic_write_text
 from rollplex.pipeline.trace import chrome_trace, seconds_by_kind
 
@@ -157,11 +160,12 @@ class Session:
         self.graph = schedule(compile_iteration(self.algorithm, shape, choice, dims), cfg.schedule)
         self.tokenizer = self.processor.tokenizer
 
-    def checkpoint(self, executor, iteration: int, reward: float | None) -> Path:
+    def checkpoint(self, executor, iteration: int, reward: float | None, pids: set[int]) -> Path:
         """The actor and optimizer (from the worker) plus the processor files, so that the
-        checkpoint directory loads as is in transformers and vLLM."""
+        checkpoint directory loads as is in transformers and vLLM. ``pids``: the workers whose
+        engines hold the run's state; a replacement worker refuses to save its fresh weights."""
         def write(directory: str) -> None:
-            executor.call(_save, directory)
+            executor.call(_save, directory, pids)
             self.processor.save_pretrained(directory)
 
         return checkpoints.save(self.run_dir, iteration, write, loader=self.loader.state_dict(),
@@ -242,13 +246,32 @@ def _adopt_reference(host, directory: str) -> None:
     policy.module.save_pretrained(directory)
 
 
-def _save(host, directory: str) -> None:
+def _save(host, directory: str, pids: set[int]) -> None:
+    from rollplex.pipeline.recovery import expect_host
+
+    expect_host(pids)
     host.train_engine(host.algorithm.rollout_model).save(directory)
+    point("save:model")
 
 
 def _load(host, directory: str) -> None:
     host.train_engine(host.algorithm.rollout_model).load(directory)
     _sync_decode(host)
+
+
+def _restore(host, directory: str, reference: str | None) -> None:
+    """Bring a host's engines to a checkpoint after a lost worker: finish requests a failed iteration
+    left in the decode engine, reload the frozen copies of the policy (a fresh worker built them from
+    the initial model), then the policy and its optimizer."""
+    from rollplex.engines.torch_train import load_hf_weights
+
+    while host.decode.has_unfinished():
+        host.decode.step(host.spec.settings.max_new_tokens)
+    alg = host.algorithm
+    for name, decl in alg.models.items():
+        if reference and decl.copy_of == alg.rollout_model:
+            load_hf_weights(host.engines[name].model, reference)
+    _load(host, directory)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -260,102 +283,212 @@ def write_iteration_files(run_dir: Path, iteration: int, rows: list[dict], trace
 
 def train(cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = True,
           log=print) -> RunSummary:
+    import contextlib
+
+    import dask
+
+    from rollplex import runtime
+    from rollplex.pipeline import faults
+    from rollplex.pipeline.cluster import connect, install_engines, uninstall_engines
+    from rollplex.pipeline.recovery import StopSignals, children_ignore_sigint
+
+    runtime.configure(threads=cfg.cluster.threads, device=resolve_device(cfg))
+    run_dir = Path(run_dir)
+    state = None
+    metrics_path = run_dir / "metrics.jsonl"
+    if resume:
+        state = checkpoints.latest(run_dir)  # verified; a corrupt one is refused here
+        if state is None:  # killed before the first checkpoint: nothing to keep, start again
+            log(f"--resume: {run_dir} has no complete checkpoint yet; starting the run from the beginning")
+    elif metrics_path.exists():
+        raise RollplexError(f"{run_dir} already holds a run; pass --resume to continue it or pick another --out")
+    session = Session(cfg, run_dir)
+    if state is not None:
+        session.loader.load_state_dict(state.loader)  # refuses a checkpoint of another task or seed
+        if cfg.warmup.steps and session.reference_path == session.model_path:
+            raise RollplexError(f"--resume: {run_dir / 'reference'} (the warmed-up reference model) is missing")
+    else:
+        session.reference_path = session.model_path  # a killed attempt's reference is rebuilt by warm-up
+    log(f"rollplex: {session.algorithm.name} on {session.device}, schedule={cfg.schedule}, "
+        f"engines decode={session.decode_engine} train={session.train_engine} score={session.score_engine}, "
+        f"{len(session.graph)} nodes/iteration → {run_dir}")
+    stop = StopSignals()
+    with contextlib.ExitStack() as stack:
+        # A task on a dead worker fails at once (KilledWorker) instead of being re-run on a fresh
+        # worker's engines; the runner replays it from a checkpoint (LocalCluster only: an external
+        # scheduler keeps its own setting, and WorkerWatch catches the re-run instead).
+        stack.enter_context(dask.config.set({"distributed.scheduler.allowed-failures": 0}))
+        with children_ignore_sigint():
+            client = stack.enter_context(connect(cfg.cluster.scheduler, cfg.cluster.workers, cfg.cluster.threads,
+                                                 cfg.cluster.processes, cfg.cluster.dashboard,
+                                                 security=cluster_security(cfg)))
+        stop.install()
+        stack.callback(stop.uninstall)
+        t0 = time.time()
+        install_engines(client, session.host_spec())
+        if faults.active():
+            client.run(faults.install_task_hooks)
+        # Written only now: bad input (config, DAG, engines, cluster) fails above with nothing on disk.
+        run_dir.mkdir(parents=True, exist_ok=True)
+        checkpoints.clean_stale(run_dir)
+        atomic_write_text(run_dir / "config.yaml", dump_config(cfg))
+        atomic_write_text(run_dir / "graph.txt", str(session.graph) + "\n")
+        try:
+            return _train_loop(cfg, session, client, state, metrics_path, progress, log, t0, stop)
+        finally:
+            if cfg.cluster.scheduler:
+                uninstall_engines(client)
+
+
+def cluster_security(cfg: RunConfig):
+    """Dask TLS from cluster.tls_* (mutual TLS to a remote scheduler), or None."""
+    c = cfg.cluster
+    if not c.tls_ca_file:
+        return None
+    from distributed.security import Security
+
+    return Security(tls_ca_file=c.tls_ca_file, tls_client_cert=c.tls_cert, tls_client_key=c.tls_key,
+                    require_encryption=True)
+
+
+def _start_from(cfg: RunConfig, session: Session, executor, watch, state, metrics_path: Path, log, stop,
+                recovering: bool) -> tuple[int, list[float]]:
+    """Bring the driver (loader, RNG, metrics) and every host's engines to ``state``, a checkpoint or
+    the very beginning. Returns the first iteration to run and the RL rewards logged before it."""
     import random
 
     import torch
 
-    from rollplex import runtime
-    from rollplex.pipeline.cluster import connect, install_engines, uninstall_engines
-
-    runtime.configure(threads=cfg.cluster.threads, device=resolve_device(cfg))
-    run_dir = Path(run_dir)
-    start_iteration, state = 0, None
-    metrics_path = run_dir / "metrics.jsonl"
-    if resume:
-        state = checkpoints.latest(run_dir)
-        if state is None:  # killed before the first checkpoint: nothing to keep, start again
-            log(f"--resume: {run_dir} has no complete checkpoint yet; starting the run from the beginning")
-            metrics_path.unlink(missing_ok=True)
-    elif metrics_path.exists():
-        raise RollplexError(f"{run_dir} already holds a run; pass --resume to continue it or pick another --out")
-    session = Session(cfg, run_dir)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    if state is not None:
-        start_iteration = state.iteration + 1
-        session.loader.load_state_dict(state.loader)
-        checkpoints.restore_rng(state.rng)
-        checkpoints.truncate_metrics(metrics_path, state.iteration)
-    log(f"rollplex: {session.algorithm.name} on {session.device}, schedule={cfg.schedule}, "
-        f"engines decode={session.decode_engine} train={session.train_engine} score={session.score_engine}, "
-        f"{len(session.graph)} nodes/iteration → {run_dir}")
-    with connect(cfg.cluster.scheduler, cfg.cluster.workers, cfg.cluster.threads, cfg.cluster.processes,
-                 cfg.cluster.dashboard) as client:
-        t0 = time.time()
-        install_engines(client, session.host_spec())
-        # Written only now: bad input (config, DAG, engines, cluster) fails above with nothing on disk.
-        run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(run_dir / "config.yaml", dump_config(cfg))
-        atomic_write_text(run_dir / "graph.txt", str(session.graph) + "\n")
-        try:
-            summary = _train_loop(cfg, session, client, state, start_iteration, metrics_path, progress, log, t0)
-        finally:
-            if cfg.cluster.scheduler:
-                uninstall_engines(client)
-    return summary
+    if state is None:
+        if recovering and watch.survived:
+            raise WorkerLost("a worker was lost before the first checkpoint while others kept their state; "
+                             "start the run again")
+        metrics_path.unlink(missing_ok=True)
+        session.loader.load_state_dict({**session.loader.state_dict(), "epoch": 0, "position": 0})
+        if cfg.warmup.steps:
+            _run_warmup(cfg, session, executor, metrics_path, log, stop)
+            session.checkpoint(executor, -1, reward=None, pids=set(watch.known.values()))
+        return 0, []
+    session.loader.load_state_dict(state.loader)
+    checkpoints.restore_rng(state.rng)
+    checkpoints.truncate_metrics(metrics_path, state.iteration)
+    reference = session.run_dir / "reference"
+    watch.on_each(_restore, str(state.directory),
+                  str(reference) if recovering and (reference / "config.json").exists() else None)
+    return state.iteration + 1, checkpoints.rl_rewards(metrics_path)
 
 
-def _train_loop(cfg: RunConfig, session: Session, client, state, start_iteration: int, metrics_path: Path,
-                progress: bool, log, t0: float) -> RunSummary:
+def _failure(exc: BaseException, where: str, run_dir: Path) -> BaseException:
+    """A NaN/Inf refusal becomes one line naming the iteration; anything else stays as it is."""
+    detail = exc.detail if isinstance(exc, NodeFailure) else ""
+    if isinstance(exc, FloatingPointError) or detail.startswith("FloatingPointError"):
+        done = checkpoints.latest_name(run_dir)
+        kept = f"the last good checkpoint, {done}, is intact" if done else "no checkpoint was written yet"
+        return NonFiniteError(f"{where}: {exc}; the update was not applied and nothing of it was written; "
+                              f"{kept} (rollplex train --resume --out {run_dir} continues from it)")
+    return exc
+
+
+def _train_loop(cfg: RunConfig, session: Session, client, state, metrics_path: Path, progress: bool, log,
+                t0: float, stop) -> RunSummary:
     from tqdm import tqdm
 
-    from rollplex.pipeline.executor import DaskExecutor
+    from rollplex.pipeline import faults
+    from rollplex.pipeline.executor import DaskExecutor, task_key
+    from rollplex.pipeline.recovery import WorkerWatch, drop_tracebacks
 
     run_dir = session.run_dir
     executor = DaskExecutor(client)
+    watch = WorkerWatch(client)
     log(f"engines ready in {time.time() - t0:.1f}s")
-    if state is not None:
-        executor.call(_load, str(state.directory))
-    elif cfg.warmup.steps:
-        _run_warmup(cfg, session, executor, metrics_path, log)
-        session.checkpoint(executor, -1, reward=None)
-    bar = tqdm(range(start_iteration, cfg.iterations), disable=not progress, desc=session.algorithm.name,
-               unit="it", initial=start_iteration, total=cfg.iterations)
-    rewards: list[float] = []
+    bar = tqdm(disable=not progress, desc=session.algorithm.name, unit="it", total=cfg.iterations)
     iteration_seconds: list[float] = []
-    for iteration in bar:
-        batch = session.loader.next_batch()
-        inputs = {f"prompt_p{p}": prompt for p, prompt in enumerate(batch)}
-        result = executor.run(session.graph, iteration, inputs)
-        out = result.output["report"]
-        trace = chrome_trace(result.events, iteration, cfg.schedule)
-        write_iteration_files(run_dir, iteration, out["rows"], trace)
-        metrics = {"iteration": iteration, "phase": "rl", **out["metrics"],
-                   "iter_seconds": round(result.seconds, 4),
-                   "seconds_by_kind": seconds_by_kind(result.events),
-                   "peak_memory_bytes": result.peak_memory_bytes, "reward_chance": session.task.chance}
-        append_line(metrics_path, json.dumps(metrics, sort_keys=True))
-        rewards.append(metrics["reward_mean"])
-        iteration_seconds.append(result.seconds)
-        line = (f"it {iteration:4d}  reward {metrics['reward_mean']:.3f}  kl {metrics['kl']:.4f}  "
-                f"loss {metrics['loss']:+.4f}  |g| {metrics['grad_norm']:.3f}  "
-                f"len {metrics['response_len_mean']:.1f}  {result.seconds:.2f}s")
-        bar.write(line) if progress else log(line)
-        moving = sum(rewards[-MOVING_WINDOW:]) / len(rewards[-MOVING_WINDOW:])
-        stop = cfg.stop_at_reward is not None and len(rewards) >= MOVING_WINDOW and moving >= cfg.stop_at_reward
-        if checkpoints.due(iteration, cfg) or stop:
-            session.checkpoint(executor, iteration, reward=metrics["reward_mean"])
-        if stop:
-            bar.write(f"mean reward of the last {MOVING_WINDOW} iterations {moving:.3f} ≥ {cfg.stop_at_reward}: "
-                      "stopping")
+    iteration, recovering, where = None, False, "warm-up"
+    while True:
+        try:
+            if iteration is None:
+                iteration, rewards = _start_from(cfg, session, executor, watch, state, metrics_path, log, stop,
+                                                 recovering)
+                bar.n = iteration
+                bar.refresh()
+            while iteration < cfg.iterations:
+                if stop.requested:
+                    raise _interrupted(stop, run_dir, iteration - 1)
+                where = f"iteration {iteration}"
+                point("iteration:start")
+                batch = session.loader.next_batch()
+                inputs = {f"prompt_p{p}": prompt for p, prompt in enumerate(batch)}
+                result = executor.run(session.graph, iteration, inputs)
+                watch.check()  # results computed (even partly) on a replaced worker are not the run's
+                out = result.output["report"]
+                trace = chrome_trace(result.events, iteration, cfg.schedule)
+                write_iteration_files(run_dir, iteration, out["rows"], trace)
+                metrics = {"iteration": iteration, "phase": "rl", **out["metrics"],
+                           "iter_seconds": round(result.seconds, 4),
+                           "seconds_by_kind": seconds_by_kind(result.events),
+                           "peak_memory_bytes": result.peak_memory_bytes, "reward_chance": session.task.chance}
+                append_line(metrics_path, json.dumps(metrics, sort_keys=True))
+                point("iteration:written")
+                rewards.append(metrics["reward_mean"])
+                iteration_seconds.append(result.seconds)
+                line = (f"it {iteration:4d}  reward {metrics['reward_mean']:.3f}  kl {metrics['kl']:.4f}  "
+                        f"loss {metrics['loss']:+.4f}  |g| {metrics['grad_norm']:.3f}  "
+                        f"len {metrics['response_len_mean']:.1f}  {result.seconds:.2f}s")
+                bar.write(line) if progress else log(line)
+                bar.update(1)
+                moving = sum(rewards[-MOVING_WINDOW:]) / len(rewards[-MOVING_WINDOW:])
+                done = (cfg.stop_at_reward is not None and len(rewards) >= MOVING_WINDOW
+                        and moving >= cfg.stop_at_reward)
+                if checkpoints.due(iteration, cfg) or done or stop.requested:
+                    session.checkpoint(executor, iteration, reward=metrics["reward_mean"],
+                                       pids=set(watch.known.values()))
+                iteration += 1
+                if done:
+                    bar.write(f"mean reward of the last {MOVING_WINDOW} iterations {moving:.3f} ≥ "
+                              f"{cfg.stop_at_reward}: stopping")
+                    break
             break
+        except Interrupted:
+            raise
+        except Exception as exc:
+            lost = str(exc) if isinstance(exc, WorkerLost) else watch.lost()
+            if lost is None:
+                raise _failure(exc, where, run_dir) from exc
+            if stop.requested:
+                raise _interrupted(stop, run_dir, None) from None
+            drop_tracebacks(exc)
+        # A lost worker. Out of the except block: the exception's traceback holds the failed
+        # iteration's future, and the scheduler releases its tasks only once nothing does.
+        state = checkpoints.latest(run_dir)
+        log(f"{where}: lost a Dask worker: {lost}; rolling back to "
+            f"{state.directory.name if state else 'the beginning'} and replaying from there")
+        if iteration is not None:
+            watch.forget(task_key(iteration, ""))
+        watch.await_replacements(log)
+        if faults.active():
+            client.run(faults.install_task_hooks)
+        iteration, recovering = None, True
     bar.close()
     steady = iteration_seconds[2:] or iteration_seconds
     final = sum(rewards[-MOVING_WINDOW:]) / len(rewards[-MOVING_WINDOW:]) if rewards else float("nan")
     return RunSummary(run_dir, len(rewards), final, sum(steady) / max(len(steady), 1))
 
 
-def _run_warmup(cfg: RunConfig, session: Session, executor, metrics_path: Path, log) -> None:
+def _interrupted(stop, run_dir: Path, finished: int | None) -> Interrupted:
+    done = checkpoints.latest_name(run_dir)
+    if done is None:
+        what = "before the first checkpoint; --resume starts the run again"
+    elif finished is None:
+        what = f"the last checkpoint is {done}"
+    else:
+        what = f"after iteration {finished}, checkpoint {done} written"
+    return Interrupted(f"{stop.name}: stopped {what}; continue with: rollplex train --resume --out {run_dir}",
+                       stop.signum)
+
+
+def _run_warmup(cfg: RunConfig, session: Session, executor, metrics_path: Path, log, stop) -> None:
     import numpy as np
 
     from rollplex.tasks.data import format_warmup_batch
@@ -364,12 +497,15 @@ def _run_warmup(cfg: RunConfig, session: Session, executor, metrics_path: Path, 
     log(f"warm-up: {cfg.warmup.steps} supervised steps on the answer format (targets are random valid "
         f"answers, not the true ones, so the reward stays at chance ≈ {session.task.chance:.2f})")
     for step in range(cfg.warmup.steps):
+        if stop.requested:  # no state worth a checkpoint before warm-up ends: abandon it
+            raise _interrupted(stop, session.run_dir, None)
         examples = format_warmup_batch(session.task, session.builder, rng, cfg.warmup.batch_size)
         t = time.time()
         loss = executor.call(_warmup, examples, cfg.warmup.lr)
         row: dict[str, Any] = {"iteration": -cfg.warmup.steps + step, "phase": "warmup", "warmup_step": step,
                                "warmup_loss": loss, "iter_seconds": round(time.time() - t, 4)}
         append_line(metrics_path, json.dumps(row, sort_keys=True))
+        point("warmup:step")
     executor.call(_end_warmup)
     executor.call(_sync_decode, stream="decode")
     target = session.run_dir / "reference"

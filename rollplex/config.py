@@ -97,6 +97,9 @@ class ClusterConfig:
     threads: int = f(1, lo=1, hi=256, doc="torch/OMP threads per stream thread; streams × threads ≤ cores")
     processes: bool = f(True, doc="LocalCluster workers in separate processes")
     dashboard: bool = f(False, doc="serve the Dask dashboard")
+    tls_ca_file: str | None = f(None, doc="CA bundle for TLS to a tls:// scheduler (with tls_cert and tls_key)")
+    tls_cert: str | None = f(None, doc="this client's TLS certificate (PEM)")
+    tls_key: str | None = f(None, doc="this client's TLS private key (PEM)")
 
 
 @dataclass
@@ -288,9 +291,28 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("task.kinds: needs at least one kind")
     if len(cfg.train.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in cfg.train.betas):
         raise ConfigError(f"train.betas: expected two numbers in [0, 1), got {cfg.train.betas!r}")
+    if cfg.rollout.prompts_per_iteration > cfg.task.size:
+        raise ConfigError(f"rollout.prompts_per_iteration: {cfg.rollout.prompts_per_iteration} exceeds task.size "
+                          f"({cfg.task.size}): the dataset holds fewer prompts than one iteration needs")
+    _validate_tls(cfg.cluster)
     if cfg.rollout.chunk_tokens > cfg.rollout.max_new_tokens:
         raise ConfigError(f"rollout.chunk_tokens: {cfg.rollout.chunk_tokens} exceeds rollout.max_new_tokens "
                           f"({cfg.rollout.max_new_tokens})")
+
+
+def _validate_tls(c: ClusterConfig) -> None:
+    given = {name: getattr(c, name) for name in ("tls_ca_file", "tls_cert", "tls_key")}
+    if not any(given.values()):
+        return
+    missing = [f"cluster.{n}" for n, v in given.items() if not v]
+    if missing:
+        raise ConfigError(f"{', '.join(missing)}: TLS needs all of cluster.tls_ca_file, tls_cert and tls_key")
+    for name, value in given.items():
+        if not Path(value).is_file():
+            raise ConfigError(f"cluster.{name}: {value} does not exist")
+    if not (c.scheduler or "").startswith("tls://"):
+        raise ConfigError(f"cluster.scheduler: TLS options need a tls://HOST:PORT scheduler address, got "
+                          f"{c.scheduler!r} (a LocalCluster stays on loopback and needs no TLS)")
 
 
 def dump_config(cfg: RunConfig) -> str:
