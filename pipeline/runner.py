@@ -26,6 +26,7 @@ from rollplex.config import RunConfig, dump_config
 from rollplex.errors import EngineError, Interrupted, NodeFailure, NonFiniteError, RollplexError, WorkerLost
 from rollplex.pipeline import checkpoints
 from rollplex.pipeline.faults import point
+from rollplex.pipeline.preflight import check_servable
 from rollplex.pipeline.fsio import append_line, atomic_write_text
 from rollplex.pipeline.trace import chrome_trace, seconds_by_kind
 
@@ -125,6 +126,7 @@ class Session:
         self.device = resolve_device(cfg)
         self.model_path = resolve_model_path(cfg)
         self.decode_engine, self.train_engine, self.score_engine = resolve_engines(cfg, self.device)
+        check_servable(self.model_path, self.decode_engine, self.device)
         self.algorithm = load_algorithm(cfg.algorithm)
         unknown = sorted(set(cfg.params) - set(self.algorithm.hyperparameters()))
         if unknown:
@@ -309,6 +311,13 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = 
             raise RollplexError(f"--resume: {run_dir / 'reference'} (the warmed-up reference model) is missing")
     else:
         session.reference_path = session.model_path  # a killed attempt's reference is rebuilt by warm-up
+    spec = session.host_spec()
+    if cfg.cluster.memory_budget_gib is not None:
+        from rollplex.pipeline import preflight
+
+        preflight.check_memory_budget(cfg.cluster.memory_budget_gib, preflight.memory_terms(
+            *preflight.parameter_counts(session.model_path), 4 if cfg.model.dtype == "float32" else 2,
+            session.train_engine, len(spec.frozen), spec.decode_options.get("kv_cache_bytes", 0)))
     log(f"rollplex: {session.algorithm.name} on {session.device}, schedule={cfg.schedule}, "
         f"engines decode={session.decode_engine} train={session.train_engine} score={session.score_engine}, "
         f"{len(session.graph)} nodes/iteration → {run_dir}")
@@ -325,7 +334,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = 
         stop.install()
         stack.callback(stop.uninstall)
         t0 = time.time()
-        install_engines(client, session.host_spec())
+        install_engines(client, spec)
         if faults.active():
             client.run(faults.install_task_hooks)
         # Written only now: bad input (config, DAG, engines, cluster) fails above with nothing on disk.

@@ -97,6 +97,8 @@ class ClusterConfig:
     threads: int = f(1, lo=1, hi=256, doc="torch/OMP threads per stream thread; streams × threads ≤ cores")
     processes: bool = f(True, doc="LocalCluster workers in separate processes")
     dashboard: bool = f(False, doc="serve the Dask dashboard")
+    memory_budget_gib: float | None = f(None, lo=0.0, doc="memory per device the engines may hold; checked "
+                                        "before they start (null: no check)")
     tls_ca_file: str | None = f(None, doc="CA bundle for TLS to a tls:// scheduler (with tls_cert and tls_key)")
     tls_cert: str | None = f(None, doc="this client's TLS certificate (PEM)")
     tls_key: str | None = f(None, doc="this client's TLS private key (PEM)")
