@@ -28,10 +28,11 @@ class Interference:
     While both run, decode is about 1.2× slower. ``hidden`` interpolates those points in log2(B).
 
     A hidden fraction H and a decode slowdown s fix the rate r at which the compute work progresses
-    beside decode: a job of T seconds alone takes T/r beside decode and costs decode (s−1)·T/r extra,
-    so H = 1 − (s−1)/r, i.e. r = (s−1)/(1−H). H=0.675 gives r=0.62 (consistent with the measured
-    1.3–1.5× prefill slowdown on the ~86% of SMs decode leaves); H=0 gives r=0.2, no gain at all.
-    Without partitioning (plain CUDA streams) only 0–9% was hidden and decode slowed 1.6×.
+    beside decode: a job of T seconds alone takes T/r beside decode, while decode runs at 1/s and
+    loses (1−1/s)·T/r, so H = 1 − (1−1/s)/r, i.e. r = (1−1/s)/(1−H). H=0.675 gives r=0.51
+    (consistent with the measured 1.3–1.5× prefill slowdown on the ~70% of SMs light decode leaves);
+    H=0 gives r=0.17, no gain at all. Without partitioning (plain CUDA streams) only 0–9% was hidden
+    and decode slowed 1.6×.
     """
 
     partitioned: bool = True
@@ -61,7 +62,7 @@ class Interference:
 
     def compute_rate(self, batch: float) -> float:
         """Progress rate (vs alone) of compute-stream work beside decode at this batch."""
-        return min(1.0, (self.slowdown - 1.0) / max(1e-9, 1.0 - self.hidden(batch)))
+        return min(1.0, (1.0 - 1.0 / self.slowdown) / max(1e-9, 1.0 - self.hidden(batch)))
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,9 @@ class Gap:
     b: float  # may exceed the period for a resident's wrap-around gap
     after: str  # node whose use ends before the gap ("" at the iteration start)
     before: str  # node whose use follows it
-    dead: bool  # the next use overwrites the tensor
+    dead: bool  # every next use overwrites the tensor
+    wrap: bool = False  # from the last use of one iteration to the first use of the next
+    before_all: tuple[str, ...] = ()  # every use starting when the gap ends (``before`` is one of them)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -66,6 +68,7 @@ class Tensor:
     resident: bool
     frozen: bool = False
     what: str = ""
+    rank: tuple[int, int] = (0, 0)  # name-independent tie-break: (0, producer's structural rank) | (1, index)
 
 
 @dataclass
@@ -104,20 +107,25 @@ class MemoryPlan:
 
 
 # -- tensors and their gaps under a plan -------------------------------------------------------------
-def _merge(intervals: list[tuple[float, float, str, str]]) -> list[tuple[float, float, str, str]]:
+def _merge(uses: list[tuple[float, float, int, str]]) -> list[tuple[float, float, tuple[str, ...], str]]:
+    """Union of use intervals (start, finish, rank, node) as (start, end, nodes starting at start,
+    node ending last). Ties go by structural rank, never by name."""
     out: list[list] = []
-    for a, b, first, last in sorted(intervals):
+    for a, b, _, node in sorted(uses):
         if out and a <= out[-1][1] + EPS:
-            if b > out[-1][1]:
-                out[-1][1], out[-1][3] = b, last
+            if abs(a - out[-1][0]) <= EPS:
+                out[-1][2].append(node)
+            if b > out[-1][1] + EPS:
+                out[-1][1], out[-1][3] = b, node
         else:
-            out.append([a, b, first, last])
-    return [tuple(x) for x in out]
+            out.append([a, b, [node], node])
+    return [(a, b, tuple(first), last) for a, b, first, last in out]
 
 
 def tensors_of(plan: Plan, residents: list[Resident]) -> list[Tensor]:
     slots, graph = plan.slots, plan.graph
     period = plan.makespan
+    tiebreak = {name: job.tiebreak for name, job in zip(plan.names, plan.problem.jobs)}
     consumers: dict[str, list[str]] = {}
     for node in graph:
         for v in node.inputs:
@@ -134,29 +142,32 @@ def tensors_of(plan: Plan, residents: list[Resident]) -> list[Tensor]:
             gpus = users[0].gpus
         else:
             continue
-        spans = [(s.start, s.finish, s.node, s.node) for s in users]
-        if v.producer is None:
-            spans.append((0.0, 0.0, "", ""))
-        busy = _merge(spans)
-        gaps = [Gap(x[1], y[0], x[3], y[2], False) for x, y in zip(busy, busy[1:]) if y[0] - x[1] > EPS]
+        uses = [(s.start, s.finish, tiebreak[s.node], s.node) for s in users]
+        if v.producer is None:  # a device input is there from the iteration's start
+            uses.append((0.0, 0.0, -1, ""))
+        busy = _merge(uses)
+        gaps = [Gap(x[1], y[0], x[3], y[2][0], False, before_all=y[2]) for x, y in zip(busy, busy[1:])
+                if y[0] - x[1] > EPS]
         out.append(Tensor(v.name, tuple(gpus), v.nbytes / len(gpus), [(a, b) for a, b, *_ in busy], gaps, False,
-                          what=v.what))
-    for r in residents:
+                          what=v.what, rank=(0, tiebreak[v.producer or users[0].node])))
+    for index, r in enumerate(residents):
         mode = dict(r.uses)
         unknown = [n for n in mode if n not in slots]
         if unknown:
             raise MemoryPlanError(f"resident {r.name}: its uses {unknown[:3]} are not nodes of the plan")
-        busy = _merge([(slots[n].start, slots[n].finish, n, n) for n in mode])
-        gaps = [Gap(x[1], y[0], x[3], y[2], mode[y[2]] == "write") for x, y in zip(busy, busy[1:])
+        busy = _merge([(slots[n].start, slots[n].finish, tiebreak[n], n) for n in mode])
+        writes = lambda nodes: all(mode[n] == "write" for n in nodes)  # noqa: E731 - dead only if all overwrite
+        gaps = [Gap(x[1], y[0], x[3], y[2][0], writes(y[2]), before_all=y[2]) for x, y in zip(busy, busy[1:])
                 if y[0] - x[1] > EPS]
         if busy:
             first, last = busy[0], busy[-1]
             if period + first[0] - last[1] > EPS:
-                gaps.append(Gap(last[1], period + first[0], last[3], first[2], mode[first[2]] == "write"))
+                gaps.append(Gap(last[1], period + first[0], last[3], first[2][0], writes(first[2]), wrap=True,
+                                before_all=first[2]))
         else:
-            gaps.append(Gap(0.0, period, "", "", True))
+            gaps.append(Gap(0.0, period, "", "", True, wrap=True))
         out.append(Tensor(r.name, r.gpus, r.bytes_per_gpu, [(a, b) for a, b, *_ in busy], gaps, True, r.frozen,
-                          r.what))
+                          r.what, rank=(1, index)))
     return out
 
 
@@ -304,11 +315,11 @@ def _decide(plan: Plan, tensors: list[Tensor], decisions: dict, budget: float) -
                 if (t.name, gap.after, gap.before) in decisions or not _in_gap(gap, at, period):
                     continue
                 if gap.dead:
-                    cands.append((0, -t.nbytes, gap.a, t.name, t, gap, "free"))
+                    cands.append((0, -t.nbytes, gap.a, t.rank, t, gap, "free"))
                 else:
                     tt = at if gap.a - EPS <= at else at + period
                     if gap.b - gap.a >= t_off + t_pre and gap.a + t_off <= tt + EPS and tt < gap.b - t_pre - EPS:
-                        cands.append((1, -t.nbytes, gap.a, t.name, t, gap, "offload"))
+                        cands.append((1, -t.nbytes, gap.a, t.rank, t, gap, "offload"))
         if not cands:
             raise MemoryPlanError(_explain(plan, tensors, decisions, g, at, used, budget))
         *_, t, gap, kind = min(cands, key=lambda c: c[:4])
@@ -387,7 +398,7 @@ def _materialize(plan: Plan, tensors: list[Tensor], actions: list[Action]):
         k = fresh(t.name)
         t_off, t_pre = _transfer_times(plan, t)
         deadline = act.gap.b - t_pre
-        if deadline >= period:  # a wrap-around gap: the prefetch belongs before the first use
+        if act.gap.wrap:  # the prefetch belongs before the first use of the iteration
             deadline -= period
         deadline = max(0.0, deadline)
         base = {"tensor": t.name, "gpus": list(t.gpus), "after": act.gap.after, "before": act.gap.before}
@@ -397,7 +408,7 @@ def _materialize(plan: Plan, tensors: list[Tensor], actions: list[Action]):
                                                           "resident": True}, meta={"at": act.gap.a})
             pre = Node(pre_name, "prefetch", (), (), args={**base, "bytes_per_gpu": t.nbytes, "resident": True},
                        meta={"at": deadline})
-            if act.gap.b <= period + EPS:
+            if not act.gap.wrap:
                 order.append((off_name, pre_name))
         else:
             value = graph.values[t.name]
@@ -418,7 +429,7 @@ def _materialize(plan: Plan, tensors: list[Tensor], actions: list[Action]):
         trigger = _trigger(plan, t.gpus, deadline, act.gap.before)
         if trigger:
             order.append((trigger, pre_name))
-        order.append((pre_name, act.gap.before))
+        order += [(pre_name, n) for n in (act.gap.before_all or (act.gap.before,))]
         extra += [off, pre]
     rebuilt = [Node(n.name, n.kind, tuple(inputs[n.name]), n.outputs, n.model, n.engine, n.args, dict(n.meta))
                for n in graph] + extra

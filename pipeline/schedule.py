@@ -206,7 +206,7 @@ def _digest(*parts: bytes) -> bytes:
 def structural_ranks(graph: IterationGraph, order: list[str], seconds: list[float],
                      succs: list[list[tuple[int, float]]]) -> list[int]:
     """A rank per node from what it is and what surrounds it, independent of names: the node's
-    kind, model, plain args and cost, hashed with its ancestors' (downward) and descendants'
+    kind, model, plain args, cost and output bytes, hashed with its ancestors' (downward) and descendants'
     (upward) signatures. Only nodes with equal signatures fall back to their position."""
     n = len(order)
     preds: list[list[int]] = [[] for _ in range(n)]
@@ -217,7 +217,8 @@ def structural_ranks(graph: IterationGraph, order: list[str], seconds: list[floa
     for i, name in enumerate(order):
         node = graph.nodes[name]
         args = json.dumps({k: v for k, v in node.args.items() if _plain(v)}, sort_keys=True, default=str)
-        base.append(f"{node.kind}|{node.model}|{args}|{seconds[i]:.9g}".encode())
+        out = sorted((graph.values[o].nbytes, graph.values[o].device) for o in node.outputs)
+        base.append(f"{node.kind}|{node.model}|{args}|{seconds[i]:.9g}|{out}".encode())
     down: list[bytes] = [b""] * n
     for i in range(n):
         down[i] = _digest(base[i], *sorted(down[p] for p in preds[i]))
@@ -383,10 +384,16 @@ def _plan(graph, cluster, costs, policy, layout, release) -> Plan:
     planned = copy_graph(graph)
     if spec.stage_fusion and release:
         planned = release_finished_groups(planned, release)
+    if not nx.is_directed_acyclic_graph(planned.g):
+        planned.lint()  # names the cycle of the input
     if spec.barriers:
         _serial_barriers(planned)
-    if not nx.is_directed_acyclic_graph(planned.g):
-        planned.lint()
+        if not nx.is_directed_acyclic_graph(planned.g):
+            try:
+                planned.lint()
+            except GraphError as exc:
+                raise GraphError(f"policy {policy}: the graph's data flow contradicts the serial phases "
+                                 f"{SERIAL_PHASES}, so phase barriers close a cycle ({exc})") from None
     problem, names = build_problem(planned, cluster, layout, costs, spec)
     timing = dispatch(problem)
     if spec.gate:  # which decode is light enough to share: try stricter gates, keep the fastest
@@ -410,6 +417,7 @@ def _retime(old: Plan, graph: IterationGraph | None, costs) -> Plan:
     graph = graph if graph is not None else copy_graph(old.graph)
     costs = costs if costs is not None else old.costs
     problem, names = build_problem(graph, old.cluster, old.layout, costs, policy_spec(old.policy))
+    problem = replace(problem, interference=old.problem.interference)  # the gate the plan chose
     old_seq = {old.names[i]: (old.timing.start[i], 0, old.timing.seq[i]) for i in range(len(old.names))}
     gangs, keys = [], []
     for i, name in enumerate(names):
