@@ -1,0 +1,171 @@
+"""Cost model, simulator and ``rollplex simulate``: facts the model must reproduce, invariants of
+its outputs (breakdowns that sum to the makespan, traces in the runtime's format), calibration from
+a trace, and the command's files and errors. CPU only, small workloads."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from rollplex.cli import main
+from rollplex.errors import ConfigError
+from rollplex.pipeline import simulator as S
+from rollplex.pipeline.costs import MEASURED_H200, Calibration, CostModel, Workload, measured_efficiency, parse_lengths
+from rollplex.pipeline.hardware import Layout, hardware
+from rollplex.pipeline.modelspec import PRESETS, from_config, load_model
+from rollplex.pipeline.trace import chrome_trace
+
+SMALL = Workload(prompts=4, samples=2, max_new_tokens=64, chunk_tokens=16, vision_tokens=256,
+                 response="lognormal:24:0.6")
+
+
+@pytest.fixture(scope="module")
+def small_results():
+    scn = S.Scenario(PRESETS["qwen2.5-vl-3b"], hardware("h200", 2), SMALL)
+    return scn, S.run(scn)
+
+
+# -- model shapes and the measured facts --------------------------------------------------------------
+@pytest.mark.parametrize("name, billions", [("qwen2.5-vl-3b", 3.75), ("qwen2.5-vl-7b", 8.29),
+                                            ("qwen2.5-vl-32b", 33.45)])
+def test_presets_have_the_published_parameter_counts(name, billions):
+    assert PRESETS[name].params / 1e9 == pytest.approx(billions, rel=0.01)
+
+
+def test_a_config_json_reads_like_its_preset(tmp_path):
+    m = PRESETS["qwen2.5-vl-7b"]
+    (tmp_path / "config.json").write_text(json.dumps({
+        "hidden_size": m.hidden, "num_hidden_layers": m.layers, "num_attention_heads": m.heads,
+        "num_key_value_heads": m.kv_heads, "intermediate_size": m.intermediate, "vocab_size": m.vocab,
+        "tie_word_embeddings": False, "vision_config": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420,
+                                                        "num_heads": 16, "out_hidden_size": m.hidden,
+                                                        "fullatt_block_indexes": [7, 15, 23, 31]}}))
+    spec = from_config(tmp_path)
+    assert (spec.params, spec.kv_bytes_per_token()) == (m.params, m.kv_bytes_per_token())
+    with pytest.raises(ConfigError, match="not a preset .* and no such file"):
+        load_model(str(tmp_path / "missing.json"))
+
+
+def test_efficiencies_reproduce_the_measured_iteration_and_predict_what_they_were_not_fitted_to():
+    eff = measured_efficiency()
+    assert 0 < eff.vit < eff.forward < 1 and 0 < eff.train < 1 and 0 < eff.decode_bw <= 1
+    m, c = PRESETS["qwen2.5-vl-3b"], hardware("h200", 1)
+    w = Workload(prompts=8, samples=8, text_tokens=64, vision_tokens=1024, max_new_tokens=256, response="fixed:256")
+    cm = CostModel(m, c, w, Layout.colocate(c), efficiency=eff)
+    full = sum(cm.suffix_flops(p, True) for p in range(8)) / (c.peak_flops * eff.forward)
+    assert full == pytest.approx(MEASURED_H200["ref_full_seconds"], rel=1e-3)  # fitted
+    shared = sum(cm.suffix_flops(p, False) + m.prefill_flops(1088) for p in range(8)) / (c.peak_flops * eff.forward)
+    assert shared == pytest.approx(MEASURED_H200["ref_shared_seconds"], rel=0.25)  # not fitted: -17%
+    for batch, seconds in MEASURED_H200["decode_steps"]:
+        assert cm.decode_step(batch, 1344) == pytest.approx(seconds, rel=0.1)
+
+
+def test_decode_steps_grow_with_batch_and_context_and_the_long_tail_is_light():
+    c = hardware("h200", 8)
+    cm = CostModel(PRESETS["qwen2.5-vl-7b"], c, Workload(prompts=64), Layout.colocate(c))
+    assert cm.decode_step(8, 1000) < cm.decode_step(64, 1000) < cm.decode_step(64, 2000)
+    prof = cm.profile
+    assert prof.chunk_batch[0] >= prof.chunk_batch[-1] and min(prof.chunk_batch) < 8  # sequences finish
+    assert len(prof.chunk_seconds) == math.ceil(1024 / 32) and all(s > 0 for s in prof.chunk_seconds)
+
+
+def test_interference_reproduces_the_measured_hidden_fractions():
+    inter = hardware("h200", 1).interference
+    for batch, hidden in inter.hidden_table:
+        r = inter.compute_rate(batch)
+        assert 1 - (1 - 1 / inter.slowdown) / r == pytest.approx(hidden)
+    assert inter.hidden(8) > inter.hidden(32) > inter.hidden(64) > inter.hidden(128) == 0
+
+
+def test_workload_errors_name_the_field():
+    with pytest.raises(ConfigError, match="workload: samples must be ≥ 1"):
+        Workload(samples=0)
+    with pytest.raises(ConfigError, match="--response-len 'gauss:3'"):
+        parse_lengths("gauss:3", 10)
+    with pytest.raises(ConfigError, match="layout: train TP 3 does not divide its 8 GPUs"):
+        Layout.colocate(hardware("h200", 8), 1, 3)
+
+
+# -- scenario results ---------------------------------------------------------------------------------
+def test_every_variant_fits_and_its_breakdown_sums_to_the_makespan(small_results):
+    _, results = small_results
+    assert set(results) == set(S.VARIANTS)
+    for name, r in results.items():
+        assert r.fits, (name, r.error)
+        assert sum(r.phases().values()) == pytest.approx(r.makespan, rel=1e-9), name
+        assert r.naive_terms and r.naive_peak > 0
+    assert results["rollplex"].makespan < results["serial"].makespan
+
+
+def test_the_simulated_trace_has_the_runtime_format(small_results):
+    _, results = small_results
+    r = results["rollplex"]
+    trace = S.chrome_trace_of(r.plan, r.memory)
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(events) == sum(len(s.gpus) for s in r.plan.slots.values())
+    assert {e["cat"] for e in events} == {s.kind for s in r.plan.slots.values()}
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"}
+    assert names == {f"gpu{g}" for g in range(2)}
+    assert set(trace["otherData"]["streams"]) <= {"decode", "compute", "host", "copy"}
+    assert max(e["ts"] + e["dur"] for e in events) / 1e6 == pytest.approx(r.makespan, rel=1e-6)
+    assert any(e["ph"] == "C" for e in trace["traceEvents"])  # the HBM counter
+    # The same events through the runtime's own formatter give the same layout.
+    same = chrome_trace([dict(e, pid=trace["otherData"]["workers"][e["pid"]],
+                              tid=trace["otherData"]["streams"][e["tid"]], ts=e["ts"] + 5.0) for e in events],
+                        0, "rollplex")
+    assert [e["pid"] for e in same["traceEvents"] if e["ph"] == "X"] == [e["pid"] for e in events]
+
+
+def test_calibrating_from_a_trace_recovers_per_kind_factors():
+    """A serial plan's trace (no interference) calibrates to 1; with every loss 2× slower, the loss
+    factor is 2 and a replay with it is slower by exactly the loss time."""
+    scn = S.Scenario(PRESETS["qwen2.5-vl-3b"], hardware("h200", 2), SMALL, memory=False)
+    r = S.run_variant(scn, "serial")
+    predicted = {n: r.costs(r.plan.graph.nodes[n], len(s.gpus)).seconds for n, s in r.plan.slots.items()}
+    trace = S.chrome_trace_of(r.plan)
+    # (trace times are rounded to 0.1 µs)
+    assert all(f == pytest.approx(1.0, rel=1e-4) for f in Calibration.from_trace(trace, predicted).factors.values())
+    for e in trace["traceEvents"]:
+        if e.get("cat") == "loss":
+            e["dur"] *= 2
+    cal = Calibration.from_trace(trace, predicted)
+    assert cal.factors["loss"] == pytest.approx(2.0, rel=1e-4)
+    slower = S.simulate(r.plan, CostModel(r.costs.m, r.costs.c, r.costs.w, r.costs.layout, calibration=cal,
+                                          prefix_sharing=False, recompute_prefix=True))
+    loss = sum(s.finish - s.start for s in r.plan.slots.values() if s.kind == "loss")
+    assert slower.makespan == pytest.approx(r.makespan + loss * (cal.factors["loss"] - 1), rel=1e-4)
+    with pytest.raises(ConfigError, match="has no events for the graph's nodes"):
+        Calibration.from_trace({"traceEvents": []}, predicted)
+
+
+# -- the command ---------------------------------------------------------------------------------------
+ARGS = ["simulate", "--model", "qwen2.5-vl-3b", "--gpus", "2", "--prompts", "4", "-G", "2", "--max-new-tokens", "64",
+        "--chunk-tokens", "16", "--vision-tokens", "256", "--response-len", "lognormal:24:0.6"]
+
+
+def test_simulate_prints_the_table_and_writes_json_png_and_traces(tmp_path, capsys):
+    out = tmp_path / "sim.json"
+    assert main(ARGS + ["--json", str(out), "--png", str(tmp_path / "sim.png"), "--trace", str(tmp_path / "tr")]) == 0
+    text = capsys.readouterr().out
+    for needle in ("makespan", "rollplex vs serial:", "naive colocation", "assumptions", "decode step"):
+        assert needle in text, needle
+    data = json.loads(out.read_text())
+    assert set(data["results"]) == set(S.VARIANTS)
+    assert data["results"]["rollplex"]["makespan_s"] > 0 and data["scenario"]["gpus"] == 2
+    assert (tmp_path / "sim.png").stat().st_size > 10_000
+    assert sorted(p.name for p in (tmp_path / "tr").iterdir()) == sorted(f"{n}.json" for n in S.VARIANTS)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--model", "llama-9000"], "--model 'llama-9000': not a preset"),
+    (["--response-len", "normal:3"], "--response-len 'normal:3'"),
+    (["--schedule", "serial,fast"], "--schedule 'serial,fast': unknown \\['fast'\\]"),
+    (["--gpus", "12"], "--gpus 12: a h200 node has 8 GPUs"),
+    (["--tp-train", "3"], "layout: train TP 3 does not divide its 2 GPUs"),
+])
+def test_simulate_errors_are_one_line_naming_the_flag(extra, message, capsys):
+    assert main(ARGS + extra) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert __import__("re").search(message, err), err
