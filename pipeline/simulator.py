@@ -106,6 +106,12 @@ def run_variant(scn: Scenario, name: str, rollout_gpus: int | None = None) -> Re
                    calibration=scn.calibration, weight_sharing=rollplex, prefix_sharing=sharing,
                    recompute_prefix=not rollplex)
     graph = footprint.annotate(compile_for(scn, layout, sharing), cm)
+    # The compiler chains the forwards a backward walks (bit-determinism on one worker). Across data-
+    # parallel ranks that order only matters per rank, so it must not serialize the whole cluster.
+    for u, v, data in list(graph.g.edges(data=True)):
+        if data["reason"] == "accumulation order" and {graph.nodes[u].kind, graph.nodes[v].kind} <= {"prefix",
+                                                                                                      "suffix_score"}:
+            graph.g.remove_edge(u, v)
     if rollplex and scn.workload.ref_cache_hit > 0:
         h = scn.workload.ref_cache_hit
         graph = footprint.copy_with_cache_hits(graph, cm, lambda p: (p * 0.6180339887) % 1.0 < h)

@@ -218,6 +218,8 @@ def _assumptions(scn, results) -> str:
         ("vision tower", "frozen; one ViT output per prompt serves rollout, reference and actor", "common RL recipe"),
         ("actor forward", "loss re-runs the actor suffix with grad (verl-style)" if w.actor_forward == "recompute"
          else "suffix keeps its graph until the loss", "--actor-forward"),
+        ("accumulation order", "the loss chain is kept; the chain of forwards a backward walks is per data-parallel "
+         "rank, so it does not serialize prompts across the cluster", "compiler chains them on one worker"),
         ("serial/disaggregated", "score full sequences (no prefix sharing), like verl/OpenRLHF; serial+prefix "
          "adds sharing to isolate the overlap gain", ""),
         ("rollplex", "prefix sharing, prefix work under light decode on SM partitions (gate chosen per plan), stage "
