@@ -5,8 +5,9 @@ For each size: ``compile_iteration`` of GRPO, the runner's ``schedule(graph, pol
 critical-path priorities), and the full ``plan(graph, cluster, costs, policy)`` (placement and
 predicted times on the lanes of every GPU). Wall and process CPU time are both printed: the
 machine may be shared. ``plan`` pauses Python's cyclic GC while it runs; the compile is also
-timed with the GC paused, to show what the same guard would save there. The cost model is built once per size outside the
-timings (its decode profile samples every response length), so the times are the graph work alone.
+timed with the GC paused, to show what the same guard would save there. The cost model is built
+once per size outside the timings (its decode profile samples every response length), so the
+times are the graph work alone.
 
     python benchmarks/schedule_scale.py                 # ~10k nodes, rollplex and serial, 8 H200s
     python benchmarks/schedule_scale.py --prompts 200 1420 --gpus 32 --json /tmp/scale.json

@@ -177,7 +177,9 @@ def copy_with_cache_hits(graph: IterationGraph, cm: CostModel, hit) -> Iteration
     for node in graph:
         prompts = list(node.args.get("prompts", []))
         if node.kind == "prefix" and node.model != policy and prompts and all(hit(p) for p in prompts):
-            inputs = tuple(v for v in node.inputs if not v.startswith("vis_"))  # no vision tower needed
+            # No vision tower needed; loaded once its group's responses exist, just before its suffix.
+            inputs = tuple(v for v in node.inputs if not v.startswith("vis_")) + tuple(
+                f"responses_p{p}" for p in prompts if f"responses_p{p}" in graph.values)
             node = Node(node.name, node.kind, inputs, node.outputs, node.model, node.engine,
                         {**node.args, "cached": True, "bytes_per_gpu": kv * len(prompts) / cm.layout.tp_train},
                         dict(node.meta))

@@ -173,13 +173,13 @@ def placement(node: Node, layout: Layout, cluster: Cluster) -> tuple[str, tuple[
     """(lane, candidate gangs) of a node. One candidate gang means it is fixed (SPMD work over a
     pool, a transfer on the GPUs that hold its tensor)."""
     kind, stream = node.kind, node.stream
+    if node.args.get("cached"):  # served from the host cache: a copy, on a training gang
+        return "copy", layout.gangs(layout.train, layout.tp_train)
     if kind in ("offload", "prefetch") or stream == "copy":
         gpus = tuple(node.args.get("gpus", ()))
         if not gpus:
             raise GraphError(f"%{node.name}: a transfer node needs args['gpus'] (the GPUs holding its tensor)")
         return "copy", (gpus,)
-    if node.args.get("cached"):  # served from the host cache: a copy, on a training gang
-        return "copy", layout.gangs(layout.train, layout.tp_train)
     if kind == "weight_sync":
         return cluster.lane("decode"), (layout.gpus,)
     if stream == "decode":

@@ -6,7 +6,6 @@ plot and ``--trace`` Chrome traces in the format real runs write.
 """
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -66,7 +65,11 @@ def _workload_and_setup(args):
     from rollplex.pipeline.costs import Workload
 
     base = dict(PAPER) if args.preset == "paper" else dict(model="qwen2.5-vl-7b", hardware="h200", gpus=8)
-    pick = lambda name, default=None: getattr(args, name) if getattr(args, name) is not None else base.get(name, default)  # noqa: E731
+
+    def pick(name: str):
+        value = getattr(args, name)
+        return value if value is not None else base.get(name)
+
     fields = dict(prompts="prompts", samples="samples", vision_tokens="vision_tokens", frames="frames",
                   text_tokens="text_tokens", max_new_tokens="max_new_tokens", response="response_len",
                   chunk_tokens="chunk_tokens", tp_rollout="tp_rollout", tp_train="tp_train", zero="zero",
@@ -180,11 +183,21 @@ def _memory_terms(results, scn, paper: bool) -> str:
     lines = [f"naive colocation on the busiest GPU ({name} schedule, every tensor resident, no offload): "
              f"{r.naive_peak / GiB:.1f} GiB + {scn.cluster.reserve_bytes / GiB:.0f} GiB CUDA/NCCL reserve"]
     lines += [f"  {label:<48} {b / GiB:>7.1f} GiB" for label, b in r.naive_terms]
+    for other in results.values():
+        if other.memory:
+            lines.append(f"  {other.name}: {other.memory.log}")
     if r.memory and r.memory.actions:
-        lines.append("  " + r.memory.log)
         for a in r.memory.actions[:8]:
             lines.append(f"    {a.kind:<7} {a.tensor:<28} {a.nbytes / GiB:6.2f} GiB/GPU idle "
                          f"{a.gap.a:.2f}–{a.gap.b:.2f}s")
+        if len(r.memory.actions) > 8:
+            lines.append(f"    ... {len(r.memory.actions) - 8} more (--json lists all)")
+    cached = [n for n in r.plan.graph if n.kind == "prefix" and n.args.get("cached")]
+    if cached:
+        refs = [n for n in r.plan.graph if n.kind == "prefix" and n.model != r.plan.graph.meta.get("rollout_model")]
+        loaded = sum(n.args["bytes_per_gpu"] for n in cached) * r.layout.tp_train
+        lines.append(f"  reference-prefix cache: {len(cached)}/{len(refs)} reference prefix nodes load from host "
+                     f"memory ({loaded / GiB:.1f} GiB per iteration over PCIe instead of recomputing)")
     if paper:
         lines.append(f"  paper: ~{PAPER_NAIVE_GIB} GiB per GPU. Same computation under other choices:")
         w = scn.workload
