@@ -439,6 +439,20 @@ def _materialize(plan: Plan, tensors: list[Tensor], actions: list[Action]):
     return new.lint()
 
 
+def _write_residency(plan: Plan, residents: list[Resident], decisions: dict) -> None:
+    """``meta["residency"]`` of each producing node: its device outputs → keep | offload (by
+    %node); graph ``meta["residency"]``: each resident → its decided gaps."""
+    offloaded = {n.inputs[0]: n.name for n in plan.graph if n.kind == "offload" and n.inputs}
+    for node in plan.graph:
+        outs = {o: (f"offload by %{offloaded[o]}" if o in offloaded else "keep") for o in node.outputs
+                if plan.graph.values[o].device == "device"}
+        if outs:
+            node.meta["residency"] = outs
+    plan.graph.meta["residency"] = {
+        r.name: [f"{d} between %{after or 'start'} and %{before}" for (t, after, before), d in sorted(decisions.items())
+                 if t == r.name] or ["keep"] for r in residents}
+
+
 def plan_memory(plan: Plan, residents: list[Resident], budget: float | None = None, *, enabled: bool = True,
                 rounds: int = 4, log: Callable[[str], None] | None = None) -> MemoryPlan:
     """Residency for every tensor so that no GPU exceeds ``budget`` (default: the cluster's). Pure:
@@ -467,6 +481,8 @@ def plan_memory(plan: Plan, residents: list[Resident], budget: float | None = No
                 raise MemoryPlanError(_explain(current, tensors, decisions, g, at, used, budget))
     peak = dict(naive) if current is plan and not decisions else \
         {g: _peak(_events(current, tensors, decisions, g))[0] for g in gpus}
+    if current is not plan or decisions:
+        _write_residency(current, residents, decisions)
     result = MemoryPlan(current, budget, list(residents), decisions, actions, naive, peak, tensors)
     if log is not None:
         log(result.log)

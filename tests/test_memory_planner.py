@@ -182,6 +182,8 @@ def test_an_idle_value_is_offloaded_and_prefetched_before_its_consumer():
     assert mp.plan.makespan == pytest.approx(p.makespan)  # both copies hide in the gap
     assert {(a.tensor, a.kind) for a in mp.actions} == {("kv", "offload"), ("pool", "free")}
     assert "peak 28.0 GiB → 20.0 GiB" in mp.log
+    assert g.nodes["prefix"].meta["residency"] == {"kv": f"offload by %{off.name}", "h": "keep"}
+    assert g.meta["residency"]["pool"] == ["free between %decode and %decode"]
 
 
 def test_a_dead_resident_is_freed_without_copies():
