@@ -219,12 +219,15 @@ def structural_ranks(graph: IterationGraph, order: list[str], seconds: list[floa
         args = json.dumps({k: v for k, v in node.args.items() if _plain(v)}, sort_keys=True, default=str)
         out = sorted((graph.values[o].nbytes, graph.values[o].device) for o in node.outputs)
         base.append(f"{node.kind}|{node.model}|{args}|{seconds[i]:.9g}|{out}".encode())
+    def edge(u: int, v: int) -> bytes:  # a value edge and an ordering-only edge are not the same
+        return b"v" if graph.g.edges[order[u], order[v]]["values"] else b"o"
+
     down: list[bytes] = [b""] * n
     for i in range(n):
-        down[i] = _digest(base[i], *sorted(down[p] for p in preds[i]))
+        down[i] = _digest(base[i], *sorted(down[p] + edge(p, i) for p in preds[i]))
     up: list[bytes] = [b""] * n
     for i in reversed(range(n)):
-        up[i] = _digest(base[i], *sorted(up[s] for s, _ in succs[i]))
+        up[i] = _digest(base[i], *sorted(up[s] + edge(i, s) for s, _ in succs[i]))
     ranked = sorted(range(n), key=lambda i: (down[i], up[i], i))
     rank = [0] * n
     for r, i in enumerate(ranked):
