@@ -188,7 +188,8 @@ class GraphDecodeEngine(DecodeEngine):
         with self._lock, torch.no_grad():
             if self._pending or any(r is not None for r in self._live):
                 raise EngineError("engine 'torch-graph': load_weights while requests are live")
-            params = dict(self.model.named_parameters())
+            # Tied weights (lm_head = embed_tokens) appear under both names in a state dict.
+            params = dict(self.model.named_parameters(remove_duplicate=False))
             for name, tensor in named_tensors:
                 target = params.get(name)
                 if target is None:
@@ -200,6 +201,10 @@ class GraphDecodeEngine(DecodeEngine):
         with self._lock:
             self._graphs.clear()
             self.batch = None
+
+    def live_rows(self) -> int:
+        """Rows decoding now (read without the lock: a scheduling hint, not bookkeeping)."""
+        return sum(r is not None for r in self._live) + sum(r.n for r in self._pending)
 
     # -- admission: prefill queued prompts into free rows ----------------------------------------
     def _live_count(self) -> int:
@@ -294,7 +299,8 @@ class GraphDecodeEngine(DecodeEngine):
         slot = b.length[:n].clamp(max=b.max_len - 1)
         rows = torch.arange(n, device=x.device)
         valid = (torch.arange(b.max_len, device=x.device).view(1, -1) <= slot.view(-1, 1))  # [n, L]
-        bias = torch.zeros(valid.shape, dtype=torch.float32, device=x.device).masked_fill(~valid, float("-inf"))
+        mask = torch.zeros(valid.shape, dtype=x.dtype, device=x.device).masked_fill(~valid, float("-inf"))
+        mask = mask.view(n, 1, 1, -1)
         group = w.heads // w.kv_heads
         where = (rows.view(-1, 1), torch.arange(w.kv_heads, device=x.device).view(1, -1), slot.view(-1, 1))
         for i, layer in enumerate(w.layers):
@@ -306,10 +312,11 @@ class GraphDecodeEngine(DecodeEngine):
             q, k = _rope(q, cos, sin), _rope(k, cos, sin).view(n, w.kv_heads, w.head_dim)
             b.k[i].index_put_(where, k)  # this row's slot, every kv head
             b.v[i].index_put_(where, v)
-            keys, values = b.k[i][:n], b.v[i][:n]  # [n, kv, L, d]
-            scores = torch.matmul(q, keys.transpose(-1, -2)).float() * w.attn_scale  # [n, kv, group, L]
-            probs = torch.softmax(scores + bias.view(n, 1, 1, -1), dim=-1).to(values.dtype)
-            out = torch.matmul(probs, values).reshape(n, w.heads * w.head_dim)
+            # One query per row against its kv head's keys: SDPA's grouped-query mode reads each K/V
+            # head once for its `group` query heads (no repeat), under the additive length mask.
+            out = F.scaled_dot_product_attention(q.reshape(n, w.heads, 1, w.head_dim), b.k[i][:n], b.v[i][:n],
+                                                 attn_mask=mask, scale=w.attn_scale, enable_gqa=True)
+            out = out.reshape(n, w.heads * w.head_dim)
             x = x + F.linear(out, attn.o_proj.weight)
             h = _rms(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
             mlp = layer.mlp
@@ -348,7 +355,9 @@ class GraphDecodeEngine(DecodeEngine):
             for _ in range(2):
                 self._step(n, top_p)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
+        # thread_local: other threads (the compute stream's prefix work) keep running CUDA calls
+        # while this thread captures; the default global mode would fail them.
+        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
             self._step(n, top_p)
         with torch.cuda.stream(stream):
             for name, value in saved.items():

@@ -180,6 +180,8 @@ def compile_iteration(
                 add(f"score_{s.as_}_{span(ps)}", "suffix_score",
                     [f"prompt_p{p}" for p in ps] + [f"vis_p{p}" for p in ps] + responses,
                     outs, model=s.model, role=role, args={**args, "full_sequence": True}, **score_info)
+                if s.grad:
+                    grad_nodes.setdefault(("suffix", s.as_), []).append(f"score_{s.as_}_{span(ps)}")
                 continue
             kvs = [f"prefix_{s.model}_p{p}" for p in ps]
             if kvs[0] not in g.values:  # two scores of one model share its prefix
@@ -251,6 +253,15 @@ def compile_iteration(
     # micro-batches, and the forwards whose graphs they walk (autograd orders a backward by the
     # creation order of the forward's ops), so that every schedule sums them in the same order.
     chains = [[f"loss_m{m}" for m in range(len(loss_outputs))], *grad_nodes.values()]
+    # A micro-batch's suffix forward with grad starts after the previous micro-batch's backward: at
+    # most one micro-batch of suffix graphs is alive (prefix graphs, made in the decode window, wait).
+    mb_of = {p: m for m, groups in enumerate(shape.micro_batches()) for p in groups}
+    for (kind, _), nodes in grad_nodes.items():
+        if kind == "suffix":
+            for name in nodes:
+                first = g.nodes[name].args["prompts"][0]
+                if mb_of[first] > 0:
+                    chains.append([f"loss_m{mb_of[first] - 1}", name])
     add("optimizer_step", "optimizer_step", loss_outputs, ["step"], model=policy, step=host(64, "scalars"))
     add("weight_sync", "weight_sync", ["step"], ["synced"], model=policy,
         synced=host(64, "scalars"))

@@ -93,7 +93,10 @@ def _serial_barriers(graph: IterationGraph) -> None:
         # Kinds outside SERIAL_PHASES (offload, prefetch, plugins) sit between phases wherever their
         # data puts them; a barrier on them (e.g. a prefetch feeding a suffix_score) would be a cycle.
         if node.kind in phase_of:
-            by_phase.setdefault(phase_of[node.kind], []).append(node.name)
+            # The trained model's forwards belong to training: they keep graphs for the backward, so
+            # serial runtimes run them per micro-batch right before it, not all in the scoring phase.
+            train = node.kind in ("prefix", "suffix_score") and node.args.get("grad")
+            by_phase.setdefault(phase_of["loss"] if train else phase_of[node.kind], []).append(node.name)
     phases = [by_phase[k] for k in sorted(by_phase)]
     for before, after in zip(phases, phases[1:]):
         # Only the last nodes of a phase need an edge: everything else precedes them already.

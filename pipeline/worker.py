@@ -118,6 +118,10 @@ class WorkerHost:
         # partition while the other GPU stream is busy, and on the whole GPU alone.
         self.partitions: dict | None = None
         self._busy = {"decode": 0, "compute": 0}
+        # Prefix work joins the decode window only once decode is light (at most this many live
+        # rows): heavy decode leaves little idle compute, and sharing SMs then slows it more than
+        # the hidden prefix saves. 0 disables the gate.
+        self.gate_rows = 0
         self.events: list[dict] = []
         self._lock = threading.Lock()
         self._remaining: dict[tuple[int, str], int] = {}
@@ -169,6 +173,13 @@ class WorkerHost:
             peak = torch.cuda.max_memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         return {"events": events, "peak_memory_bytes": int(peak), "worker": self.name, "pid": os.getpid()}
+
+    def wait_for_light_decode(self, poll: float = 0.002) -> None:
+        live = getattr(self.decode, "live_rows", None)
+        if live is None:
+            return
+        while self._busy.get("decode") and live() > self.gate_rows:
+            time.sleep(poll)
 
     def submit(self, stream: str, fn: Callable[..., Any], *args: Any) -> Future:
         """Run ``fn(*args)`` on the stream's own thread; a Future of its result."""
@@ -251,6 +262,8 @@ def execute_node(host: WorkerHost, node: Node, iteration: int, inputs: dict[str,
     """Run one node's task on the calling thread (its stream's thread), timed, errors naming the node."""
     from rollplex.tasks.registry import task_for
 
+    if node.kind == "prefix" and host.gate_rows:
+        host.wait_for_light_decode()
     start = time.time()
     try:
         with host.on_stream(node.stream):

@@ -72,7 +72,8 @@ def cmd_bench(args) -> int:
                       vision_tokens=args.vision_tokens, max_new_tokens=args.max_new_tokens,
                       mean_new_tokens=args.mean_new_tokens, chunk_tokens=args.chunk_tokens,
                       iterations=args.iterations, policies=policies, train_engine=args.train_engine,
-                      decode_sms=args.decode_sms, out=args.out, device=args.device, dtype=args.dtype,
+                      decode_sms=args.decode_sms, gate_rows=args.gate_rows, out=args.out, device=args.device,
+                      dtype=args.dtype,
                       layers=args.layers)
     run(cfg)
     return 0
@@ -130,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--policies", help="comma-separated subset of serial-noshare,serial,rollplex")
     b.add_argument("--train-engine", default="torch", choices=("torch", "deepspeed"))
     b.add_argument("--decode-sms", type=int, default=0, help="SMs for decode while prefix work runs (0: auto)")
+    b.add_argument("--gate-rows", type=int, default=0,
+                   help="rollplex: prefix work joins decode once at most this many rows decode (0: at once)")
     b.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     b.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     b.add_argument("--layers", type=int, help="override the preset's depth (smoke runs)")

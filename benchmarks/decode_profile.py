@@ -1,0 +1,59 @@
+"""Where a decode step's time goes: graph replay time per batch size, its HBM-bandwidth fraction
+(weights + KV bytes the step must read / step time), and the kernels of one eager step.
+
+    python benchmarks/decode_profile.py --model qwen2.5-vl-3b --prompt-len 1090
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen2.5-vl-3b")
+    ap.add_argument("--prompt-len", type=int, default=1090)
+    ap.add_argument("--sizes", default="8,16,32,64")
+    ap.add_argument("--bandwidth", type=float, default=4.3e12, help="measured device copy bandwidth, B/s")
+    args = ap.parse_args()
+
+    from rollplex.engines.base import DecodeRequest, EngineContext
+    from rollplex.engines.graph_decode import GraphDecodeEngine
+    from rollplex.pipeline.bench import BenchConfig, build_model
+
+    model, spec = build_model(BenchConfig(model=args.model))
+    device = torch.device("cuda")
+    sizes = [int(x) for x in args.sizes.split(",")]
+    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "visual" not in n)
+    kv_per_token = spec.kv_bytes_per_token(2)
+    for n in sizes:
+        engine = GraphDecodeEngine(EngineContext("", device, torch.bfloat16, 0, {
+            "share_model": model, "max_num_seqs": n, "max_model_len": args.prompt_len + 300}))
+        ids = torch.randint(100, 100000, (args.prompt_len,)).tolist()
+        engine.add_requests([DecodeRequest(f"r{i}", ids, None, None, max_tokens=256, seed=i, n=1) for i in range(n)])
+        engine.step(4)  # prefill, capture
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        steps = 64
+        engine.step(steps)
+        torch.cuda.synchronize()
+        per_step = (time.perf_counter() - t) / steps
+        need = weights + n * (args.prompt_len + 36) * kv_per_token
+        print(f"B={n:3d}: {per_step * 1e3:6.2f} ms/step, {need / per_step / 1e12:5.2f} TB/s = "
+              f"{need / per_step / args.bandwidth:5.1%} of {args.bandwidth / 1e12:.1f} TB/s; "
+              f"{n / per_step:8.0f} tok/s")
+        if n == sizes[-1]:
+            engine.use_graphs = False
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+                engine.step(2)
+                torch.cuda.synchronize()
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18))
+        engine.close()
+
+
+if __name__ == "__main__":
+    main()
