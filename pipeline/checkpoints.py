@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import random
 import shutil
 from collections.abc import Callable
@@ -134,6 +135,13 @@ def _complete(root: Path) -> list[Path]:
     return sorted((p for p in root.glob("iter_*") if (p / "manifest.json").exists()), key=iteration)
 
 
+def retain(run_dir: Path, keep_last: int) -> None:
+    """Apply retention now (a run killed between a checkpoint's rename and its retention kept one more)."""
+    root = Path(run_dir) / "checkpoints"
+    if root.is_dir():
+        _retain(root, keep_last)
+
+
 def _retain(root: Path, keep_last: int) -> None:
     """Keep the newest ``keep_last`` checkpoints and the one with the best reward."""
     done = _complete(root)
@@ -174,7 +182,7 @@ def verify(directory: Path) -> dict:
 
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
+    return f"{type(exc).__name__}: {text[0][:160] if text else ''}"
 
 
 def load_state(directory: Path) -> CheckpointState:
@@ -187,6 +195,9 @@ def load_state(directory: Path) -> CheckpointState:
     try:
         # weights_only: torch's restricted unpickler, which builds tensors and plain containers only.
         rng = torch.load(directory / "rng.pt", weights_only=True)
+    except pickle.UnpicklingError:
+        raise CheckpointError(f"checkpoint {directory}: rng.pt cannot be read (UnpicklingError: it holds more than "
+                              "tensors and plain values; refused, not unpickled)") from None
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means a bad file
         raise CheckpointError(f"checkpoint {directory}: rng.pt cannot be read ({_first_line(exc)})") from None
     return CheckpointState(iteration, directory, loader, rng, reward)

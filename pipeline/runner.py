@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from rollplex.config import RunConfig, dump_config
-from rollplex.errors import EngineError, Interrupted, NodeFailure, NonFiniteError, RollplexError, WorkerLost
+from rollplex.errors import (EngineError, GraphError, Interrupted, NodeFailure, NonFiniteError, RollplexError,
+                             WorkerLost)
 from rollplex.pipeline import checkpoints
 from rollplex.pipeline.faults import point
 from rollplex.pipeline.preflight import check_servable
@@ -159,7 +160,12 @@ class Session:
         # After a warm-up the reference is the warmed-up policy, saved once in the run directory.
         warmed = run_dir / "reference"
         self.reference_path = str(warmed) if (warmed / "config.json").exists() else self.model_path
-        self.graph = schedule(compile_iteration(self.algorithm, shape, choice, dims), cfg.schedule)
+        try:
+            self.graph = schedule(compile_iteration(self.algorithm, shape, choice, dims), cfg.schedule)
+        except GraphError as exc:  # a user DAG file's cycle or dangling value: name the file too
+            if not cfg.algorithm.endswith(".py") or cfg.algorithm in str(exc):
+                raise
+            raise GraphError(f"{cfg.algorithm}: {exc}") from None
         self.tokenizer = self.processor.tokenizer
 
     def checkpoint(self, executor, iteration: int, reward: float | None, pids: set[int]) -> Path:
@@ -340,6 +346,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = 
         # Written only now: bad input (config, DAG, engines, cluster) fails above with nothing on disk.
         run_dir.mkdir(parents=True, exist_ok=True)
         checkpoints.clean_stale(run_dir)
+        checkpoints.retain(run_dir, cfg.checkpoint.keep_last)
         atomic_write_text(run_dir / "config.yaml", dump_config(cfg))
         atomic_write_text(run_dir / "graph.txt", str(session.graph) + "\n")
         try:
@@ -395,7 +402,7 @@ def _failure(exc: BaseException, where: str, run_dir: Path) -> BaseException:
     if isinstance(exc, FloatingPointError) or detail.startswith("FloatingPointError"):
         done = checkpoints.latest_name(run_dir)
         kept = f"the last good checkpoint, {done}, is intact" if done else "no checkpoint was written yet"
-        return NonFiniteError(f"{where}: {exc}; the update was not applied and nothing of it was written; "
+        return NonFiniteError(f"{where} stopped before its update: {exc}; nothing of it was applied or written; "
                               f"{kept} (rollplex train --resume --out {run_dir} continues from it)")
     return exc
 

@@ -1,0 +1,293 @@
+"""Bad input, one table: `rollplex train` (or `graph`) must exit with code 2 and print exactly one
+line, `rollplex: error: ...` naming what is wrong, with no traceback, and write nothing (no file
+created, modified or removed under its working directory, run directories included).
+
+Each case is its own process (``WarmCli``: forked from one that imported torch and transformers
+once). None starts an engine: every check runs before the cluster does. Config parsing and DAG
+validation are also fuzzed with hypothesis: nothing but the clear error may come out.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from reliability_harness import HF_TORCH, WarmCli, run_to_end
+
+CYCLIC_DAG = '''\
+"""
+    bonus_p ──writes bonus──▶ penalty_p
+       ▲                          │
+       └──────writes penalty──────┘
+"""
+from rollplex import Algorithm
+
+algorithm = Algorithm("cyclic")
+algorithm.policy("actor")
+algorithm.score("actor", as_="logprobs", grad=True)
+
+
+@algorithm.node(writes="bonus")
+def bonus(rewards, penalty):
+    return rewards - penalty
+
+
+@algorithm.node(writes="penalty")
+def penalty(bonus):
+    return 0.1 * bonus
+
+
+@algorithm.advantage
+def advantages(rewards, bonus):
+    return rewards + bonus
+
+
+@algorithm.loss
+def policy_loss(logprobs, advantages):
+    return -(logprobs * advantages.unsqueeze(-1))
+'''
+
+DANGLING_DAG = '''\
+from rollplex import Algorithm
+
+algorithm = Algorithm("dangling")
+algorithm.policy("actor")
+algorithm.score("actor", as_="logprobs", grad=True)
+
+
+@algorithm.advantage
+def advantages(rewards):
+    return rewards
+
+
+@algorithm.loss
+def policy_loss(logprobs, values, advantages):  # nothing produces `values`
+    return -(logprobs * advantages.unsqueeze(-1))
+'''
+
+# Item 0 of the dataset (checked before anything is written) carries a bad image.
+BAD_IMAGE = '''
+import dataclasses, numpy as np
+import rollplex.tasks.data as data
+_item = data.SyntheticVisualTask.item
+data.SyntheticVisualTask.item = lambda self, i: dataclasses.replace(_item(self, i), image={image})
+'''
+
+# A pickle that would run code if anything unpickled it with full pickle.
+EVIL_PICKLE = b"cos\nsystem\n(S'touch pwned'\ntR."
+
+
+@dataclass(frozen=True)
+class Case:
+    argv: tuple[str, ...]
+    names: tuple[str, ...]  # what the one line must contain
+    files: dict | None = None  # files to create first: name -> text (or a callable(cwd))
+    setup: str = ""
+
+
+def _corrupt(rel: str, how: str):
+    def prepare(cwd: Path, finished: Path) -> None:
+        shutil.copytree(finished, cwd / "run")
+        target = sorted((cwd / "run" / "checkpoints").glob("iter_*"))[-1] / rel
+        data = target.read_bytes()
+        if how == "flip":
+            target.write_bytes(data[:100] + bytes([data[100] ^ 0xFF]) + data[101:])
+        elif how == "truncate":
+            target.write_bytes(data[: len(data) // 2])
+        else:  # replaced by a pickle that runs code, with the manifest rewritten to match it
+            import hashlib
+
+            target.write_bytes(EVIL_PICKLE)
+            manifest = target.parent / "manifest.json"
+            m = json.loads(manifest.read_text())
+            m["files"][rel] = {"sha256": hashlib.sha256(EVIL_PICKLE).hexdigest(), "bytes": len(EVIL_PICKLE)}
+            manifest.write_text(json.dumps(m))
+    return prepare
+
+
+def _model(edit):
+    def prepare(cwd: Path, finished: Path) -> None:
+        from rollplex.engines.models import ensure_tiny_vlm
+        from rollplex.tasks.data import default_model_spec
+
+        shutil.copytree(ensure_tiny_vlm(default_model_spec()), cwd / "model")
+        config = json.loads((cwd / "model" / "config.json").read_text())
+        edit(config)
+        (cwd / "model" / "config.json").write_text(json.dumps(config))
+    return prepare
+
+
+def _heads(c):
+    c["text_config"]["num_attention_heads"], c["text_config"]["num_key_value_heads"] = 8, 2  # head_dim 16
+
+
+def _llama(c):
+    c["architectures"], c["model_type"] = ["LlamaForCausalLM"], "llama"
+
+
+TRAIN = ("train", "--out", "run")
+RESUME = ("train", "--resume", "--out", "run")
+CASES = {
+    "malformed yaml": Case(("train", "bad.yaml", "--out", "run"), ("bad.yaml", "malformed YAML at line 3"),
+                           {"bad.yaml": "rollout:\n  temperature: [1\nseed: 3\n"}),
+    "unknown field": Case((*TRAIN, "--set", "rollout.temprature=0.5"),
+                          ("rollout.temprature", "did you mean 'temperature'?")),
+    "out of range": Case((*TRAIN, "--set", "rollout.top_p=2"), ("rollout.top_p", "above the maximum 1.0")),
+    "unknown engine": Case((*TRAIN, "--set", "engines.decode=nope"), ("engines.decode", "'nope'", "vllm")),
+    "unknown node kind": Case((*TRAIN, "--set", "engines.overrides={frobnicate: hf}"),
+                              ("engines.overrides.frobnicate", "frobnicate")),
+    "cyclic dag": Case(("train", "cyclic.py", "--out", "run"), ("cyclic.py", "cycle", "%bonus_p0", "%penalty_p0"),
+                       {"cyclic.py": CYCLIC_DAG}),
+    "dangling dag": Case(("train", "dangling.py", "--out", "run"), ("dangling.py", "'values'", "nothing produces"),
+                         {"dangling.py": DANGLING_DAG}),
+    "memory budget": Case((*TRAIN, "--set", "cluster.memory_budget_gib=0.01"),
+                          ("cluster.memory_budget_gib", "decode KV pool", "the budget is 0.01 GiB")),
+    "corrupt checkpoint": Case(RESUME, ("model.safetensors", "fails its checksum", "iter_000005"),
+                               {"run": _corrupt("model.safetensors", "flip")}),
+    "truncated checkpoint": Case(RESUME, ("optimizer.pt", "truncated"), {"run": _corrupt("optimizer.pt", "truncate")}),
+    "checkpoint with a foreign pickle": Case(RESUME, ("rng.pt cannot be read", "UnpicklingError"),
+                                             {"run": _corrupt("rng.pt", "pickle")}),
+    "image of a wrong type": Case((*TRAIN, *HF_TORCH), ("prompt syn-000000 image 0", "got str"),
+                                  setup=BAD_IMAGE.format(image="'cat.png'")),
+    "image of a wrong shape": Case((*TRAIN, *HF_TORCH), ("prompt syn-000000", "uint8 HxWx3", "(56, 56)"),
+                                   setup=BAD_IMAGE.format(image="np.zeros((56, 56), np.uint8)")),
+    "empty dataset": Case((*TRAIN, "--set", "task.size=0"), ("task.size", "below the minimum 1")),
+    "dataset smaller than a batch": Case((*TRAIN, "--set", "task.size=4"), ("task.size (4)", "prompts_per_iteration")),
+    "unservable head_dim": Case((*TRAIN, "--set", "model.path=model"), ("head_dim 16", "vLLM", "engines.decode=hf"),
+                                {"model": _model(_heads)}),
+    "unservable architecture": Case((*TRAIN, "--set", "model.path=model", *HF_TORCH),
+                                    ("LlamaForCausalLM", "Qwen2.5-VL"), {"model": _model(_llama)}),
+}
+
+
+@pytest.fixture(scope="module")
+def cli():
+    server = WarmCli()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    """A complete tiny run whose last checkpoint the checkpoint cases damage (in a copy)."""
+    run_dir = tmp_path_factory.mktemp("finished") / "run"
+    run_to_end(run_dir, HF_TORCH)
+    return run_dir
+
+
+@pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
+def test_bad_input_is_one_line_exit_2_and_nothing_written(case, cli, tmp_path, request):
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    for name, content in (case.files or {}).items():
+        if callable(content):
+            content(cwd, request.getfixturevalue("finished_run"))
+        else:
+            (cwd / name).write_text(content)
+    result = cli(cwd, list(case.argv), case.setup)
+    assert result.rc == 2, (result.rc, result.stderr)
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("rollplex: error: "), result.stderr
+    for name in case.names:
+        assert name in lines[0], f"{name!r} not in: {lines[0]}"
+    assert result.changed == [], f"bad input changed {result.changed}"
+    assert not (cwd / "pwned").exists()
+
+
+# -- fuzzing ------------------------------------------------------------------------------------------
+VALUES = ["rewards", "responses", "mask", "advantages", "logprobs", "old_logprobs", "ref_logprobs", "bonus", "extra",
+          "values", "penalty"]
+names = st.sampled_from(VALUES)
+
+
+@st.composite
+def algorithms(draw):
+    """An Algorithm built through the public API with random models, scores and functions reading
+    random values: sometimes valid, often not."""
+    from rollplex import Algorithm
+
+    alg = Algorithm("fuzz")
+    models = draw(st.lists(st.sampled_from(["actor", "ref", "critic"]), max_size=3, unique=True))
+    for i, m in enumerate(models):
+        if i == 0 or draw(st.booleans()):
+            alg.policy(m)
+        else:
+            alg.frozen(m, copy_of=draw(st.sampled_from(models + ["nobody"])))
+    for _ in range(draw(st.integers(0, 3))):
+        alg.score(draw(st.sampled_from(models + ["ghost"])), as_=draw(st.sampled_from(["logprobs", "ref_logprobs",
+                                                                                      "values"])),
+                  grad=draw(st.booleans()))
+
+    def fn(params):  # a named function, as in a DAG file (node names come from function names)
+        scope: dict = {}
+        exec(f"def f{draw(st.integers(0, 99))}({', '.join(params)}):\n    return 0", scope)  # noqa: S102
+        return next(v for k, v in scope.items() if k.startswith("f"))
+
+    for _ in range(draw(st.integers(0, 3))):
+        alg.node(fn(draw(st.lists(names, max_size=3, unique=True))), writes=draw(st.sampled_from(["bonus", "extra",
+                                                                                                  "penalty"])),
+                 per=draw(st.sampled_from(["prompt", "batch"])))
+    if draw(st.booleans()):
+        alg.advantage(fn(draw(st.lists(names, min_size=1, max_size=3, unique=True))),
+                      scope=draw(st.sampled_from(["group", "batch"])))
+    if draw(st.booleans()):
+        alg.loss(fn(draw(st.lists(names, min_size=1, max_size=4, unique=True))),
+                 agg=draw(st.sampled_from(["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])))
+    return alg
+
+
+def _build(draw_alg):
+    from rollplex.errors import RollplexError
+
+    try:
+        return draw_alg()
+    except RollplexError:
+        return None
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), prompts=st.integers(1, 4), samples=st.integers(1, 3), micro=st.integers(1, 4))
+def test_random_user_dags_compile_or_fail_with_a_graph_error(data, prompts, samples, micro):
+    from rollplex.errors import RollplexError
+    from rollplex.pipeline.compiler import BatchShape, EngineChoice, ModelDims, compile_iteration
+    from rollplex.pipeline.schedule import schedule
+
+    alg = _build(lambda: data.draw(algorithms()))
+    if alg is None:  # a declaration refused at once (twice-declared model, ...) is a clear error too
+        return
+    dims = ModelDims(hidden=128, layers=2, kv_heads=2, head_dim=32, vocab=600, params=600_000)
+    try:
+        alg.validate()
+        graph = compile_iteration(alg, BatchShape(prompts=prompts, samples=samples, max_new_tokens=4, chunk_tokens=2,
+                                                  micro_batch_groups=micro),
+                                  EngineChoice({"decode": "vllm", "train": "deepspeed", "score": "transformers"}),
+                                  dims)
+        graph.lint()
+        schedule(graph, data.draw(st.sampled_from(["serial", "rollplex"])))
+    except RollplexError as exc:
+        assert "\n" not in str(exc) and str(exc), repr(exc)
+
+
+OVERRIDE_KEYS = st.sampled_from(["seed", "iterations", "cluster.tls_ca_file", "cluster.tls_cert", "cluster.scheduler",
+                                 "cluster.memory_budget_gib", "task.size", "rollout.prompts_per_iteration",
+                                 "rollout.chunk_tokens", "rollout.max_new_tokens", "checkpoint.every", "params.x",
+                                 "engines.overrides", "task.kinds"])
+OVERRIDE_VALUES = st.one_of(st.integers(-3, 10**6), st.floats(allow_nan=True), st.text(max_size=12),
+                            st.sampled_from(["null", "tls://h:1", "[]", "{a: 1}", "/nonexistent", "1e400"]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(OVERRIDE_KEYS, OVERRIDE_VALUES), max_size=5))
+def test_random_overrides_of_the_reliability_fields_raise_only_config_error(overrides):
+    from rollplex.config import load_config
+    from rollplex.errors import ConfigError
+
+    try:
+        load_config(None, [f"{k}={v}" for k, v in overrides])
+    except ConfigError as exc:
+        assert "\n" not in str(exc), repr(exc)
