@@ -286,7 +286,7 @@ def test_printing_is_one_line_per_node():
 def test_a_node_without_model_or_engine_prints_neither():
     g = IterationGraph("host")
     g.add(Node("r", "reward", (), ("rw",)), rw=dict(nbytes=32))
-    assert g.tabular() == "%r : compute live→%r 32B = reward()"
+    assert g.tabular() == "%r : host live→%r 32B = reward()"
 
 
 # -- hypothesis: random DAGs under two namings -----------------------------------------------------
