@@ -73,6 +73,14 @@ def _pid() -> int:
     return os.getpid()
 
 
+def quiet_task_errors() -> None:
+    """Run on each worker: a failed node is re-raised in the driver, which reports it once (one line
+    for a user error); the worker's own multi-line "Compute Failed" log would only repeat it."""
+    import logging
+
+    logging.getLogger("distributed.worker").setLevel(logging.CRITICAL)
+
+
 def _has_engines() -> bool:
     from rollplex.pipeline import worker
 

@@ -298,7 +298,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = 
     from rollplex import runtime
     from rollplex.pipeline import faults
     from rollplex.pipeline.cluster import connect, install_engines, uninstall_engines
-    from rollplex.pipeline.recovery import StopSignals, children_ignore_sigint
+    from rollplex.pipeline.recovery import StopSignals, children_ignore_sigint, quiet_task_errors
 
     runtime.configure(threads=cfg.cluster.threads, device=resolve_device(cfg))
     run_dir = Path(run_dir)
@@ -341,6 +341,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = 
         stack.callback(stop.uninstall)
         t0 = time.time()
         install_engines(client, spec)
+        client.run(quiet_task_errors)
         if faults.active():
             client.run(faults.install_task_hooks)
         # Written only now: bad input (config, DAG, engines, cluster) fails above with nothing on disk.
@@ -413,7 +414,7 @@ def _train_loop(cfg: RunConfig, session: Session, client, state, metrics_path: P
 
     from rollplex.pipeline import faults
     from rollplex.pipeline.executor import DaskExecutor, task_key
-    from rollplex.pipeline.recovery import WorkerWatch, drop_tracebacks
+    from rollplex.pipeline.recovery import WorkerWatch, drop_tracebacks, quiet_task_errors
 
     run_dir = session.run_dir
     executor = DaskExecutor(client)
@@ -483,6 +484,7 @@ def _train_loop(cfg: RunConfig, session: Session, client, state, metrics_path: P
         if iteration is not None:
             watch.forget(task_key(iteration, ""))
         watch.await_replacements(log)
+        client.run(quiet_task_errors)
         if faults.active():
             client.run(faults.install_task_hooks)
         iteration, recovering = None, True

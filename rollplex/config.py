@@ -305,6 +305,9 @@ def validate(cfg: RunConfig) -> None:
 def _validate_tls(c: ClusterConfig) -> None:
     given = {name: getattr(c, name) for name in ("tls_ca_file", "tls_cert", "tls_key")}
     if not any(given.values()):
+        if (c.scheduler or "").startswith("tls://"):
+            raise ConfigError(f"cluster.scheduler: {c.scheduler} is a TLS address; give cluster.tls_ca_file, "
+                              "tls_cert and tls_key")
         return
     missing = [f"cluster.{n}" for n, v in given.items() if not v]
     if missing:

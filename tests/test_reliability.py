@@ -1,0 +1,187 @@
+"""NaN/Inf refusals, security defaults, and the checkpoint store's small guarantees.
+
+- A NaN loss, or a finite loss whose gradient is NaN, stops `rollplex train` at that iteration with
+  one line naming it (exit code 3), before the optimizer applies anything; the last good checkpoint
+  stays intact and ``--resume`` continues from it.
+- The LocalCluster listens on loopback only; cluster.tls_* reach a TLS-only scheduler, which refuses
+  a client without them; a checkpoint's pickle that is more than tensors is refused, not unpickled.
+- Checkpoint directories appear and disappear atomically; stale temporaries are cleaned; a corrupt
+  newest checkpoint is refused by name with the earlier one to fall back to.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from reliability_harness import HF_TORCH, Launch, assert_intact, metric_rows
+
+from rollplex.errors import CheckpointError, ConfigError, RollplexError
+from rollplex.pipeline import checkpoints
+
+NAN_AT = 2  # one loss micro-batch per iteration below, so the loss's third call is iteration 2
+ONE_MICRO_BATCH = ["--set", "train.micro_batch_groups=2"]
+
+
+@pytest.fixture(scope="module")
+def nan_runs(tmp_path_factory) -> dict[str, tuple[Path, Launch]]:
+    """One run per kind of NaN. One after the other: two concurrent runs' schedulers would both want
+    Dask's HTTP port 8787 and warn on stderr, which this test reads."""
+    root = tmp_path_factory.mktemp("nan")
+    out: dict[str, tuple[Path, Launch]] = {}
+    for where in ("loss", "grad"):
+        launch = Launch(root / where, [*HF_TORCH, *ONE_MICRO_BATCH, "--set", f"params.nan_at={NAN_AT}",
+                                       "--set", f"params.nan_in={where}"])
+        launch.finish()
+        out[where] = (root / where, launch)
+    return out
+
+
+@pytest.mark.parametrize("where,says", [("loss", "non-finite loss nan"),
+                                        ("grad", "gradient norm is nan (non-finite) in parameter")])
+def test_nan_stops_the_iteration_before_its_update_and_keeps_the_last_checkpoint(nan_runs, where, says):
+    run_dir, launch = nan_runs[where]
+    assert launch.proc.returncode == 3, launch.log()
+    lines = launch.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in launch.stderr, launch.stderr
+    line = lines[0]
+    assert line.startswith(f"rollplex: error: iteration {NAN_AT} stopped before its update: "), line
+    assert says in line and "iter_000001, is intact" in line, line
+    assert_intact(run_dir)
+    assert checkpoints.latest(run_dir).iteration == NAN_AT - 1
+    assert [r["iteration"] for r in metric_rows(run_dir) if r["phase"] == "rl"] == list(range(NAN_AT))
+    assert not (run_dir / "rollouts" / f"iter_{NAN_AT:06d}.jsonl").exists()
+
+
+def test_resume_after_a_nan_continues_from_the_last_good_checkpoint(nan_runs):
+    run_dir, _ = nan_runs["loss"]
+    launch = Launch(run_dir, [*HF_TORCH, *ONE_MICRO_BATCH, "--set", "params.nan_at=-1"])
+    assert launch.finish() == 0, launch.log()
+    assert any(line.startswith(f"it    {NAN_AT} ") for line in launch.lines), launch.log()
+    rl = [r["iteration"] for r in metric_rows(run_dir) if r["phase"] == "rl"]
+    assert rl == list(range(6))
+
+
+# -- security defaults ---------------------------------------------------------------------------
+def test_the_local_cluster_listens_on_loopback_only():
+    from rollplex.pipeline.cluster import connect
+
+    with connect(None, workers=1, threads=1) as client:
+        info = client.scheduler_info()
+        addresses = [client.scheduler.address, *info["workers"]]
+    assert addresses and all(a.startswith("tcp://127.0.0.1:") for a in addresses), addresses
+
+
+def _tls_files(tmp_path: Path):
+    from distributed.security import Security
+
+    temp = Security.temporary()  # a throwaway CA and certificate (needs `cryptography`)
+    files = {}
+    for name, pem in (("ca.pem", temp.tls_ca_file), ("cert.pem", temp.tls_client_cert),
+                      ("key.pem", temp.tls_client_key)):
+        (tmp_path / name).write_text(pem)
+        files[name] = str(tmp_path / name)
+    return temp, files
+
+
+def test_tls_options_reach_a_tls_only_scheduler_which_refuses_plain_clients(tmp_path):
+    from distributed import LocalCluster
+
+    from rollplex.config import load_config
+    from rollplex.pipeline.cluster import connect
+    from rollplex.pipeline.runner import cluster_security
+
+    temp, files = _tls_files(tmp_path)
+    with LocalCluster(n_workers=0, protocol="tls", host="127.0.0.1", security=temp, dashboard_address=None) as cluster:
+        address = cluster.scheduler_address
+        assert address.startswith("tls://127.0.0.1:")
+        cfg = load_config(None, [f"cluster.scheduler={address}", f"cluster.tls_ca_file={files['ca.pem']}",
+                                 f"cluster.tls_cert={files['cert.pem']}", f"cluster.tls_key={files['key.pem']}"])
+        security = cluster_security(cfg)
+        assert security.require_encryption
+        # Connected over TLS: the scheduler answers, and has no workers to offer.
+        with pytest.raises(RollplexError, match="has no workers"):
+            with connect(address, 1, 1, security=security):
+                pass
+        plain = address.replace("tls://", "tcp://")  # the same port without TLS: the handshake fails
+        with pytest.raises(RollplexError, match="cannot reach the Dask scheduler"):
+            with connect(plain, 1, 1):
+                pass
+        with pytest.raises(ConfigError, match="is a TLS address; give cluster.tls_ca_file"):
+            load_config(None, [f"cluster.scheduler={address}"])
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["cluster.tls_ca_file=CA"], "cluster.tls_cert, cluster.tls_key: TLS needs all of"),
+    (["cluster.tls_ca_file=CA", "cluster.tls_cert=CERT", "cluster.tls_key=missing.pem"],
+     "cluster.tls_key: missing.pem does not exist"),
+    (["cluster.tls_ca_file=CA", "cluster.tls_cert=CERT", "cluster.tls_key=KEY"], "need a tls://HOST:PORT"),
+    (["cluster.scheduler=tcp://h:1", "cluster.tls_ca_file=CA", "cluster.tls_cert=CERT", "cluster.tls_key=KEY"],
+     "need a tls://HOST:PORT scheduler address, got 'tcp://h:1'"),
+])
+def test_tls_options_are_checked_by_name(tmp_path, overrides, message):
+    from rollplex.config import load_config
+
+    for name in ("CA", "CERT", "KEY"):
+        (tmp_path / name).write_text("x")
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            load_config(None, overrides)
+    finally:
+        os.chdir(cwd)
+
+
+# -- the checkpoint store ------------------------------------------------------------------------
+def _save(run_dir: Path, iteration: int, reward: float | None, keep_last: int = 2) -> Path:
+    def model(directory: str) -> None:
+        Path(directory, "model.bin").write_bytes(os.urandom(64))
+
+    return checkpoints.save(run_dir, iteration, model, loader={"epoch": 0, "position": iteration},
+                            keep_last=keep_last, reward=reward)
+
+
+def test_retention_keeps_the_last_n_and_the_best(tmp_path):
+    for i, reward in enumerate([0.1, 0.9, 0.2, 0.3, 0.4]):
+        _save(tmp_path, i, reward)
+    kept = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert kept == ["iter_000001", "iter_000003", "iter_000004"]
+
+
+def test_latest_orders_by_iteration_past_a_million(tmp_path):
+    _save(tmp_path, 999_999, None, keep_last=5)
+    _save(tmp_path, 1_000_000, None, keep_last=5)
+    assert checkpoints.latest(tmp_path).iteration == 1_000_000
+
+
+def test_a_corrupt_newest_checkpoint_is_refused_naming_the_fallback(tmp_path):
+    _save(tmp_path, 0, None)
+    newest = _save(tmp_path, 1, None)
+    (newest / "model.bin").write_bytes(b"x" * 64)
+    with pytest.raises(CheckpointError, match=r"model.bin fails its checksum.*resume from iter_000000 instead"):
+        checkpoints.latest(tmp_path)
+
+
+def test_stale_temporaries_of_killed_writers_are_cleaned(tmp_path):
+    good = _save(tmp_path, 0, None)
+    for stale in ("checkpoints/.tmp-iter_000001-99", "checkpoints/.trash-iter_000000-98", ".reference-tmp"):
+        (tmp_path / stale).mkdir(parents=True)
+        (tmp_path / stale / "model.bin").write_bytes(b"partial")
+    (tmp_path / "rollouts").mkdir()
+    (tmp_path / "rollouts" / ".iter_000001.jsonl.abc.tmp").write_text("{")
+    removed = checkpoints.clean_stale(tmp_path)
+    assert len(removed) == 4
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.name.startswith(".")) == []
+    assert checkpoints.latest(tmp_path).directory == good
+
+
+def test_truncated_metrics_drop_later_rows_and_a_torn_line_and_keep_warmup(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"iteration": -1, "phase": "warmup"}, *({"iteration": i, "phase": "rl", "reward_mean": i / 10}
+                                                   for i in range(4))]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"iteration": 4, "pha')
+    checkpoints.truncate_metrics(path, 1)
+    assert [json.loads(line)["iteration"] for line in path.read_text().splitlines()] == [-1, 0, 1]
+    assert checkpoints.rl_rewards(path) == [0.0, 0.1]
