@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 
@@ -49,6 +50,8 @@ class StopSignals:
         self.signum = signum
 
     def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # only the main thread may handle signals (train() called from a thread: no handling)
         for sig in (signal.SIGINT, signal.SIGTERM):
             self._previous[sig] = signal.signal(sig, self._handle)
 
@@ -61,6 +64,9 @@ class StopSignals:
 @contextlib.contextmanager
 def children_ignore_sigint() -> Iterator[None]:
     """Processes started inside inherit SIG_IGN for SIGINT (Python keeps an inherited SIG_IGN)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         yield
