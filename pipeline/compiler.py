@@ -11,6 +11,7 @@ With ``prefix_sharing=False`` each model scores every response over its full seq
 """
 from __future__ import annotations
 
+import gc
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -118,6 +119,19 @@ def compile_iteration(
     dims: ModelDims,
     name: str | None = None,
 ) -> IterationGraph:
+    # Building a graph allocates many small objects and no cycles; the cyclic collector would walk
+    # them repeatedly for nothing (half the time of a 10k-node compile).
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        return _compile(alg, shape, engines, dims, name)
+    finally:
+        if paused:
+            gc.enable()
+
+
+def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: ModelDims,
+             name: str | None) -> IterationGraph:
     alg.validate()
     g = IterationGraph(name or alg.name)
     g.meta.update(algorithm=alg.name, shape=shape, rollout_model=alg.rollout_model)

@@ -74,6 +74,7 @@ class HostSpec:
     settings: IterationSettings
     trainable: tuple[str, ...] = ("actor",)
     frozen: tuple[str, ...] = ("ref",)
+    ref_cache_bytes: int = 0  # cross-iteration cache of frozen models' prefixes; 0 disables it
 
 
 class WorkerHost:
@@ -114,6 +115,13 @@ class WorkerHost:
         self.decode = decode if decode is not None else build(spec.decode_engine, "decode", spec.model_path,
                                                                spec.decode_options)
         self.streams = streams if streams is not None else self._make_streams()
+        self.refcache = None
+        if spec.ref_cache_bytes and self.engines and spec.frozen:
+            from rollplex.pipeline.refcache import RefPrefixCache
+
+            self.refcache = RefPrefixCache(spec.ref_cache_bytes)
+            for model in spec.frozen:
+                self.register_frozen(model)
         # Optional SM partition: {stream: (green context, its stream, SMs)}. A GPU stream runs on its
         # partition while the other GPU stream is busy, and on the whole GPU alone.
         self.partitions: dict | None = None
@@ -136,6 +144,11 @@ class WorkerHost:
         if self.device.type != "cuda":
             return {}
         return {"decode": torch.cuda.Stream(self.device), "compute": torch.cuda.Stream(self.device)}
+
+    def register_frozen(self, model: str) -> None:
+        """(Re)name a frozen model's weights for the prefix cache; after its weights change."""
+        if self.refcache is not None:
+            self.refcache.register(model, self.engines[model].model)
 
     # -- what tasks see -------------------------------------------------------------------------
     def model(self, name: str) -> torch.nn.Module:
@@ -232,6 +245,7 @@ class NodeContext:
         self.decode_engine = host.decode
         self.model = host.model
         self.train_engine = host.train_engine
+        self.refcache = host.refcache
         self.decode_text = host.decode_text
 
 

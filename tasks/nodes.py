@@ -62,7 +62,15 @@ def prefix(ctx, node, inputs):
     n = len(node.args["prompts"])
     prompts = [inputs[v] for v in node.inputs[:n]]
     visions = [inputs[v] for v in node.inputs[n:]]
-    states = lm.prefix_forward_batch(ctx.model(node.model), prompts, visions, grad=bool(node.args["grad"]))
+    model = ctx.model(node.model)
+    grad = bool(node.args["grad"])
+    if ctx.refcache is not None and not grad and node.model in ctx.host.spec.frozen:
+        # A frozen model's prefix is the same every epoch: computed once, then loaded.
+        states = ctx.refcache.lookup_or_compute(
+            node.model, prompts, visions, lambda ps, vs: lm.prefix_forward_batch(model, ps, vs, grad=False),
+            device=ctx.host.device)
+    else:
+        states = lm.prefix_forward_batch(model, prompts, visions, grad=grad)
     return dict(zip(node.outputs, states))
 
 
@@ -306,6 +314,9 @@ def report(ctx, node, inputs):
         "response_len_mean": stats["tokens"] / max(stats["sequences"], 1),
     }
     metrics.update({k: v / tokens for k, v in sums.items()})
+    if ctx.refcache is not None:
+        cache = ctx.refcache.stats()
+        metrics.update(ref_cache_hit_rate=cache.hit_rate, ref_cache_bytes=cache.host_bytes + cache.disk_bytes)
     metrics.update(scalars)
     if "kl" not in metrics:
         metrics["kl"] = 0.0
