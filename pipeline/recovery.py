@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-from rollplex.errors import WorkerLost
+from rollplex.errors import RollplexError, WorkerLost
 
 REPLACEMENT_TIMEOUT_S = float(os.environ.get("ROLLPLEX_WORKER_TIMEOUT", "300"))
 
@@ -148,7 +148,7 @@ class WorkerWatch:
             if len(ready) >= self.expected and all(ready.values()):
                 break
             if time.time() > deadline:
-                raise WorkerLost(f"no replacement worker with engines joined within {REPLACEMENT_TIMEOUT_S:.0f} s "
+                raise RollplexError(f"no replacement worker with engines joined within {REPLACEMENT_TIMEOUT_S:.0f} s "
                                  f"({sum(map(bool, ready.values()))} of {self.expected} ready); "
                                  "restart the cluster and continue with --resume")
             time.sleep(0.2)

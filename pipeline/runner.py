@@ -380,8 +380,8 @@ def _start_from(cfg: RunConfig, session: Session, executor, watch, state, metric
     torch.manual_seed(cfg.seed)
     if state is None:
         if recovering and watch.survived:
-            raise WorkerLost("a worker was lost before the first checkpoint while others kept their state; "
-                             "start the run again")
+            raise RollplexError("a Dask worker was lost before the first checkpoint while others kept their "
+                                "state, so there is nothing consistent to roll back to; start the run again")
         metrics_path.unlink(missing_ok=True)
         session.loader.load_state_dict({**session.loader.state_dict(), "epoch": 0, "position": 0})
         if cfg.warmup.steps:

@@ -6,9 +6,9 @@ Every launch is the real CLI in its own process group; a kill takes the driver a
 process at once, as a dead job would. Kill moments are drawn at random (seeded; ROLLPLEX_KILL_SEED
 replays a draw) from two sources: the named fault points of ``pipeline/faults.py`` (inside decode,
 around the loss and the optimizer step, at each step of a checkpoint write, between warm-up steps),
-which land exactly where a timer rarely would, and plain wall-clock delays into the work. Each chain
-also gets a SIGINT (to the whole group, as a Ctrl-C) and a SIGTERM (to the driver alone), which must
-stop cleanly with a checkpoint of the last printed iteration and one line on stderr.
+which land exactly where a timer rarely would, and plain wall-clock delays into the work. One chain
+also gets a SIGINT (to the whole group, as a Ctrl-C), the other a SIGTERM (to the driver alone); each
+must stop cleanly with a checkpoint of the last printed iteration and one line on stderr.
 
 CPU, the tiny model, decode=hf and train=torch so that a launch costs ~8 s; the same kills on vLLM +
 DeepSpeed run in tests/test_determinism.py. Two chains run side by side (the launches are mostly
@@ -42,19 +42,22 @@ def reference(tmp_path_factory) -> Path:
 
 def _run_chains(root: Path, reference: Path, kills: int, chains: int, seed: int, extra: list[str],
                 graceful: tuple[int, ...]) -> list[Chain]:
+    """``kills`` SIGKILLs shared out over ``chains`` run directories killed side by side, and the
+    ``graceful`` signals dealt out one per chain in turn."""
     per_iteration = kinds_per_iteration(reference / "graph.txt")
     runs = [Chain(root / f"chain{c}", reference, random.Random(seed + c), per_iteration, extra)
             for c in range(chains)]
     errors: list[BaseException] = []
 
-    def go(chain: Chain, n: int) -> None:
+    def go(chain: Chain, n: int, signals: tuple[int, ...]) -> None:
         try:
-            chain.run(n, timer_share=0.25, graceful=graceful)
+            chain.run(n, timer_share=0.25, graceful=signals)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread below
             errors.append(exc)
 
     share = [kills // chains + (1 if c < kills % chains else 0) for c in range(chains)]
-    threads = [threading.Thread(target=go, args=(chain, n)) for chain, n in zip(runs, share)]
+    threads = [threading.Thread(target=go, args=(chain, n, graceful[c::chains]))
+               for c, (chain, n) in enumerate(zip(runs, share))]
     for t in threads:
         t.start()
     for t in threads:
