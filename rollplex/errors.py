@@ -1,4 +1,5 @@
-"""User-facing errors. The CLI prints any ``RollplexError`` as one line and exits with code 2.
+"""User-facing errors. The CLI prints any ``RollplexError`` as one line and exits with its
+``exit_code``: 2 for bad input, 3 when a NaN/Inf stopped training, 128 + N after signal N stopped it.
 
 Each message names the field, node, tensor, file or row at fault and, where it can, how to fix it.
 """
