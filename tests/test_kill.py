@@ -106,7 +106,7 @@ def test_killed_worker_mid_iteration_is_replayed_from_the_checkpoint(reference, 
     assert_same_run(reference, run_dir)
 
 
-@pytest.mark.skipif(not os.environ.get("ROLLPLEX_SOAK"), reason="soak: set ROLLPLEX_SOAK=1 (about 15 min)")
+@pytest.mark.skipif(not os.environ.get("ROLLPLEX_SOAK"), reason="soak: set ROLLPLEX_SOAK=1 (100 kills: about 10 min on 2 cores)")
 def test_soak(reference, tmp_path):
     """ROLLPLEX_SOAK=1 (ROLLPLEX_SOAK_KILLS, default 100): many more kill points on the hf + torch pair."""
     kills = int(os.environ.get("ROLLPLEX_SOAK_KILLS", "100"))
