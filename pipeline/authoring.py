@@ -166,6 +166,9 @@ class Algorithm:
             raise GraphError(f"node {writes!r}: per={per!r} is not 'prompt' or 'batch'")
 
         def register(f: Callable[..., Any]) -> Callable[..., Any]:
+            if not f.__name__.isidentifier():  # a lambda: its name would become the node's name
+                raise GraphError(f"node {writes!r}: give a named function (def), not {f.__name__!r}; "
+                                 "its name names the node")
             if writes in self.produced_values():
                 raise GraphError(f"{self.name}: value {writes!r} is produced twice")
             self.custom.append(FunctionDecl.of(f, writes=writes, per=per, kind=kind, model=model))

@@ -34,7 +34,10 @@ class RollplexPlugin(WorkerPlugin):
         from rollplex import runtime
         from rollplex.pipeline.worker import install_host
 
+        from rollplex.pipeline.recovery import quiet_task_errors
+
         runtime.configure(threads=self.spec.threads, device=self.spec.device)
+        quiet_task_errors()  # the driver reports a failed node once; the worker's log would repeat it
         install_host(self.spec, name=worker.name if isinstance(worker.name, str) else f"worker{worker.name}")
 
     def teardown(self, worker) -> None:
@@ -65,8 +68,11 @@ def connect(address: str | None, workers: int, threads: int, processes: bool = T
         threads_per_worker=len(STREAMS),
         resources={s: 1 for s in STREAMS},
         processes=processes,
-        host="127.0.0.1",
-        dashboard_address=":8787" if dashboard else None,
+        # Loopback only. In-process workers take the scheduler's inproc address, which refuses a host.
+        **({"host": "127.0.0.1"} if processes else {}),
+        # The scheduler serves HTTP (health, metrics) even without the dashboard; a random port keeps
+        # two runs on one machine from fighting over 8787.
+        dashboard_address="127.0.0.1:8787" if dashboard else "127.0.0.1:0",
         env={"OMP_NUM_THREADS": str(threads)} if processes else None,
         silence_logs=logging.ERROR,
     )

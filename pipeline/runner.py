@@ -206,7 +206,8 @@ class Session:
             threads=cfg.cluster.threads, decode_engine=self.decode_engine, train_engine=self.train_engine,
             score_engine=self.score_engine, decode_options=decode_options, train_options=train_options,
             algorithm=cfg.algorithm, reward=cfg.task.reward, settings=settings,
-            trainable=tuple(alg.trainable), frozen=tuple(m for m in alg.models if m not in alg.trainable))
+            trainable=tuple(alg.trainable), frozen=tuple(m for m in alg.models if m not in alg.trainable),
+            ref_cache_bytes=int(cfg.train.ref_cache_gib * 2**30))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -251,6 +252,7 @@ def _adopt_reference(host, directory: str) -> None:
     for name, decl in alg.models.items():
         if decl.copy_of == alg.rollout_model:
             host.engines[name].model.load_state_dict(weights)
+            host.register_frozen(name)  # cached prefixes of the old weights no longer match
     policy.module.save_pretrained(directory)
 
 
@@ -279,6 +281,7 @@ def _restore(host, directory: str, reference: str | None) -> None:
     for name, decl in alg.models.items():
         if reference and decl.copy_of == alg.rollout_model:
             load_hf_weights(host.engines[name].model, reference)
+            host.register_frozen(name)
     _load(host, directory)
 
 

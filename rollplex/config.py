@@ -71,6 +71,8 @@ class TrainConfig:
                               "forward); 0 = auto: enough prompts that a node's work outweighs its dispatch")
     zero_stage: int = f(2, lo=0, hi=3, doc="DeepSpeed ZeRO stage")
     prefix_sharing: bool = f(True, doc="score the prompt prefix once per group (else full sequences)")
+    ref_cache_gib: float = f(1.0, lo=0.0, doc="host memory for frozen models' prefixes, reused across "
+                             "epochs (0 disables)")
 
 
 @dataclass
