@@ -16,40 +16,9 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from dag_fixtures import CYCLIC_DAG
 from reliability_harness import HF_TORCH, WarmCli, run_to_end
 
-CYCLIC_DAG = '''\
-"""
-    bonus_p ──writes bonus──▶ penalty_p
-       ▲                          │
-       └──────writes penalty──────┘
-"""
-from rollplex import Algorithm
-
-algorithm = Algorithm("cyclic")
-algorithm.policy("actor")
-algorithm.score("actor", as_="logprobs", grad=True)
-
-
-@algorithm.node(writes="bonus")
-def bonus(rewards, penalty):
-    return rewards - penalty
-
-
-@algorithm.node(writes="penalty")
-def penalty(bonus):
-    return 0.1 * bonus
-
-
-@algorithm.advantage
-def advantages(rewards, bonus):
-    return rewards + bonus
-
-
-@algorithm.loss
-def policy_loss(logprobs, advantages):
-    return -(logprobs * advantages.unsqueeze(-1))
-'''
 
 DANGLING_DAG = '''\
 from rollplex import Algorithm

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from dag_fixtures import CYCLIC_DAG
 
 BROKEN_DAG = '''\
 """A loss that reads `values`, which no node of the iteration produces."""
@@ -116,39 +117,6 @@ def test_invalid_algorithm_names_the_dag_file(broken_dag_run):
     assert_user_error(broken_dag_run, "broken.py")
 
 
-CYCLIC_DAG = '''\
-"""Two nodes of the user's own, each reading what the other writes: a cycle.
-
-    bonus_p ──writes bonus──▶ penalty_p
-       ▲                          │
-       └──────writes penalty──────┘
-"""
-from rollplex import Algorithm
-
-algorithm = Algorithm("cyclic")
-algorithm.policy("actor")
-algorithm.score("actor", as_="logprobs", grad=True)
-
-
-@algorithm.node(writes="bonus")
-def bonus(rewards, penalty):
-    return rewards - penalty
-
-
-@algorithm.node(writes="penalty")
-def penalty(bonus):
-    return 0.1 * bonus
-
-
-@algorithm.advantage(scope="group")
-def advantages(rewards, bonus):
-    return rewards + bonus
-
-
-@algorithm.loss(agg="token-mean")
-def policy_loss(logprobs, advantages):
-    return -(logprobs * advantages.unsqueeze(-1))
-'''
 
 
 def test_cyclic_user_dag_names_the_cycle_node_by_node(tmp_path):
