@@ -59,11 +59,28 @@ _UNIT_COST = {"decode_chunk": 8.0, "prefix": 2.0, "suffix_score": 2.0, "loss": 3
 
 def copy_graph(graph: IterationGraph) -> IterationGraph:
     new = IterationGraph(graph.name)
-    new.g = graph.g.copy()
+    new.g = _copy_digraph(graph.g)
     new.values = dict(graph.values)
     new.meta = dict(graph.meta)
     new.nodes = {name: _shallow(node) for name, node in graph.nodes.items()}
     return new
+
+
+def _copy_digraph(g: nx.DiGraph) -> nx.DiGraph:
+    """``g.copy()`` at a third of the cost: the same adjacency rebuilt with dict comprehensions.
+
+    ``DiGraph.copy`` re-adds every edge through ``add_edges_from`` and its checks, which is most of
+    what scheduling a 10k-node graph costs. Assigning ``_succ``/``_pred``/``_node`` is what
+    networkx's own descriptors support (they reset the cached views). Each edge's data dict is
+    copied once and shared by both directions, as networkx does, so edits stay in step.
+    """
+    h = g.__class__()
+    h.graph.update(g.graph)
+    succ = {u: {v: dict(data) for v, data in nbrs.items()} for u, nbrs in g._succ.items()}
+    h._node = {n: dict(attrs) for n, attrs in g._node.items()}
+    h._pred = {v: {u: succ[u][v] for u in nbrs} for v, nbrs in g._pred.items()}
+    h._succ = succ  # also sets _adj
+    return h
 
 
 def _shallow(node: Node) -> Node:
@@ -116,12 +133,11 @@ def schedule(graph: IterationGraph, policy: str, cluster: Cluster | None = None,
         return plan(graph, cluster, costs if costs is not None else {}, policy, layout).graph
     if policy not in POLICIES:
         raise GraphError(f"unknown schedule policy {policy!r}; choose one of {', '.join(POLICIES)}")
-    planned = copy_graph(graph)
-    if policy == "serial":
-        _serial_barriers(planned)
-    if not nx.is_directed_acyclic_graph(planned.g):
-        planned.lint()  # names the cycle
-    priority = critical_path_priority(planned)
+    with _gc_paused():
+        planned = copy_graph(graph)
+        if policy == "serial":
+            _serial_barriers(planned)
+        priority = critical_path_priority(planned)  # its topological order names any cycle
     for name, node in planned.nodes.items():
         node.meta.setdefault("stream", node.kind_info.stream)
         node.meta["priority"] = round(priority[name], 3)
