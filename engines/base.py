@@ -43,6 +43,10 @@ class DecodeRequest:
     top_p: float = 1.0
     stop_token_ids: tuple[int, ...] = ()
     n: int = 1  # samples of this prompt; sample i draws with seed + i. They finish together.
+    # A video prompt's vit_encode output and grids (M-RoPE needs the frame timing too).
+    video_embeds: torch.Tensor | None = None
+    video_grid_thw: torch.Tensor | None = None
+    second_per_grid_ts: torch.Tensor | None = None
 
 
 @dataclass

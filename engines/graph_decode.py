@@ -223,9 +223,11 @@ class GraphDecodeEngine(DecodeEngine):
                                   f"max_num_seqs is {self.rows}")
             return
         prompts = [PromptInputs(r.request_id, torch.tensor(r.prompt_token_ids, dtype=torch.long),
-                                image_grid_thw=None if r.image_grid_thw is None else r.image_grid_thw.reshape(-1, 3))
+                                image_grid_thw=None if r.image_grid_thw is None else r.image_grid_thw.reshape(-1, 3),
+                                video_grid_thw=None if r.video_grid_thw is None else r.video_grid_thw.reshape(-1, 3),
+                                second_per_grid_ts=r.second_per_grid_ts)
                    for r in take]
-        visions = [VisionEmbeds(image=r.image_embeds, video=None) for r in take]
+        visions = [VisionEmbeds(image=r.image_embeds, video=r.video_embeds) for r in take]
         states = prefix_forward_batch(self.model, prompts, visions, grad=False)
         b = self.batch
         for req, state in zip(take, states):

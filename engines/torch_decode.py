@@ -158,8 +158,11 @@ class TorchDecodeEngine(DecodeEngine):
         if group is None:
             prompt = PromptInputs(req.request_id, torch.tensor(req.prompt_token_ids, dtype=torch.long),
                                   image_grid_thw=None if req.image_grid_thw is None
-                                  else req.image_grid_thw.reshape(-1, 3).cpu())
-            group = _Group(prompt, VisionEmbeds(image=req.image_embeds, video=None), [])
+                                  else req.image_grid_thw.reshape(-1, 3).cpu(),
+                                  video_grid_thw=None if req.video_grid_thw is None
+                                  else req.video_grid_thw.reshape(-1, 3).cpu(),
+                                  second_per_grid_ts=req.second_per_grid_ts)
+            group = _Group(prompt, VisionEmbeds(image=req.image_embeds, video=req.video_embeds), [])
             self._pending.append(group)
         group.requests.append(req)
 
@@ -391,7 +394,8 @@ def _same_prompt(a: DecodeRequest, b: DecodeRequest) -> bool:
     """Same prompt ids and the same vision embeddings (identity first; equality as a fallback)."""
     if a.prompt_token_ids != b.prompt_token_ids:
         return False
-    for x, y in ((a.image_embeds, b.image_embeds), (a.image_grid_thw, b.image_grid_thw)):
+    for x, y in ((a.image_embeds, b.image_embeds), (a.image_grid_thw, b.image_grid_thw),
+                 (a.video_embeds, b.video_embeds), (a.video_grid_thw, b.video_grid_thw)):
         if x is y:
             continue
         if x is None or y is None or x.shape != y.shape or not torch.equal(x, y):

@@ -118,7 +118,8 @@ class Session:
         from rollplex.pipeline.algorithms import load_algorithm
         from rollplex.pipeline.compiler import BatchShape, EngineChoice, ModelDims, compile_iteration
         from rollplex.pipeline.schedule import schedule
-        from rollplex.tasks.data import PromptBuilder, PromptLoader, SyntheticVisualTask, build_item
+        from rollplex.tasks.data import PromptBuilder, PromptLoader
+        from rollplex.tasks.dataset import make_task, probe_shape
 
         import rollplex.engines  # noqa: F401
 
@@ -134,13 +135,18 @@ class Session:
             known = ", ".join(sorted(self.algorithm.hyperparameters())) or "none"
             raise RollplexError(f"params: {unknown} are not hyperparameters of {self.algorithm.name} (known: {known})")
         self.processor = AutoProcessor.from_pretrained(self.model_path)
-        self.task = SyntheticVisualTask(kinds=tuple(cfg.task.kinds), image_size=cfg.task.image_size,
-                                        size=cfg.task.size, seed=cfg.seed, reward=cfg.task.reward)
+        self.task = make_task(cfg)  # the synthetic task, or data.path's rows (bad ones refused or left out)
         self.builder = PromptBuilder(self.processor)
         self.loader = PromptLoader(self.task, self.builder, cfg.rollout.prompts_per_iteration, cfg.seed)
         hf_config = AutoConfig.from_pretrained(self.model_path)
         dims = ModelDims.from_hf_config(hf_config, 4 if cfg.model.dtype == "float32" else 2)
-        sample = build_item(self.task, self.builder, 0)
+        # Video frames add vision tokens (temporal patches), so both pad kinds count.
+        prompt_tokens, vision_tokens = probe_shape(self.task, self.builder,
+                                                   (hf_config.image_token_id, hf_config.video_token_id))
+        if getattr(self.task, "has_video", False) and "vllm" in (
+                self.decode_engine, cfg.engines.overrides.get("decode_chunk")):
+            raise EngineError(f"data.path: {cfg.data.path} has video prompts, which the vllm decode engine does "
+                              "not take yet; set engines.decode: hf")
         shape = BatchShape(
             prompts=cfg.rollout.prompts_per_iteration,
             samples=cfg.rollout.samples_per_prompt,
@@ -148,9 +154,9 @@ class Session:
             chunk_tokens=cfg.rollout.chunk_tokens,
             micro_batch_groups=min(cfg.train.micro_batch_groups, cfg.rollout.prompts_per_iteration),
             prompts_per_node=cfg.train.prompts_per_node or auto_prompts_per_node(
-                dims, sample.num_tokens, cfg.rollout.prompts_per_iteration, self.device),
-            prompt_tokens=sample.num_tokens,
-            vision_tokens=int((sample.input_ids == hf_config.image_token_id).sum()),
+                dims, prompt_tokens, cfg.rollout.prompts_per_iteration, self.device),
+            prompt_tokens=prompt_tokens,
+            vision_tokens=vision_tokens,
             prefix_sharing=cfg.train.prefix_sharing,
         )
         choice = EngineChoice({"decode": self.decode_engine, "train": self.train_engine, "score": self.score_engine},
@@ -347,6 +353,11 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = 
         client.run(quiet_task_errors)
         if faults.active():
             client.run(faults.install_task_hooks)
+    session.loader.log = log
+    for bad in getattr(session.task, "bad_rows", [])[:20]:
+        log(f"data: skipped a bad row: {bad}")
+    if len(getattr(session.task, "bad_rows", [])) > 20:
+        log(f"data: ... {len(session.task.bad_rows) - 20} more bad rows skipped (data_skipped_rows in metrics.jsonl)")
         # Written only now: bad input (config, DAG, engines, cluster) fails above with nothing on disk.
         run_dir.mkdir(parents=True, exist_ok=True)
         checkpoints.clean_stale(run_dir)
@@ -448,7 +459,8 @@ def _train_loop(cfg: RunConfig, session: Session, client, state, metrics_path: P
                 metrics = {"iteration": iteration, "phase": "rl", **out["metrics"],
                            "iter_seconds": round(result.seconds, 4),
                            "seconds_by_kind": seconds_by_kind(result.events),
-                           "peak_memory_bytes": result.peak_memory_bytes, "reward_chance": session.task.chance}
+                           "peak_memory_bytes": result.peak_memory_bytes, "reward_chance": session.task.chance,
+                           **session.loader.metrics()}
                 append_line(metrics_path, json.dumps(metrics, sort_keys=True))
                 point("iteration:written")
                 rewards.append(metrics["reward_mean"])

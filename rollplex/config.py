@@ -46,7 +46,23 @@ class TaskConfig:
     kinds: list = f(["colour"], doc="synthetic question kinds: colour, shape, count")
     image_size: int = f(112, lo=28, hi=1024, doc="synthetic image side in pixels (multiple of 28): 16 vision tokens")
     size: int = f(512, lo=1, doc="number of distinct synthetic items")
-    reward: str = f("exact_match", doc="reward function name")
+    reward: str = f("exact_match", doc="reward: a registered name (exact_match, math_answer) or module:function "
+                    "or path/to/file.py:function, fn(text, answer) -> float")
+
+
+@dataclass
+class DataConfig:
+    path: str | None = f(None, doc="a jsonl or parquet file of prompts (verl/EasyR1 columns); null: the "
+                         "embedded synthetic task")
+    format: str = f("auto", choices=("auto", "jsonl", "parquet"), doc="file format; auto: by suffix")
+    prompt_key: str | None = f(None, doc="prompt column; null: `prompt`, else `problem`")
+    image_key: str = f("images", doc="column of image paths (relative to the file), bytes or {bytes, path}")
+    video_key: str = f("videos", doc="column of videos, each a list of frames or a directory of frames")
+    answer_key: str = f("answer", doc="answer column; dotted for nesting, e.g. reward_model.ground_truth")
+    on_bad_row: str = f("reject", choices=("skip", "reject"),
+                        doc="a row with a missing/unreadable image, empty prompt or no answer: reject (exit 2, "
+                        "naming file and row) or skip (logged, counted in metrics)")
+    max_prompt_tokens: int = f(0, lo=0, doc="longer prompts are bad rows; 0: the longest of the first 32 rows")
 
 
 @dataclass
@@ -124,6 +140,7 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     engines: EnginesConfig = field(default_factory=EnginesConfig)
@@ -295,7 +312,7 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("task.kinds: needs at least one kind")
     if len(cfg.train.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in cfg.train.betas):
         raise ConfigError(f"train.betas: expected two numbers in [0, 1), got {cfg.train.betas!r}")
-    if cfg.rollout.prompts_per_iteration > cfg.task.size:
+    if cfg.data.path is None and cfg.rollout.prompts_per_iteration > cfg.task.size:
         raise ConfigError(f"rollout.prompts_per_iteration: {cfg.rollout.prompts_per_iteration} exceeds task.size "
                           f"({cfg.task.size}): the dataset holds fewer prompts than one iteration needs")
     _validate_tls(cfg.cluster)

@@ -198,18 +198,27 @@ class PromptBuilder:
 
     def build(self, prompt_id: str, images, question: str, answer: str = "", meta: dict | None = None) -> PromptInputs:
         """``images``: one image, a list of them, or None for a text-only prompt."""
-        from rollplex.tasks.lm import PromptInputs
-
         if images is None:
             images = []
         elif not isinstance(images, (list, tuple)):
             images = [images]
+        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": question}]
+        return self.encode(prompt_id, content, list(images), [], answer, question, meta)
+
+    def encode(self, prompt_id: str, content: list[dict], images: list, videos: list[list], answer: str = "",
+               question: str = "", meta: dict | None = None) -> PromptInputs:
+        """One user turn of ``content`` parts ({"type": "image" | "video" | "text"}, in order), with
+        ``images`` and ``videos`` (each a list of frames) filling the media parts in turn. A video's
+        frames go through the processor's temporal patching, so its tokens grow with the frame count."""
+        from rollplex.tasks.lm import PromptInputs
+
         pil = [to_rgb_image(im, f"prompt {prompt_id} image {i}") for i, im in enumerate(images)]
-        content = [{"type": "image"} for _ in pil] + [{"type": "text", "text": question}]
+        clips = [[to_rgb_image(fr, f"prompt {prompt_id} video {v} frame {i}") for i, fr in enumerate(frames)]
+                 for v, frames in enumerate(videos)]
         messages = [{"role": "user", "content": content}]
         text = self.processor.apply_chat_template(messages, add_generation_prompt=True)
         try:
-            enc = self.processor(text=[text], images=pil or None, return_tensors="pt")
+            enc = self.processor(text=[text], images=pil or None, videos=clips or None, return_tensors="pt")
         except (ValueError, TypeError) as err:  # e.g. an aspect ratio the processor cannot resize
             raise DataError(f"prompt {prompt_id}: the processor rejected its input: {err}") from err
         return PromptInputs(
@@ -217,13 +226,19 @@ class PromptBuilder:
             input_ids=enc["input_ids"][0],
             pixel_values=enc.get("pixel_values"),
             image_grid_thw=enc.get("image_grid_thw"),
+            pixel_values_videos=enc.get("pixel_values_videos"),
+            video_grid_thw=enc.get("video_grid_thw"),
+            second_per_grid_ts=enc.get("second_per_grid_ts"),
             answer=answer,
             text=question,
             meta=dict(meta or {}),
         )
 
 
-def build_item(task: SyntheticVisualTask, builder: PromptBuilder, index: int) -> PromptInputs:
+def build_item(task, builder: PromptBuilder, index: int) -> PromptInputs:
+    """Item ``index`` of the synthetic task or of a file dataset (``tasks.dataset.FileDataset``)."""
+    if not isinstance(task, SyntheticVisualTask):
+        return task.build(builder, index)
     item = task.item(index)
     meta = {"index": index, "kind": item.kind}
     return builder.build(task.prompt_id(index), item.image, item.question, item.answer, meta)
@@ -239,13 +254,15 @@ class PromptLoader:
     original would have yielded next.
     """
 
-    task: SyntheticVisualTask
+    task: Any  # SyntheticVisualTask or tasks.dataset.FileDataset
     builder: PromptBuilder
     prompts_per_batch: int
     seed: int = 0
     cache_size: int = 1024  # processed prompts kept; 0 turns the cache off
     epoch: int = 0
     position: int = 0
+    log: Any = None  # where a skipped row is reported (print when None)
+    skipped: list = field(default_factory=list)  # items that failed to build (on_bad_row: skip)
     _cache: OrderedDict = field(default_factory=OrderedDict, init=False, repr=False)
     _order: tuple[int, np.ndarray] | None = field(default=None, init=False, repr=False)
 
@@ -275,7 +292,35 @@ class PromptLoader:
         return [int(i) for i in self.order(self.epoch)[start : self.position]]
 
     def next_batch(self) -> list[PromptInputs]:
-        return [self._prompt(i) for i in self.next_indices()]
+        """The next batch. An item that fails to build is a bad row: re-raised under ``on_bad_row:
+        reject``; under ``skip`` reported once, remembered in the state, and replaced by the next item
+        of the order (so a batch stays full and a resumed run skips exactly the same items)."""
+        out: list[PromptInputs] = []
+        while len(out) < self.prompts_per_batch:
+            need = self.prompts_per_batch - len(out)
+            if self.position + need > len(self.task):
+                self.epoch, self.position = self.epoch + 1, 0
+            index = int(self.order(self.epoch)[self.position])
+            self.position += 1
+            if index in self.skipped:
+                continue
+            try:
+                out.append(self._prompt(index))
+            except DataError as exc:
+                if getattr(self.task, "on_bad_row", "reject") != "skip":
+                    raise
+                self.skipped.append(index)
+                if len(self.skipped) >= len(self.task) - self.prompts_per_batch + 1:
+                    raise DataError(f"{len(self.skipped)} of {len(self.task)} rows failed; too few left "
+                                    f"for a batch of {self.prompts_per_batch}. Last: {exc}") from None
+                (self.log or print)(f"data: skipped a bad row: {exc}")
+        return out
+
+    def metrics(self) -> dict:
+        """Rows left out so far: at load time (``bad_rows``) and while building prompts."""
+        if not hasattr(self.task, "bad_rows"):
+            return {}
+        return {"data_skipped_rows": len(self.task.bad_rows) + len(self.skipped)}
 
     def _prompt(self, index: int) -> PromptInputs:
         prompt = self._cache.get(index)
@@ -290,11 +335,12 @@ class PromptLoader:
         return replace(prompt, meta=dict(prompt.meta))  # callers may annotate meta; the cache stays clean
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "task": asdict(self.task)}
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "task": _identity(self.task),
+                "skipped": list(self.skipped)}
 
     def load_state_dict(self, state: dict) -> None:
         saved = {"seed": state.get("seed"), "task": state.get("task")}
-        ours = {"seed": self.seed, "task": _jsonish(asdict(self.task))}
+        ours = {"seed": self.seed, "task": _jsonish(_identity(self.task))}
         saved["task"] = _jsonish(saved["task"])
         diff = [k for k in ours if saved[k] != ours[k]]
         if diff:
@@ -303,6 +349,11 @@ class PromptLoader:
                 f"now {[ours[k] for k in diff]}); resume with the same task and loader seed"
             )
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self.skipped = [int(i) for i in state.get("skipped", [])]
+
+
+def _identity(task) -> dict:
+    return asdict(task) if isinstance(task, SyntheticVisualTask) else task.identity()
 
 
 def _jsonish(value):
@@ -327,7 +378,12 @@ def format_warmup_batch(
     indices = rng.choice(len(task), size=n, replace=n > len(task))
     pairs = []
     for index in indices:
-        prompt = build_item(task, builder, int(index))
+        try:
+            prompt = build_item(task, builder, int(index))
+        except DataError:
+            if getattr(task, "on_bad_row", "reject") != "skip":
+                raise
+            continue  # the loader reports and counts it when RL reaches it
         pairs.append((prompt, _pick(rng, task.answers(prompt.meta["kind"]))))
     return pairs
 

@@ -99,6 +99,9 @@ def decode_chunk(ctx, node, inputs):
                 top_p=s.top_p,
                 stop_token_ids=tuple(s.stop_token_ids),
                 n=s.samples,
+                video_embeds=vis.video,
+                video_grid_thw=prompt.video_grid_thw,
+                second_per_grid_ts=prompt.second_per_grid_ts,
             )
             caps = prompt.meta.get("max_tokens")
             if caps is None:

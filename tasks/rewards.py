@@ -67,11 +67,24 @@ def _parse_number(text: str) -> Fraction | None:
         return None
 
 
+# "the answer is 3/4.", "Final answer: x+1": the rest of that line is the committed answer.
+_ANSWER_IS = re.compile(r"answer\s*(?:is\b|[:=])\s*:?\s*([^\n]+)", re.IGNORECASE)
+
+
 def extract_math_answer(text: str) -> str | None:
-    """The final answer a response commits to: its last ``\\boxed{}``, else its last number."""
+    """The final answer a response commits to: its last ``\\boxed{}``, else what follows its last
+    "answer is"/"answer:" (the number it starts with, when it starts with one), else its last number."""
     boxed = _last_boxed(text)
     if boxed is not None:
         return boxed.strip()
+    stated = _ANSWER_IS.findall(text)
+    if stated:
+        phrase = stated[-1].strip().rstrip(".").strip()
+        if phrase and _parse_number(phrase) is None:
+            lead = _NUMBER.match(phrase.replace("$", ""))
+            phrase = lead.group(0) if lead else phrase
+        if phrase:
+            return phrase
     numbers = _NUMBER.findall(text)
     return numbers[-1] if numbers else None
 
@@ -103,10 +116,47 @@ def register_reward(name: str, fn: RewardFn | None = None):
 
 
 def get_reward(name: str) -> RewardFn:
-    try:
+    """A registered reward by name, or a function of your own as ``module:function`` (importable in the
+    driver and the workers) or ``path/to/file.py:function``."""
+    if name in _REWARDS:
         return _REWARDS[name]
-    except KeyError:
-        raise ConfigError(f"unknown reward {name!r}; known rewards: {sorted(_REWARDS)}") from None
+    if ":" in name:
+        return _import_reward(name)
+    raise ConfigError(f"unknown reward {name!r}; known rewards: {sorted(_REWARDS)} (or give module:function)")
+
+
+def _import_reward(ref: str) -> RewardFn:
+    import hashlib
+    import importlib
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    where, _, attr = ref.rpartition(":")
+    if not where or not attr.isidentifier():
+        raise ConfigError(f"reward {ref!r}: expected module:function or path/to/file.py:function")
+    try:
+        if where.endswith(".py"):
+            path = Path(where)
+            if not path.is_file():
+                raise ConfigError(f"reward {ref!r}: {path} does not exist")
+            key = "rollplex_user_reward_" + hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:10]
+            module = sys.modules.get(key)
+            if module is None:
+                spec = importlib.util.spec_from_file_location(key, path)
+                module = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(module)
+                sys.modules[key] = module
+        else:
+            module = importlib.import_module(where)
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - user code: one line naming the reward
+        raise ConfigError(f"reward {ref!r}: importing {where} failed: {type(exc).__name__}: {exc}") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ConfigError(f"reward {ref!r}: {where} has no function {attr!r}")
+    return fn
 
 
 def reward_names() -> list[str]:
