@@ -155,10 +155,46 @@ class NodeCost:
 
 @dataclass
 class Calibration:
-    """Per-kind factors on predicted seconds, e.g. from a real run's trace."""
+    """Per kind: measured = overhead per node + factor × predicted seconds, from real runs.
+
+    A factor alone says "this kind runs at X% of the roofline". Runtimes also pay a per-node cost
+    the roofline has no term for (kernel launches, Python, padding); it dominates small nodes, so one
+    factor fitted on small suffixes over-predicts big ones. ``fit`` separates the two when the
+    measurements include the same kind at two sizes (e.g. prefix sharing on and off).
+    """
 
     factors: dict[str, float] = field(default_factory=dict)
     source: str = "none"
+    overheads: dict[str, float] = field(default_factory=dict)  # seconds per node
+
+    def apply(self, kind: str, seconds: float) -> float:
+        return self.overheads.get(kind, 0.0) + self.factors.get(kind, 1.0) * seconds
+
+    @classmethod
+    def fit(cls, samples: "list[tuple[str, int, float, float]]", source: str = "measurements") -> "Calibration":
+        """``samples``: (kind, nodes, predicted seconds, measured seconds), each summed over one run's
+        nodes of that kind. Per kind: least squares for (overhead, factor) when the runs differ in
+        predicted seconds per node, else the ratio alone. Overheads are kept ≥ 0."""
+        by_kind: dict[str, list[tuple[int, float, float]]] = {}
+        for kind, nodes, predicted, measured in samples:
+            if nodes > 0 and predicted > 0:
+                by_kind.setdefault(kind, []).append((nodes, predicted, measured))
+        factors, overheads = {}, {}
+        for kind, rows in by_kind.items():
+            per_node = {round(p / n, 12) for n, p, _ in rows}
+            ratio = sum(m for _, _, m in rows) / sum(p for _, p, _ in rows)
+            if len(per_node) < 2:
+                factors[kind] = ratio
+                continue
+            a = np.array([[n, p] for n, p, _ in rows], dtype=float)
+            (overhead, factor), *_ = np.linalg.lstsq(a, np.array([m for _, _, m in rows]), rcond=None)
+            if overhead < 0 or factor <= 0:  # no per-node cost visible: one factor fits best
+                factors[kind] = ratio
+                continue
+            factors[kind], overheads[kind] = float(factor), float(overhead)
+        if not factors:
+            raise ConfigError(f"calibration: {source} has no node kinds with both predicted and measured time")
+        return cls(factors, source, overheads)
 
     @classmethod
     def from_trace(cls, trace: Mapping, predicted: Mapping[str, float], source: str = "trace") -> "Calibration":
@@ -306,8 +342,7 @@ class CostModel:
     # -- per node -------------------------------------------------------------------------------
     def __call__(self, node: Node, gang: int) -> NodeCost:
         cost = self._raw(node, gang)
-        factor = self.calibration.factors.get(node.kind, 1.0)
-        return NodeCost(cost.seconds * factor, cost.batch)
+        return NodeCost(self.calibration.apply(node.kind, cost.seconds), cost.batch)
 
     def _raw(self, node: Node, gang: int) -> NodeCost:
         w, m, eff, k = self.w, self.m, self.eff, node.kind

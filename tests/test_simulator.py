@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import math
 
+from pathlib import Path
+
 import pytest
 
 from rollplex.cli import main
@@ -137,6 +139,41 @@ def test_calibrating_from_a_trace_recovers_per_kind_factors():
     assert slower.makespan == pytest.approx(r.makespan + loss * (cal.factors["loss"] - 1), rel=1e-4)
     with pytest.raises(ConfigError, match="has no events for the graph's nodes"):
         Calibration.from_trace({"traceEvents": []}, predicted)
+
+
+def test_calibration_fit_separates_per_node_overhead_from_the_roofline_factor():
+    """Two runs of a kind at different sizes pin both terms; one size, or a fit that would need a
+    negative overhead, falls back to the ratio; nothing usable is an error that says so."""
+    truth = lambda nodes, predicted: nodes * 0.05 + 2.5 * predicted  # noqa: E731
+    samples = [("suffix_score", 8, 0.2, truth(8, 0.2)), ("suffix_score", 8, 1.7, truth(8, 1.7)),
+               ("prefix", 8, 0.3, 1.2)]
+    cal = Calibration.fit(samples)
+    assert cal.overheads["suffix_score"] == pytest.approx(0.05) and cal.factors["suffix_score"] == pytest.approx(2.5)
+    assert "prefix" not in cal.overheads and cal.factors["prefix"] == pytest.approx(4.0)
+    assert cal.apply("suffix_score", 0.1) == pytest.approx(0.05 + 0.25) and cal.apply("loss", 0.3) == 0.3
+    superlinear = Calibration.fit([("loss", 4, 1.0, 1.0), ("loss", 4, 2.0, 3.0)])  # would need overhead < 0
+    assert superlinear.factors["loss"] == pytest.approx(4.0 / 3.0) and not superlinear.overheads
+    with pytest.raises(ConfigError, match="no node kinds"):
+        Calibration.fit([("loss", 0, 1.0, 1.0)])
+
+
+def test_predicting_the_recorded_gpu_bench_runs(tmp_path):
+    """benchmarks/predict_bench.py on the recorded H200 run: every policy gets a finite prediction
+    from the roofline, the two-size calibration and the measured contention."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "pred.json"
+    proc = subprocess.run([sys.executable, str(root / "benchmarks/predict_bench.py"),
+                           str(root / "benchmarks/results/2026-11-29-h200-bench-3b.json"), "--json", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["policy"], r["prediction"]) for r in rows} == {
+        (p, k) for p in ("serial-noshare", "serial", "rollplex") for k in ("roofline", "kinds", "+contention")}
+    assert "worst |error|" in proc.stdout
 
 
 # -- the command ---------------------------------------------------------------------------------------
