@@ -1,4 +1,4 @@
-"""``rollplex``: train, render the iteration graph, list engines.
+"""``rollplex``: train, render the iteration graph, list engines, plot a run, export the task.
 
 Bad input (config, DAG, engine names, checkpoints) prints one line and exits with code 2.
 Heavy libraries are imported inside the commands, so ``rollplex --help`` stays fast.
@@ -153,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except Interrupted as exc:  # not an error: a requested stop, resumable
+    from rollplex.commands_data import add_parsers as add_data_commands  # plot, export-task
+
+    add_data_commands(sub)
         print(f"rollplex: {exc}", file=sys.stderr)
         return exc.exit_code
     except RollplexError as exc:
