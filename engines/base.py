@@ -82,6 +82,20 @@ class DecodeEngine(ABC):
 
 # --------------------------------------------------------------------------------------------------
 # score and train
+def move_tensors(tensors: Iterable[torch.Tensor], device: torch.device) -> int:
+    """Re-home each tensor's storage on ``device`` in place (``.data``), so every holder of the
+    tensor object (optimizer state, parameters, autograd) sees the move. Returns bytes moved."""
+    moved = 0
+    pin = device.type == "cpu" and torch.cuda.is_available()
+    for t in tensors:
+        if t.device == device:
+            continue
+        # Pinned host buffers make the later host→device prefetch an async DMA, not a staged copy.
+        t.data = t.data.to("cpu", non_blocking=False).pin_memory() if pin else t.data.to(device, non_blocking=False)
+        moved += t.numel() * t.element_size()
+    return moved
+
+
 class ScoreEngine(ABC):
     """A frozen model. Tasks run its forward passes; the engine decides device and dtype."""
 
@@ -89,9 +103,26 @@ class ScoreEngine(ABC):
     model: torch.nn.Module
     device: torch.device
     dtype: torch.dtype
+    movable_parts = ("weights",)
+
+    def offload(self, part: str) -> int:
+        """Move the frozen weights to host memory between their uses (the memory plan's
+        ``offload`` nodes); ``reload`` brings them back. Both return the bytes moved."""
+        _check_part(self, part)
+        return move_tensors(list(self.model.parameters()) + list(self.model.buffers()), torch.device("cpu"))
+
+    def reload(self, part: str) -> int:
+        _check_part(self, part)
+        return move_tensors(list(self.model.parameters()) + list(self.model.buffers()), self.device)
 
     def close(self) -> None:  # noqa: B027
         pass
+
+
+def _check_part(engine, part: str) -> None:
+    if part not in engine.movable_parts:
+        raise EngineError(f"{type(engine).__name__} cannot move {part!r} off the device; it moves "
+                          f"{', '.join(engine.movable_parts)}")
 
 
 @dataclass
@@ -122,6 +153,34 @@ class TrainEngine(ABC):
         """Set the learning rate of every parameter group (warm-up uses its own rate)."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+
+    # What the memory plan may move to host memory between uses. The weights stay: the decode engine
+    # and every forward read them in place.
+    movable_parts = ("grads", "master", "adam")
+
+    def _inner_optimizer(self) -> torch.optim.Optimizer:
+        inner = self.optimizer
+        while hasattr(inner, "optimizer"):  # DeepSpeed's ZeRO wrappers hold the torch optimizer
+            inner = inner.optimizer
+        return inner
+
+    def _part_tensors(self, part: str) -> list[torch.Tensor]:
+        if part == "adam":
+            return [v for state in self._inner_optimizer().state.values() for v in state.values()
+                    if isinstance(v, torch.Tensor) and v.dim() > 0]
+        if part == "grads":
+            return [p.grad for p in self.module.parameters() if p.grad is not None]
+        return []  # "master": plain torch trains the parameters themselves; there is no master copy
+
+    def offload(self, part: str) -> int:
+        """Move optimizer moments, master weights or gradients to host memory between their uses
+        (the memory plan's ``offload`` nodes); ``reload`` brings them back. Bytes moved."""
+        _check_part(self, part)
+        return move_tensors(self._part_tensors(part), torch.device("cpu"))
+
+    def reload(self, part: str) -> int:
+        _check_part(self, part)
+        return move_tensors(self._part_tensors(part), self.device)
 
     def reset_optimizer_state(self) -> None:
         """Forget the optimizer's moments, as a fresh optimizer would (used after the warm-up).

@@ -167,6 +167,39 @@ class DeepSpeedTrainEngine(TrainEngine):
         return norm
 
     # ------------------------------------------------------------------------------------------
+    # -- residency (the memory plan's offload/prefetch nodes) -----------------------------------
+    # ZeRO-1/2/3 move their own fp32 partitions and moments (``offload_states``); gradients stay, as
+    # moving them mid-accumulation would strand ZeRO's reduce buckets on the device.
+    movable_parts = ("master", "adam")
+    _DS_STATES = {"master": "hp_params", "adam": "optim_states"}
+
+    def _part_tensors(self, part: str) -> list[torch.Tensor]:
+        if self.stage in (1, 2) and part == "master":
+            return list(self.ds.optimizer.single_partition_of_fp32_groups)
+        if self.stage == 0 and part == "master" and hasattr(self.ds.optimizer, "fp32_groups"):
+            return [m for group in self.ds.optimizer.fp32_groups for m in group]
+        return super()._part_tensors(part)
+
+    def offload(self, part: str) -> int:
+        if self.stage == 0:  # no ZeRO optimizer: move the tensors themselves
+            return super().offload(part)
+        from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
+
+        moved = sum(t.numel() * t.element_size() for t in self._part_tensors(part) if t.device == self.device)
+        self.ds.offload_states(include=[OffloadStateTypeEnum(self._DS_STATES[part])],
+                               pin_memory=self.device.type == "cuda")
+        return moved if self.device.type != "cpu" else 0
+
+    def reload(self, part: str) -> int:
+        if self.stage == 0:
+            return super().reload(part)
+        offloaded = getattr(self.ds.optimizer, "offloaded_states", set())
+        if not offloaded:
+            return 0
+        # DeepSpeed brings every offloaded state back at once; a later prefetch finds nothing left.
+        self.ds.reload_states()
+        return sum(t.numel() * t.element_size() for p in ("master", "adam") for t in self._part_tensors(p))
+
     def state_dict_for_sync(self, trainable_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """Full tensors under module names (as TorchTrainEngine). ZeRO-3 gathers one parameter at a
         time, so the peak is one full tensor on top of the partitions."""

@@ -41,6 +41,7 @@ class Resident:
     uses: tuple[tuple[str, str], ...]
     frozen: bool = False  # a host copy always exists: offloading it costs nothing
     what: str = "weights"
+    movable: bool = True  # False: stays resident (the runtime's engines cannot move or free it)
 
 
 @dataclass
@@ -69,6 +70,7 @@ class Tensor:
     frozen: bool = False
     what: str = ""
     rank: tuple[int, int] = (0, 0)  # name-independent tie-break: (0, producer's structural rank) | (1, index)
+    movable: bool = True
 
 
 @dataclass
@@ -167,7 +169,7 @@ def tensors_of(plan: Plan, residents: list[Resident]) -> list[Tensor]:
         else:
             gaps.append(Gap(0.0, period, "", "", True, wrap=True))
         out.append(Tensor(r.name, r.gpus, r.bytes_per_gpu, [(a, b) for a, b, *_ in busy], gaps, True, r.frozen,
-                          r.what, rank=(1, index)))
+                          r.what, rank=(1, index), movable=r.movable))
     return out
 
 
@@ -310,6 +312,8 @@ def _decide(plan: Plan, tensors: list[Tensor], decisions: dict, budget: float) -
             return actions
         cands = []
         for t in by_gpu.get(g, []):
+            if not t.movable:
+                continue
             t_off, t_pre = _transfer_times(plan, t)
             for gap in t.gaps:
                 if (t.name, gap.after, gap.before) in decisions or not _in_gap(gap, at, period):
