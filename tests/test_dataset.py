@@ -202,3 +202,24 @@ def test_video_prompt_prefix_matches_a_plain_forward(tmp_path, builder, tiny_mod
                     video_grid_thw=prompt.video_grid_thw, second_per_grid_ts=prompt.second_per_grid_ts,
                     mm_token_type_ids=lm.mm_token_types(prompt.input_ids.view(1, -1), model.config)).logits[0, -1]
     torch.testing.assert_close(state.last_logits, ref.float(), rtol=1e-4, atol=1e-4)
+
+
+def test_the_compiled_graph_sees_video_tokens_and_vllm_refuses_video(tmp_path):
+    """BatchShape counts a prompt's image and video pad tokens: 4 frames give 32, one image 16."""
+    from rollplex.config import load_config
+    from rollplex.errors import EngineError
+    from rollplex.pipeline.runner import Session
+
+    base = ["engines.decode=hf", "engines.train=torch", "rollout.prompts_per_iteration=2"]
+    shapes = {}
+    for name, frames in (("image", 0), ("video", 4)):
+        path = export_synthetic(tmp_path / name, size=4, video_frames=frames)
+        session = Session(load_config(None, base + [f"data.path={path}"]), tmp_path)
+        shapes[name] = (session.shape.vision_tokens, session.shape.prompt_tokens)
+        vit = session.graph.of_kind("vit_encode")[0]
+        assert session.graph.values[vit.outputs[0]].nbytes == shapes[name][0] * session.dims.hidden * 4  # per prompt
+    assert shapes["image"][0] == 16 and shapes["video"][0] == 32
+    assert shapes["video"][1] - shapes["image"][1] == 16
+    with pytest.raises(EngineError, match="video prompts, which the vllm decode engine does not take"):
+        Session(load_config(None, base + [f"data.path={tmp_path / 'video' / 'train.jsonl'}",
+                                          "engines.overrides={decode_chunk: vllm}"]), tmp_path)
