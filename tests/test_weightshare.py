@@ -1,0 +1,243 @@
+"""Weight sharing: the planner's invariants, and the rollout layout materialised on the trainer's
+storage for emulated TP gangs (every (t_train, t_roll) in {1,2,4,8}²), checked against HF forwards.
+
+One gang of max(t_train, t_roll) GPUs, emulated in one process::
+
+    HF model ──shard (t_train)──▶ trainer storage per GPU ──plan──▶ rollout tensors per GPU
+        │                              │  alias: a view of it (data_ptr inside)      │
+        │                              │  inplace: it lies inside the rollout buffer │
+        │                              │  rebuild: a copy (local or from peers)      │
+        └── forward ══ trainer TP forward ══ rollout TP forward ◀─────────────────────┘
+"""
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rollplex.engines.sharing import Gang, SharedWeights, TextDims, fuse_parameters, inside, tp_forward
+from rollplex.errors import ConfigError
+from rollplex.pipeline.modelspec import PRESETS, VLMSpec
+from rollplex.pipeline.tensorlayouts import actor_layouts
+from rollplex.pipeline.weightshare import RolloutSide, TrainerSide, format_plan, plan_gang
+
+TPS = (1, 2, 4, 8)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Thousands of tiny matmuls: one thread, or OMP's team start-up dominates on a busy box."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# --------------------------------------------------------------------------------------------------
+# the planner, on its own
+@st.composite
+def specs(draw):
+    heads = draw(st.sampled_from([8, 16, 24, 40]))
+    kv = draw(st.sampled_from([k for k in (1, 2, 4, 8) if heads % k == 0]))
+    return VLMSpec("h", heads * 8, draw(st.integers(1, 3)), heads, kv, 8, 8 * draw(st.integers(1, 6)),
+                   draw(st.integers(10, 700)), draw(st.booleans()),
+                   vit_depth=draw(st.sampled_from([0, 1])), vit_hidden=32, vit_intermediate=48, vit_heads=8, vit_out=64)
+
+
+@settings(max_examples=60, deadline=None)
+@given(spec=specs(), tt=st.sampled_from(TPS), tr=st.sampled_from(TPS), fused=st.booleans(),
+       allocation=st.sampled_from(["fused", "separate"]), zero=st.sampled_from([0, 1, 2, 3]),
+       mapping=st.sampled_from(["aligned", "contiguous"]))
+def test_plan_invariants(spec, tt, tr, fused, allocation, zero, mapping):
+    if spec.heads % 8 and max(tt, tr) == 8 and spec.heads % max(tt, tr):
+        with pytest.raises(ConfigError, match="qkv_proj"):
+            plan_gang(actor_layouts(spec), TrainerSide(tt, zero=zero), RolloutSide(tr))
+        return
+    plan = plan_gang(actor_layouts(spec), TrainerSide(tt, zero=zero, allocation=allocation),
+                     RolloutSide(tr, fused=fused), mapping)
+    assert len(plan.gpus) == max(tt, tr)
+    for g in plan.gpus:
+        for d in g.decisions:
+            assert d.aliased + d.local + d.gathered == d.nbytes, d  # every byte has one source
+            assert (d.kind == "alias") == (d.aliased == d.nbytes and d.view is not None)
+            if d.view is not None:  # the view stays inside the trainer's shard of that tensor
+                v = d.view
+                extent = v.offset + 1 + sum((s - 1) * st_ for s, st_ in zip(v.shape, v.stride))
+                lay = next(x for x in (plan_gang.__globals__["unfuse"](actor_layouts(spec)) if not fused
+                                       else actor_layouts(spec)) if x.name == d.tensor)
+                assert extent <= lay.shard_numel(tt, g.train_rank)
+    if zero == 3:
+        assert not plan.shared and any("ZeRO-3" in n for n in plan.notes)
+        assert any("ZeRO-3" in line for line in format_plan(plan))
+    if tt == tr and zero < 3 and mapping == "aligned" and (allocation == "fused" or not fused):
+        assert all(d.kind == "alias" for g in plan.gpus for d in g.decisions)  # equal layouts: all views
+    if zero < 3 and mapping == "contiguous":  # the aligned mapping never shares less
+        aligned = plan_gang(actor_layouts(spec), TrainerSide(tt, zero=zero, allocation=allocation),
+                            RolloutSide(tr, fused=fused), "aligned")
+        assert aligned.saved_per_gpu() >= plan.saved_per_gpu()
+
+
+def test_dtype_mismatch_and_bad_degrees():
+    lays = actor_layouts(PRESETS["qwen2.5-vl-7b"], vision=False)
+    plan = plan_gang(lays, TrainerSide(2, dtype="float32"), RolloutSide(2, dtype="bfloat16"))
+    assert not plan.shared and all(d.how == "cast" for g in plan.gpus for d in g.decisions)
+    with pytest.raises(ConfigError, match="divide"):
+        plan_gang(lays, TrainerSide(2), RolloutSide(3))
+    with pytest.raises(ConfigError, match="q_proj.weight has 28 units"):  # 28 heads cannot split 8 ways
+        plan_gang(lays, TrainerSide(8), RolloutSide(2))
+
+
+def test_preset_reports_hbm_saved():
+    """7B at train TP 2 → rollout TP 4 (the paper's kind of pair): the row-parallel and vocab tensors
+    are views, qkv and gate_up are concatenated locally; nothing crosses the link."""
+    plan = plan_gang(actor_layouts(PRESETS["qwen2.5-vl-7b"]), TrainerSide(2), RolloutSide(4))
+    rows = plan.by_class()
+    assert rows["attn.o"]["aliased"] == rows["attn.o"]["nbytes"] and rows["mlp.gate_up"]["aliased"] == 0
+    assert all(r["gathered"] == 0 for r in rows.values())
+    text = "\n".join(format_plan(plan, "qwen2.5-vl-7b"))
+    assert "GiB saved" in text and "mlp.gate_up" in text
+    # the torch engines run gate/up and q/k/v apart: every tensor is a view
+    unfused = plan_gang(actor_layouts(PRESETS["qwen2.5-vl-32b"]), TrainerSide(4), RolloutSide(8, fused=False))
+    assert all(d.kind == "alias" for g in unfused.gpus for d in g.decisions)
+
+
+# --------------------------------------------------------------------------------------------------
+# emulated gangs on a random small model
+def _model(seed: int):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    rng = random.Random(seed)
+    heads, d = 8, rng.choice([4, 8])
+    kv = rng.choice([1, 2, 4, 8])
+    cfg = Qwen2Config(vocab_size=rng.randint(40, 200), hidden_size=heads * d, intermediate_size=8 * rng.randint(2, 6),
+                      num_hidden_layers=rng.choice([1, 2]), num_attention_heads=heads, num_key_value_heads=kv,
+                      tie_word_embeddings=False, max_position_embeddings=64)
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(cfg).float().eval()
+    spec = VLMSpec("rand", heads * d, cfg.num_hidden_layers, heads, kv, d, cfg.intermediate_size, cfg.vocab_size,
+                   False)
+    ids = torch.randint(0, cfg.vocab_size, (6,), generator=torch.Generator().manual_seed(seed))
+    return model, spec, ids
+
+
+def _canonical(model) -> dict[str, torch.Tensor]:
+    return {(k[6:] if k.startswith("model.") else k): v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _forwards(model, spec, ids, gang: Gang, fused: bool):
+    with torch.no_grad():
+        ref = model(ids[None]).logits[0]
+        cos, sin = model.model.rotary_emb(torch.zeros(1, len(ids), spec.hidden), torch.arange(len(ids))[None])
+    dims = TextDims(spec.layers, spec.heads, spec.kv_heads, spec.head_dim, spec.vocab, model.config.rms_norm_eps)
+    lays = gang.layouts
+
+    def split(name, rank):
+        return [n for _, _, n in lays[name].shard_rows(gang.tr, rank)]
+
+    roll = tp_forward(dims, ids, cos, sin, gang.tr, lambda r, n: gang.rollout[gang.rank_gpu("roll", r)][n], fused, split)
+    train = tp_forward(dims, ids, cos, sin, gang.tt, lambda r, n: gang.trainer_tensor(gang.rank_gpu("train", r), n),
+                       False, split)
+    return ref, train, roll
+
+
+def _plan_bytes(plan, trainable_only=False) -> dict[str, int]:
+    decisions = [d for g in plan.gpus for d in g.decisions if d.trainable or not trainable_only]
+    return {"local": sum(d.local for d in decisions), "gathered": sum(d.gathered for d in decisions)}
+
+
+def _check_storage(gang: Gang) -> None:
+    """Aliases point into the trainer's buffer on the same GPU; copies do not; in place buffers
+    hold the trainer's parameters."""
+    for g in gang.plan.gpus:
+        for d in g.decisions:
+            t, buf = gang.rollout[g.gpu][d.tensor], gang.buffers[g.gpu][d.tensor]
+            if d.kind == "alias":
+                assert inside(t, buf), d.tensor
+            elif d.kind == "inplace":
+                assert t.data_ptr() == buf.data_ptr()
+                assert all(inside(v, t) for (name, _), v in gang.train_params[g.gpu].items() if name == d.tensor)
+            else:
+                assert not any(inside(t, b) for b in gang.buffers[g.gpu].values()), d.tensor
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_rollout_forward_equals_training_forward_all_tp_pairs(seed):
+    model, spec, ids = _model(seed)
+    full = _canonical(model)
+    lays = actor_layouts(spec)
+    for (tt, tr), fused in itertools.product(itertools.product(TPS, TPS), (True, False)):
+        plan = plan_gang(lays, TrainerSide(tt, "float32"), RolloutSide(tr, "float32", fused=fused))
+        gang = Gang(lays, plan, full)
+        ref, train, roll = _forwards(model, spec, ids, gang, fused)
+        where = f"t_train={tt} t_roll={tr} fused={fused} kv_heads={spec.kv_heads}"
+        torch.testing.assert_close(train, ref, rtol=1e-5, atol=2e-5, msg=where)
+        torch.testing.assert_close(roll, train, rtol=1e-5, atol=2e-5, msg=where)
+        assert gang.moved == _plan_bytes(plan), where  # the copies made are the ones the plan counted
+        _check_storage(gang)
+
+
+@pytest.mark.parametrize("tt,tr", [(1, 1), (2, 4), (4, 2), (1, 8), (8, 1), (4, 4)])
+def test_optimizer_step_reaches_rollout_without_copying_aliases(tt, tr):
+    model, spec, ids = _model(3)
+    lays = actor_layouts(spec)
+    plan = plan_gang(lays, TrainerSide(tt, "float32"), RolloutSide(tr, "float32"))
+    gang = Gang(lays, plan, _canonical(model))
+    # One AdamW step: on the HF model, and on every GPU's trainer shards with the same gradients
+    # (a gang of the gradients has the same geometry, so its shards are the matching slices).
+    model.train()
+    loss = model(ids[None], labels=ids[None]).loss
+    loss.backward()
+    model.eval()
+    grads = Gang(lays, plan, {(k[6:] if k.startswith("model.") else k): p.grad.detach()
+                              for k, p in model.named_parameters()})
+    torch.optim.AdamW(model.parameters(), lr=1e-2).step()
+    before = {(g.gpu, d.tensor): gang.rollout[g.gpu][d.tensor].data_ptr() for g in plan.gpus for d in g.decisions}
+    for gpu, params in enumerate(gang.train_params):
+        views = list(params.values())
+        for key, v in params.items():
+            v.grad = grads.train_params[gpu][key].clone()
+        torch.optim.AdamW(views, lr=1e-2, foreach=False).step()
+    aliased = [(g.gpu, d.tensor) for g in plan.gpus for d in g.decisions if d.kind == "alias"]
+    updated = _canonical(model)
+    fresh = Gang(lays, plan, updated)  # what the rollout tensors must now hold
+    for gpu, name in aliased:  # current before any refresh
+        torch.testing.assert_close(gang.rollout[gpu][name], fresh.rollout[gpu][name], rtol=1e-6, atol=1e-6)
+    moved = gang.refresh()
+    assert moved == _plan_bytes(plan, trainable_only=True)  # aliased tensors moved no byte
+    assert all(gang.rollout[g][n].data_ptr() == p for (g, n), p in before.items())
+    _, train, roll = _forwards(model, spec, ids, gang, True)
+    ref, _, _ = _forwards(model, spec, ids, fresh, True)
+    torch.testing.assert_close(train, ref, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(roll, ref, rtol=1e-5, atol=2e-5)
+
+
+# --------------------------------------------------------------------------------------------------
+# one GPU, a live module (what the runtime's colocated decode engines use)
+def test_shared_weights_on_a_live_module():
+    model, spec, ids = _model(5)
+    lays = actor_layouts(spec)
+    plain = SharedWeights(_model(5)[0], lays, fused=True)  # a twin whose storage stays HF's own
+    assert {c for c, r in plain.report().items() if r["rebuilt"]} == {"attn.qkv", "mlp.gate_up"}
+    assert all(plain.tensors[n].aliased for n in ("embed_tokens.weight", "layers.0.self_attn.o_proj.weight"))
+    assert fuse_parameters(model, lays) == 3 * spec.layers  # qkv weight, qkv bias, gate_up per layer
+    shared = SharedWeights(model, lays, fused=True)
+    assert all(st_.aliased for st_ in shared.tensors.values())
+    params = dict(model.named_parameters())
+    qkv = shared.tensors["layers.0.self_attn.qkv_proj.weight"].tensor
+    assert inside(params["model.layers.0.self_attn.k_proj.weight"], qkv)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(ids[None], labels=ids[None]).loss.backward()
+    opt.step()
+    assert shared.refresh() == 0  # every rollout tensor is the trainer's storage: nothing to copy
+    q, k, v = (params[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkv")
+    torch.testing.assert_close(qkv, torch.cat([q, k, v]).detach(), rtol=0, atol=0)
+    twin = plain.tensors["layers.0.self_attn.qkv_proj.weight"]
+    with torch.no_grad():
+        for s in twin.sources:
+            s.add_(1.0)
+    assert plain.refresh() == sum(st_.tensor.numel() * 4 for st_ in plain.tensors.values() if not st_.aliased)
+    torch.testing.assert_close(twin.tensor, torch.cat(twin.sources), rtol=0, atol=0)
