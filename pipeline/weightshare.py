@@ -43,6 +43,7 @@ class TrainerSide:
     dtype: str = "bfloat16"  # dtype of the parameters forward runs on (bf16 under DeepSpeed bf16; fp32 masters aside)
     zero: int = 1
     allocation: str = "fused"  # fused: one buffer per fused group's shard | separate: one storage per HF tensor
+    dp: int = 1  # data-parallel ranks ZeRO-3 partitions each parameter over
 
 
 @dataclass(frozen=True)
@@ -273,7 +274,7 @@ def plan_gang(layouts: Sequence[TensorLayout], trainer: TrainerSide, rollout: Ro
     if not rollout.fused:
         layouts = unfuse(layouts)
     pairs = rank_mapping(trainer.tp, rollout.tp, mapping)
-    dp = len(pairs) // trainer.tp
+    dp = max(trainer.dp, len(pairs) // trainer.tp)
     notes = []
     layouts, replicated = _replicate_unsplittable_vision(layouts, (trainer.tp, rollout.tp))
     if replicated:

@@ -145,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     from rollplex.commands_simulate import add_parser as add_simulate  # light: heavy imports are inside
 
     add_simulate(sub)
+    from rollplex.commands_weights import add_parser as add_weights  # weight sharing report
+
+    add_weights(sub)
     return parser
 
 
