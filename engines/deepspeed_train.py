@@ -95,6 +95,10 @@ class DeepSpeedTrainEngine(TrainEngine):
         init_distributed(self.device)
         model = load_policy(ctx)
         params = [p for p in model.parameters() if p.requires_grad]
+        if ctx.options.get("fusion_order"):  # weight sharing: fused groups adjacent in ZeRO's flat buffer
+            from rollplex.engines.sharing import fusion_order, layouts_for_module
+
+            params = fusion_order(model, layouts_for_module(model))
         self.ds, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=adamw(params, ctx.options), config=ds_config(ctx, self.stage))
         self.module = self.ds.module

@@ -416,3 +416,11 @@ def tp_forward(dims: TextDims, ids: torch.Tensor, cos: torch.Tensor, sin: torch.
         h = rms(x, weight(r, "norm.weight"))
         logits.append(F.linear(h, weight(r, "lm_head.weight")))
     return torch.cat(logits, -1)[:, :dims.vocab]
+
+
+def layouts_for_module(module: torch.nn.Module) -> list[TensorLayout]:
+    """The actor layouts of a live HF Qwen2 / Qwen2.5-VL model, from its config."""
+    from rollplex.pipeline.modelspec import from_dict
+    from rollplex.pipeline.tensorlayouts import actor_layouts
+
+    return actor_layouts(from_dict(module.config.to_dict(), type(module).__name__))

@@ -106,7 +106,7 @@ class _Rows:
 
 class TorchDecodeEngine(DecodeEngine):
     """Options: max_num_seqs (rows decoded at once; groups wait beyond it), attn_implementation
-    ("sdpa" or "eager")."""
+    ("sdpa" or "eager"), share_model (a colocated trainer's module, used as is: no second copy)."""
 
     def __init__(self, ctx: EngineContext) -> None:
         from transformers import Qwen2_5_VLForConditionalGeneration
@@ -116,9 +116,13 @@ class TorchDecodeEngine(DecodeEngine):
         if attn not in ("sdpa", "eager"):  # both take the additive 4-D mask we build
             raise EngineError(f"engine 'hf': attn_implementation {attn!r} is not 'sdpa' or 'eager'")
         self.device = torch.device(ctx.device)
-        self.model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
-            str(ctx.model_path), dtype=ctx.dtype, attn_implementation=attn).to(self.device).eval()
-        self.model.requires_grad_(False)
+        shared = opts.get("share_model")  # a colocated trainer's module: decode runs on its storage
+        if shared is not None:
+            self.model = shared
+        else:
+            self.model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+                str(ctx.model_path), dtype=ctx.dtype, attn_implementation=attn).to(self.device).eval()
+            self.model.requires_grad_(False)
         text = self.model.config.text_config
         kinds = set(text.layer_types)
         if kinds != {"full_attention"}:
@@ -199,7 +203,8 @@ class TorchDecodeEngine(DecodeEngine):
                 if target.shape != tensor.shape:
                     raise EngineError(f"engine 'hf': load_weights tensor {name!r} has shape "
                                       f"{tuple(tensor.shape)}, the model's is {tuple(target.shape)}")
-                target.copy_(tensor)
+                if target.data_ptr() != tensor.data_ptr():  # a shared tensor is current already
+                    target.copy_(tensor)
 
     def close(self) -> None:
         with self._lock:

@@ -47,7 +47,8 @@ def collapse_pads(ids: Sequence[int], pad_ids: Iterable[int]) -> tuple[list[int]
 
 class VLLMDecodeEngine(DecodeEngine):
     """Options: max_model_len, max_num_seqs, kv_cache_bytes, enforce_eager (True), limit_images (1),
-    limit_videos (0), enable_prefix_caching (True), vllm_kwargs (passed to ``LLM`` unchanged)."""
+    limit_videos (0), enable_prefix_caching (True), vllm_kwargs (passed to ``LLM`` unchanged),
+    share_model (a colocated trainer's HF module: vLLM then runs on its storage, see ``_share``)."""
 
     def __init__(self, ctx: EngineContext) -> None:
         from vllm import LLM
@@ -85,6 +86,47 @@ class VLLMDecodeEngine(DecodeEngine):
         self.video_token_id = int(hf.video_token_id)
         self.eos_token_ids = eos_token_ids(ctx.model_path, hf)
         self._live: set[str] = set()
+        self.shared = None  # engines.sharing.SharedWeights when running on a trainer's storage
+        if opts.get("share_model") is not None:
+            self._share(opts["share_model"], ctx.dtype)
+
+    def _share(self, module: torch.nn.Module, dtype: torch.dtype) -> None:
+        """Point every vLLM weight at the trainer's storage (in-process vLLM only).
+
+        On CPU vLLM packs each linear weight for oneDNN/sgl at load time and drops the parameter, so
+        the packed copy, not the parameter, is what runs. Sharing therefore sets the layer's weight
+        (and bias) to the trainer's tensor and its GEMM to ``F.linear`` on that weight, and the packed
+        copy is freed. Fused tensors (qkv_proj, gate_up_proj) are views when the trainer allocated the
+        group as one buffer (``sharing.fuse_parameters``), else copies that ``load_weights`` refreshes.
+        The vocabulary is vLLM's padded size; the trainer's unpadded tensor serves it, since no
+        token id reaches the padding rows and logits are cut to the real vocabulary."""
+        import torch.nn.functional as F
+
+        from rollplex.engines.sharing import SharedWeights, layouts_for_module
+
+        with self._lock:
+            workers = self.llm.collective_rpc(lambda worker: worker.model_runner.model)
+            if len(workers) != 1 or not isinstance(workers[0], torch.nn.Module):
+                raise EngineError("engine 'vllm': weight sharing needs in-process vLLM with one worker "
+                                  "(VLLM_ENABLE_V1_MULTIPROCESSING=0, tensor_parallel_size 1)")
+            model = workers[0]
+            shared = SharedWeights(module, layouts_for_module(module), fused=True, dtype=dtype)
+            modules = dict(model.named_modules())
+            for name, st in shared.tensors.items():
+                vname = name if name.startswith("visual.") else (
+                    "language_model." + name if name.startswith("lm_head.") else "language_model.model." + name)
+                path, attr = vname.rsplit(".", 1)
+                layer = modules.get(path)
+                if layer is None or not hasattr(layer, attr):
+                    raise EngineError(f"engine 'vllm': weight sharing found no vLLM tensor {vname!r} for {name!r}")
+                old = getattr(layer, attr)
+                if old.numel() and old.shape[1:] != st.tensor.shape[1:]:
+                    raise EngineError(f"engine 'vllm': {vname} has shape {tuple(old.shape)}, the trainer's "
+                                      f"{name} {tuple(st.tensor.shape)}")
+                setattr(layer, attr, torch.nn.Parameter(st.tensor, requires_grad=False))
+                if hasattr(layer, "cpu_linear"):  # the packed copy goes; the shared weight runs
+                    layer.cpu_linear = lambda x, weight, bias: F.linear(x, weight, bias)
+            self.shared = shared
 
     # ----------------------------------------------------------------------------------------------
     def _prompt(self, req: DecodeRequest) -> dict:
@@ -155,12 +197,17 @@ class VLLMDecodeEngine(DecodeEngine):
             return self._engine.has_unfinished_requests()
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        weights = list(named_tensors)
+        """With shared weights the trainer's update is here already: only rebuilt tensors are copied
+        (``named_tensors`` is not read), and the caches computed with the old weights are dropped."""
+        weights = list(named_tensors) if self.shared is None else []
         with self._lock:
             if self._engine.has_unfinished_requests():
                 raise EngineError(f"engine 'vllm': load_weights while {len(self._live)} request(s) are live; "
                                   "finish or drop them first")
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            if self.shared is not None:
+                self.shared.refresh()
+            else:
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
             # The worker's reload drops its own encoder and multimodal caches but not the scheduler's
             # or the renderer's records of them; left alone, the next request with an image seen
             # before fails with "Encoder cache miss". Reset all three layers together, while idle.

@@ -290,7 +290,8 @@ class IterationGraph:
             ends = sorted({lifetimes[o][1] for o in node.outputs})
             live = " live→" + ",".join(f"%{e}" for e in ends)
         engine = f" @{node.engine}" if node.engine else ""
-        return f"%{node.name} : {where}{live} {format_bytes(outs)} = {kind}{engine}({args})"
+        weights = f"  # {node.meta['weights']}" if node.meta.get("weights") else ""  # weight_sync: sharing plan
+        return f"%{node.name} : {where}{live} {format_bytes(outs)} = {kind}{engine}({args}){weights}"
 
     def tabular(self) -> str:
         lifetimes = self.lifetimes()

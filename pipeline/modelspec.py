@@ -114,6 +114,12 @@ def from_config(path: str | Path) -> VLMSpec:
         raise ConfigError(f"--model {path}: no such preset ({', '.join(PRESETS)}) or config file") from None
     except (OSError, json.JSONDecodeError) as exc:
         raise ConfigError(f"--model {p}: cannot read config.json: {exc}") from None
+    return from_dict(data, p)
+
+
+def from_dict(data: dict, p: Path | str = "config.json") -> VLMSpec:
+    """An HF config as a dict (``config.to_dict()`` or a parsed config.json); ``p`` names it in errors."""
+    p = Path(p)
     text = data.get("text_config") or data
     vision = data.get("vision_config") or {}
 

@@ -67,6 +67,8 @@ def _node_lines(node: Node) -> list[str]:
              + (f" · prio {prio:g}" if isinstance(prio, (int, float)) else "")]
     if (times := _seconds(node)) is not None:
         lines.append(f"{times[0]:.3f}–{times[1]:.3f}s")
+    if node.meta.get("weights"):  # weight_sync: what the sharing plan aliases and rebuilds
+        lines.append(str(node.meta["weights"]))
     return lines
 
 

@@ -173,6 +173,10 @@ class Session:
                 raise
             raise GraphError(f"{cfg.algorithm}: {exc}") from None
         self.tokenizer = self.processor.tokenizer
+        from rollplex.pipeline.weightshare import annotate_run  # weight_sync nodes: what is aliased, rebuilt
+
+        self.weight_plan = annotate_run(self.graph, self.model_path, self.decode_engine, self.train_engine,
+                                        cfg.model.dtype, cfg.train.zero_stage, cfg.engines.weight_sharing)
 
     def checkpoint(self, executor, iteration: int, reward: float | None, pids: set[int]) -> Path:
         """The actor and optimizer (from the worker) plus the processor files, so that the
@@ -199,6 +203,8 @@ class Session:
         train_options = {"lr": cfg.train.lr, "betas": tuple(cfg.train.betas), "eps": cfg.train.eps,
                          "weight_decay": cfg.train.weight_decay, "grad_clip": cfg.train.grad_clip,
                          "zero_stage": cfg.train.zero_stage, "accumulation_steps": micro_batches,
+                         # weight sharing with vLLM: DeepSpeed's flat buffer holds q|k|v, gate|up adjacent
+                         "fusion_order": cfg.engines.weight_sharing != "off" and self.decode_engine == "vllm",
                          **cfg.engines.train_options}
         longest = max(256, self.shape.prompt_tokens + cfg.rollout.max_new_tokens + 64)
         sequences = self.shape.prompts * self.shape.samples
@@ -213,7 +219,8 @@ class Session:
             score_engine=self.score_engine, decode_options=decode_options, train_options=train_options,
             algorithm=cfg.algorithm, reward=cfg.task.reward, settings=settings,
             trainable=tuple(alg.trainable), frozen=tuple(m for m in alg.models if m not in alg.trainable),
-            ref_cache_bytes=int(cfg.train.ref_cache_gib * 2**30))
+            ref_cache_bytes=int(cfg.train.ref_cache_gib * 2**30),
+            weight_sharing=cfg.engines.weight_sharing)
 
 
 # ------------------------------------------------------------------------------------------------

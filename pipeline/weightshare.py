@@ -330,3 +330,56 @@ def format_plan(plan: GangPlan, title: str = "") -> list[str]:
                  f"{plan.per_gpu('nbytes', trainable=True) / 2**30:.2f} GiB)")
     lines += [f"  note: {n}" for n in plan.notes]
     return lines
+
+
+# --------------------------------------------------------------------------------------------------
+SHARING_ENGINES = {"vllm": True, "hf": False, "torch-graph": False}  # decode engine -> runs fused tensors
+
+
+def run_sides(decode_engine: str, train_engine: str, dtype: str, zero_stage: int) -> tuple[TrainerSide, RolloutSide]:
+    """The one-GPU (TP 1) sides of a ``rollplex train`` run: the torch trainer has no ZeRO; the
+    train engines allocate fused groups as one buffer (or hand DeepSpeed its parameters in fusion order)."""
+    zero = zero_stage if train_engine == "deepspeed" else 0
+    return (TrainerSide(1, dtype, zero, "fused"),
+            RolloutSide(1, dtype, fused=SHARING_ENGINES.get(decode_engine, True)))
+
+
+def sharing_refusal(decode_engine: str, train_engine: str, zero_stage: int) -> str | None:
+    """Why a run cannot share weights between these engines, or None."""
+    if decode_engine not in SHARING_ENGINES:
+        return f"decode engine {decode_engine!r} cannot run on the trainer's storage (engines that can: " \
+               f"{', '.join(SHARING_ENGINES)})"
+    if train_engine == "deepspeed" and zero_stage >= 3:
+        return ZERO3_NOTE
+    return None
+
+
+def annotate(graph, plan: GangPlan | None, reason: str = "") -> None:
+    """Write the weight_sync nodes' bytes into ``meta['weights']`` (printed by ``rollplex graph``)."""
+    for node in graph:
+        if node.kind != "weight_sync":
+            continue
+        if plan is None:
+            node.meta["weights"] = f"copy (weight sharing off{': ' + reason if reason else ''})"
+            continue
+        aliased = plan.per_gpu("aliased")
+        local = max(sum(d.refresh_bytes[0] for d in g.decisions) for g in plan.gpus)
+        peer = max(sum(d.refresh_bytes[1] for d in g.decisions) for g in plan.gpus)
+        node.meta["weights"] = (f"aliased {aliased / 2**20:.1f}MiB, rebuilt {(plan.per_gpu('extra')) / 2**20:.1f}MiB; "
+                                f"sync copies {local / 2**20:.1f}MiB, gathers {peer / 2**20:.1f}MiB")
+
+
+def annotate_run(graph, model_path: str, decode_engine: str, train_engine: str, dtype: str, zero_stage: int,
+                 mode: str) -> GangPlan | None:
+    """Plan a ``rollplex train`` run's sharing (one GPU, TP 1) and annotate its weight_sync nodes."""
+    from rollplex.pipeline.modelspec import from_config
+    from rollplex.pipeline.tensorlayouts import actor_layouts
+
+    why = "engines.weight_sharing is off" if mode == "off" else sharing_refusal(decode_engine, train_engine, zero_stage)
+    if why:
+        annotate(graph, None, why)
+        return None
+    trainer, rollout = run_sides(decode_engine, train_engine, dtype, zero_stage)
+    plan = plan_gang(actor_layouts(from_config(model_path)), trainer, rollout)
+    annotate(graph, plan)
+    return plan

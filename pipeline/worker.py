@@ -75,6 +75,7 @@ class HostSpec:
     trainable: tuple[str, ...] = ("actor",)
     frozen: tuple[str, ...] = ("ref",)
     ref_cache_bytes: int = 0  # cross-iteration cache of frozen models' prefixes; 0 disables it
+    weight_sharing: str = "off"  # auto: the decode engine runs on the policy trainer's storage (engines/sharing.py)
 
 
 class WorkerHost:
@@ -112,8 +113,9 @@ class WorkerHost:
                 self.engines[model] = build(spec.train_engine, "train", spec.model_path, spec.train_options)
             for model in spec.frozen:
                 self.engines[model] = build(spec.score_engine, "score", spec.reference_path, {})
+        self.sharing_note = ""
         self.decode = decode if decode is not None else build(spec.decode_engine, "decode", spec.model_path,
-                                                               spec.decode_options)
+                                                               self._decode_options(spec))
         self.streams = streams if streams is not None else self._make_streams()
         self.refcache = None
         if spec.ref_cache_bytes and self.engines and spec.frozen:
@@ -139,6 +141,24 @@ class WorkerHost:
         # it, where a forward ran would change the bits of the update.
         self._stream_threads = {name: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rollplex-{name}")
                                 for name in STREAMS}
+
+    def _decode_options(self, spec: HostSpec) -> dict:
+        """With engines.weight_sharing auto, the decode engine runs on the policy trainer's storage
+        (its module, fused groups allocated as one buffer for vLLM); where it cannot, say why."""
+        from rollplex.pipeline.weightshare import sharing_refusal
+
+        train = self.engines.get(self.algorithm.rollout_model)
+        if spec.weight_sharing == "off" or train is None or getattr(train, "role", "") != "train":
+            return spec.decode_options
+        why = sharing_refusal(spec.decode_engine, spec.train_engine, int(spec.train_options.get("zero_stage", 0)))
+        if why:
+            self.sharing_note = f"weight sharing off: {why}"
+            return spec.decode_options
+        if spec.decode_engine == "vllm" and getattr(train, "name", "") == "torch":
+            from rollplex.engines.sharing import fuse_parameters, layouts_for_module
+
+            fuse_parameters(train.module, layouts_for_module(train.module))  # AdamW's state is empty yet
+        return {**spec.decode_options, "share_model": train.module}
 
     def _make_streams(self) -> dict[str, Any]:
         if self.device.type != "cuda":

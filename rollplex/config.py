@@ -106,6 +106,8 @@ class EnginesConfig:
     overrides: dict = f({}, doc="per-node-kind engine, e.g. {decode_chunk: hf}")
     decode_options: dict = f({}, doc="extra options for the decode engine")
     train_options: dict = f({}, doc="extra options for the train engine")
+    weight_sharing: str = f("auto", choices=("auto", "off"), doc="auto: the decode engine runs on the trainer's "
+                            "weights (views, no second copy) where the engines allow; off: a copy synced each step")
 
 
 @dataclass

@@ -241,3 +241,50 @@ def test_shared_weights_on_a_live_module():
             s.add_(1.0)
     assert plain.refresh() == sum(st_.tensor.numel() * 4 for st_ in plain.tensors.values() if not st_.aliased)
     torch.testing.assert_close(twin.tensor, torch.cat(twin.sources), rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------------------------------
+# the runtime's colocated engines on the trainer's storage
+@pytest.mark.slow
+def test_vllm_and_hf_decode_run_on_the_trainers_storage(tiny_model_dir):
+    """vLLM (CPU, in-process) and the torch engine decode on the torch trainer's parameters: every
+    vLLM weight lies inside a trainer parameter's storage, both engines give the same greedy tokens,
+    and after an optimizer step they follow the new weights with nothing copied."""
+    pytest.importorskip("vllm")
+    from rollplex.engines.base import DecodeRequest, EngineContext, get_engine
+    from rollplex.engines.sharing import layouts_for_module
+
+    torch.set_num_threads(2)
+    dtype, device = torch.float32, torch.device("cpu")
+    train = get_engine("torch", "train").factory(EngineContext(str(tiny_model_dir), device, dtype, 0, {"lr": 0.05}))
+    fuse_parameters(train.module, layouts_for_module(train.module))
+    vllm = get_engine("vllm", "decode").factory(EngineContext(str(tiny_model_dir), device, dtype, 0, {
+        "share_model": train.module, "max_model_len": 256, "max_num_seqs": 4, "kv_cache_bytes": 32 << 20}))
+    hf = get_engine("hf", "decode").factory(EngineContext(str(tiny_model_dir), device, dtype, 0,
+                                                           {"share_model": train.module}))
+    assert all(st_.aliased for st_ in vllm.shared.tensors.values()), vllm.shared.summary()
+    storages = {p.untyped_storage().data_ptr() for p in train.module.parameters()}
+    model = vllm.llm.collective_rpc(lambda w: w.model_runner.model)[0]
+    assert all(p.untyped_storage().data_ptr() in storages for p in model.parameters() if p.numel())
+
+    def greedy(engine, tag):
+        engine.add_requests([DecodeRequest(f"{tag}{i}", [5 + i, 17, 33, 9], None, None, 8, seed=i, temperature=0.0)
+                             for i in range(2)])
+        out = []
+        while engine.has_unfinished():
+            out += engine.step(8)
+        return sorted((f.request_id[len(tag):], f.token_ids) for f in out)
+
+    before = greedy(vllm, "a")
+    assert before == greedy(hf, "b")
+    ids = torch.tensor([[5, 17, 33, 9] + before[0][1]])
+    for _ in range(3):  # move the weights far enough to change greedy tokens
+        loss = -train.module(ids).logits.log_softmax(-1)[0, :-1].gather(1, ids[0, 1:, None]).mean()
+        train.backward(-loss)
+        train.step()
+    vllm.load_weights(train.state_dict_for_sync(trainable_only=True))
+    hf.load_weights(train.state_dict_for_sync(trainable_only=True))
+    assert vllm.shared.copied_bytes == 0
+    after = greedy(vllm, "c")
+    assert after == greedy(hf, "d") and after != before
+    vllm.close()
