@@ -27,15 +27,30 @@ def is_vision_param(name: str) -> bool:
     return "visual" in name
 
 
+def with_value_head(model: torch.nn.Module) -> torch.nn.Module:
+    """Replace the LM head by a scalar value head (a critic): every forward that produced next-token
+    logits [.., V] now produces values [.., 1], so the prefix/suffix forwards serve a critic unchanged.
+    Zero-initialised: the first values are 0 and the head learns before it moves the trunk."""
+    text = model.config.get_text_config()
+    head = torch.nn.Linear(text.hidden_size, 1, bias=False, dtype=model.lm_head.weight.dtype,
+                           device=model.lm_head.weight.device)
+    torch.nn.init.zeros_(head.weight)
+    model.lm_head = head
+    return model
+
+
 def load_policy(ctx: EngineContext) -> torch.nn.Module:
     """The HF model on ctx.device/dtype with its vision tower frozen (``options["module"]``: a model
-    built by the caller, used as is, e.g. by ``rollplex bench``)."""
+    built by the caller, used as is, e.g. by ``rollplex bench``); ``options["head"] == "value"``
+    gives it a scalar value head instead of the LM head (a critic)."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     torch.manual_seed(ctx.seed)
     model = ctx.options.get("module")
     if model is None:
         model = Qwen2_5_VLForConditionalGeneration.from_pretrained(ctx.model_path, dtype=ctx.dtype)
+    if ctx.options.get("head", "lm") == "value":
+        with_value_head(model)
     model.to(ctx.device)
     for name, p in model.named_parameters():
         if is_vision_param(name):

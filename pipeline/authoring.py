@@ -36,8 +36,10 @@ ADVANTAGE_SCOPES = ("group", "batch")
 class ModelDecl:
     name: str
     trainable: bool
-    copy_of: str | None = None  # a frozen copy of another model's initial weights
+    copy_of: str | None = None  # starts from another model's initial weights
     path: str | None = None  # or its own checkpoint
+    head: str = "lm"  # "lm": next-token logits; "value": one scalar per position (a critic)
+    engine: str | None = None  # an engine of its own (registered name); None: the role's engine
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,8 @@ class Algorithm:
         self.scores: list[ScoreDecl] = []
         self.reward_fn: FunctionDecl | None = None
         self.advantage_fn: FunctionDecl | None = None
-        self.loss_fn: FunctionDecl | None = None
+        self.loss_fn: FunctionDecl | None = None  # the policy's loss
+        self.model_losses: dict[str, FunctionDecl] = {}  # losses of other trainable models (a critic)
         self.custom: list[FunctionDecl] = []
 
     # -- models --------------------------------------------------------------------------------
@@ -107,11 +110,22 @@ class Algorithm:
         self.rollout_model = name
         return name
 
-    def frozen(self, name: str, copy_of: str | None = None, path: str | None = None) -> str:
-        """A model that is never updated, e.g. the reference policy."""
+    def frozen(self, name: str, copy_of: str | None = None, path: str | None = None,
+               engine: str | None = None) -> str:
+        """A model that is never updated, e.g. the reference policy. ``engine`` names a registered
+        score engine that hosts it (default: ``engines.score``)."""
         if (copy_of is None) == (path is None):
             raise GraphError(f"frozen model {name!r}: give exactly one of copy_of= or path=")
-        self._add_model(ModelDecl(name, trainable=False, copy_of=copy_of, path=path))
+        self._add_model(ModelDecl(name, trainable=False, copy_of=copy_of, path=path, engine=engine))
+        return name
+
+    def critic(self, name: str = "critic", copy_of: str | None = None, path: str | None = None) -> str:
+        """A trained value model: the architecture of ``copy_of`` (or ``path``) with its LM head
+        replaced by a scalar value head. Its scores are values (one per response token, the value of
+        the state before that token); it trains on its own ``@loss(model=name)`` and optimizer step."""
+        if (copy_of is None) == (path is None):
+            raise GraphError(f"critic {name!r}: give exactly one of copy_of= or path=")
+        self._add_model(ModelDecl(name, trainable=True, copy_of=copy_of, path=path, head="value"))
         return name
 
     def _add_model(self, decl: ModelDecl) -> None:
@@ -144,13 +158,21 @@ class Algorithm:
 
         return register(fn) if fn is not None else register
 
-    def loss(self, fn: Callable[..., Any] | None = None, *, agg: str = "token-mean"):
-        """Per-token loss [B, R] (or (loss, metrics)); the runtime aggregates it by ``agg``."""
+    def loss(self, fn: Callable[..., Any] | None = None, *, agg: str = "token-mean", model: str | None = None):
+        """Per-token loss [B, R] (or (loss, metrics)); the runtime aggregates it by ``agg``.
+        ``model``: the trainable model it updates (default: the policy); each trainable model has
+        one loss, its own backward per micro-batch and its own optimizer step."""
         if agg not in LOSS_AGGREGATIONS:
             raise GraphError(f"loss aggregation {agg!r} is not one of {LOSS_AGGREGATIONS}")
 
         def register(f: Callable[..., Any]) -> Callable[..., Any]:
-            self.loss_fn = FunctionDecl.of(f, agg=agg)
+            decl = FunctionDecl.of(f, agg=agg)
+            if model is None or model == self.rollout_model:
+                self.loss_fn = decl
+            elif model in self.model_losses:
+                raise GraphError(f"{self.name}: model {model!r} has two losses")
+            else:
+                self.model_losses[model] = decl
             return f
 
         return register(fn) if fn is not None else register
@@ -178,7 +200,7 @@ class Algorithm:
 
     def produced_values(self) -> set[str]:
         """Per-group values functions can read by name."""
-        return (set(self.scored_values()) | {"responses", "rewards", "advantages", "mask"}
+        return (set(self.scored_values()) | {"prompt", "vision", "responses", "rewards", "advantages", "mask"}
                 | {c.options["writes"] for c in self.custom})
 
     # -- checks ----------------------------------------------------------------------------------
@@ -186,11 +208,15 @@ class Algorithm:
     def trainable(self) -> list[str]:
         return [m.name for m in self.models.values() if m.trainable]
 
+    def losses(self) -> dict[str, FunctionDecl]:
+        """Trainable model → its loss, the policy first."""
+        return {self.rollout_model: self.loss_fn, **self.model_losses}
+
     @property
     def vision_model(self) -> str:
         """The frozen vision tower is shared; it runs on the first frozen copy of the policy."""
         for decl in self.models.values():
-            if decl.copy_of == self.rollout_model:
+            if decl.copy_of == self.rollout_model and not decl.trainable:
                 return decl.name
         return self.rollout_model or ""
 
@@ -210,6 +236,13 @@ class Algorithm:
         for decl in self.models.values():
             if decl.copy_of is not None and decl.copy_of not in self.models:
                 raise GraphError(f"{where}: model {decl.name!r} copies unknown model {decl.copy_of!r}")
+            if decl.trainable and decl.name != self.rollout_model and decl.name not in self.model_losses:
+                raise GraphError(f"{where}: trainable model {decl.name!r} has no loss; "
+                                 f"add one with @{self.name}.loss(model={decl.name!r})")
+        for model in self.model_losses:
+            if model not in self.models or not self.models[model].trainable:
+                raise GraphError(f"{where}: @loss(model={model!r}) names no trainable model; "
+                                 f"trainable: {self.trainable}")
         for s in self.scores:
             if s.model not in self.models:
                 raise GraphError(f"{where}: score() names unknown model {s.model!r}; "
@@ -222,6 +255,7 @@ class Algorithm:
             raise GraphError(f"{where}: no @loss function")
         readable = self.produced_values()
         for decl, what in ((self.loss_fn, "loss"), (self.advantage_fn, "advantage"),
+                           *((d, f"loss of {m!r}") for m, d in self.model_losses.items()),
                            *((c, f"node {c.options['writes']!r}") for c in self.custom)):
             unknown = [r for r in decl.reads if r not in readable]
             if unknown:
@@ -233,7 +267,7 @@ class Algorithm:
 
     def hyperparameters(self) -> dict[str, Any]:
         params: dict[str, Any] = {}
-        for decl in (self.reward_fn, self.advantage_fn, self.loss_fn):
+        for decl in (self.reward_fn, self.advantage_fn, self.loss_fn, *self.model_losses.values(), *self.custom):
             if decl is not None:
                 params.update(decl.params)
         return params

@@ -112,6 +112,11 @@ class EngineChoice:
         return self.by_role[role]
 
 
+def loss_name(policy: str, model: str, micro_batch: int) -> str:
+    """``loss_m0`` for the policy; ``loss_critic_m0`` for another trainable model."""
+    return f"loss_m{micro_batch}" if model == policy else f"loss_{model}_m{micro_batch}"
+
+
 def compile_iteration(
     alg: Algorithm,
     shape: BatchShape,
@@ -144,7 +149,8 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
 
     def add(name: str, kind: str, inputs, outputs, model=None, role=None, args=None, **value_info):
         role = role if role is not None else get_kind(kind).role
-        engine = engines.for_node(kind, role)
+        own = alg.models[model].engine if model in alg.models else None  # a model hosted by its own engine
+        engine = engines.by_kind.get(kind) or own or engines.for_node(kind, role)
         return g.add(Node(name, kind, tuple(inputs), tuple(outputs), model, engine, dict(args or {})),
                      **value_info)
 
@@ -175,6 +181,11 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
             args={"chunk": c, "chunks": shape.chunks, "tokens": K}, **info)
         state = f"decode_state_c{c}"
 
+    # Scores that the advantage or a node of the algorithm's own reads are needed before any loss:
+    # such forwards are scoring even when they keep a graph (the serial schedule reads this arg).
+    early = {r for d in (alg.advantage_fn, *alg.custom) for r in d.reads}
+    early_models = {s.model for s in alg.scores if {s.as_, f"old_{s.as_}"} & early}
+
     # Scoring: prefix once per prompt (independent of the responses), suffix per prompt group.
     kv_bytes = dims.kv_bytes(shape.prompt_tokens) + dims.vocab * 4
     grad_nodes: dict[tuple[str, str], list[str]] = {}  # nodes whose graphs a backward will walk
@@ -188,7 +199,9 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
                                                                    else 0), "logprobs")
                 if s.grad:
                     score_info[f"old_{s.as_}_p{p}"] = host(logprob_bytes, "logprobs")
-            args = {"prompts": list(ps), "as": s.as_, "grad": s.grad}
+            args = {"prompts": list(ps), "as": s.as_, "grad": s.grad, "head": alg.models[s.model].head}
+            if s.grad and s.model in early_models:
+                args["feeds_advantage"] = True
             responses = [f"responses_p{p}" for p in ps]
             if not shape.prefix_sharing:
                 add(f"score_{s.as_}_{span(ps)}", "suffix_score",
@@ -200,8 +213,9 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
             kvs = [f"prefix_{s.model}_p{p}" for p in ps]
             if kvs[0] not in g.values:  # two scores of one model share its prefix
                 held = dims.activation_bytes(shape.prompt_tokens) if s.grad else 0
+                early_arg = {"feeds_advantage": True} if "feeds_advantage" in args else {}
                 add(f"prefix_{s.model}_{span(ps)}", "prefix", [f"prompt_p{p}" for p in ps] + [f"vis_p{p}" for p in ps],
-                    kvs, model=s.model, role=role, args={"prompts": list(ps), "grad": s.grad},
+                    kvs, model=s.model, role=role, args={"prompts": list(ps), "grad": s.grad, **early_arg},
                     **{kv: dev(kv_bytes + held, "kv") for kv in kvs})
             add(f"suffix_{s.as_}_{span(ps)}", "suffix_score", kvs + responses, outs,
                 model=s.model, role=role, args=args, **score_info)
@@ -224,6 +238,8 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
     def value_of(name: str, p: int) -> tuple[str, int | None]:
         if name in ("responses", "mask"):
             return f"responses_p{p}", None
+        if name in ("prompt", "vision"):
+            return f"{'vis' if name == 'vision' else name}_p{p}", None
         if name in batch_level:
             return name, p
         return f"{name}_p{p}", None
@@ -255,32 +271,48 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
         add("advantage", "advantage", inputs, ["advantages"], args={"prompts": list(range(P)), "bind": binding},
             advantages=host(P * G * 4, "scalars"))
 
-    loss_reads = tuple(dict.fromkeys(("responses", "rewards", "advantages", *alg.scored_values(),
-                                      *alg.loss_fn.reads)))
-    loss_outputs = []
-    for m, groups in enumerate(shape.micro_batches()):
-        binding, inputs = bind(loss_reads, groups)
-        add(f"loss_m{m}", "loss", ["rollout_stats", *inputs], [f"loss_m{m}"], model=policy,
-            args={"prompts": list(groups), "bind": binding}, **{f"loss_m{m}": host(64, "scalars")})
-        loss_outputs.append(f"loss_m{m}")
+    # One loss per trainable model (the policy's first) per micro-batch, each with its backward on
+    # that model's engine; then one optimizer step per trained model. A loss holds the grad-scored
+    # values of its own model (their graphs live until its backward) and what its function reads.
+    loss_outputs: dict[str, list[str]] = {}
+    others = {v for v, m in alg.scored_values().items() if m != policy and alg.models[m].trainable}
+    for model, decl in alg.losses().items():
+        own = {v for v, m in alg.scored_values().items() if m == model}
+        scored = [v for v in alg.scored_values() if v not in others] if model == policy else sorted(own)
+        reads = tuple(dict.fromkeys(("responses", "rewards", "advantages", *scored, *decl.reads)))
+        outs = loss_outputs.setdefault(model, [])
+        for m, groups in enumerate(shape.micro_batches()):
+            binding, inputs = bind(reads, groups)
+            out = loss_name(policy, model, m)
+            add(out, "loss", ["rollout_stats", *inputs], [out], model=model,
+                args={"prompts": list(groups), "bind": binding}, **{out: host(64, "scalars")})
+            outs.append(out)
     # Gradients accumulate in floating point, so their order fixes the bits of the update: chain the
     # micro-batches, and the forwards whose graphs they walk (autograd orders a backward by the
     # creation order of the forward's ops), so that every schedule sums them in the same order.
-    chains = [[f"loss_m{m}" for m in range(len(loss_outputs))], *grad_nodes.values()]
-    # A micro-batch's suffix forward with grad starts after the previous micro-batch's backward: at
-    # most one micro-batch of suffix graphs is alive (prefix graphs, made in the decode window, wait).
+    chains = [*loss_outputs.values(), *grad_nodes.values()]
+    # A micro-batch's suffix forward with grad starts after the previous micro-batch's backward of
+    # its model: at most one micro-batch of suffix graphs is alive (prefix graphs, made in the decode
+    # window, wait).
+    # Not for scores the advantage or a node of the algorithm's own reads (GAE reads a critic's
+    # values): they are scoring, needed before any loss, and all their graphs are alive at once.
     mb_of = {p: m for m, groups in enumerate(shape.micro_batches()) for p in groups}
-    for (kind, _), nodes in grad_nodes.items():
-        if kind == "suffix":
+    for (kind, as_), nodes in grad_nodes.items():
+        if kind == "suffix" and not {as_, f"old_{as_}"} & early:
             for name in nodes:
                 first = g.nodes[name].args["prompts"][0]
                 if mb_of[first] > 0:
-                    chains.append([f"loss_m{mb_of[first] - 1}", name])
-    add("optimizer_step", "optimizer_step", loss_outputs, ["step"], model=policy, step=host(64, "scalars"))
+                    chains.append([loss_name(policy, g.nodes[name].model, mb_of[first] - 1), name])
+    steps = []
+    for model, outs in loss_outputs.items():
+        step = "step" if model == policy else f"step_{model}"
+        add("optimizer_step" if model == policy else f"optimizer_step_{model}", "optimizer_step", outs, [step],
+            model=model, **{step: host(64, "scalars")})
+        steps.append(step)
     add("weight_sync", "weight_sync", ["step"], ["synced"], model=policy,
         synced=host(64, "scalars"))
 
-    report_inputs = ["rollout_stats", "step", "synced", *loss_outputs]
+    report_inputs = ["rollout_stats", *steps, "synced", *(o for outs in loss_outputs.values() for o in outs)]
     for p in range(P):
         report_inputs += [f"prompt_p{p}", f"responses_p{p}", f"rewards_p{p}", value_of("advantages", p)[0]]
         for s in alg.scores:

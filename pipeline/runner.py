@@ -263,7 +263,8 @@ def _adopt_reference(host, directory: str) -> None:
     policy = host.train_engine(alg.rollout_model)
     weights = dict(policy.state_dict_for_sync())
     for name, decl in alg.models.items():
-        if decl.copy_of == alg.rollout_model:
+        # A critic trains its own weights; a model on an engine of its own (a reward model) keeps its.
+        if decl.copy_of == alg.rollout_model and not decl.trainable and decl.engine is None:
             host.engines[name].model.load_state_dict(weights)
             host.register_frozen(name)  # cached prefixes of the old weights no longer match
     policy.module.save_pretrained(directory)
@@ -292,7 +293,7 @@ def _restore(host, directory: str, reference: str | None) -> None:
         host.decode.step(host.spec.settings.max_new_tokens)
     alg = host.algorithm
     for name, decl in alg.models.items():
-        if reference and decl.copy_of == alg.rollout_model:
+        if reference and decl.copy_of == alg.rollout_model and not decl.trainable and decl.engine is None:
             load_hf_weights(host.engines[name].model, reference)
             host.register_frozen(name)
     _load(host, directory)
@@ -318,11 +319,15 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = 
 
     runtime.configure(threads=cfg.cluster.threads, device=resolve_device(cfg))
     run_dir = Path(run_dir)
+    for model in host.algorithm.model_losses:  # other trained models (a critic): a subdirectory each
+        host.train_engine(model).save(os.path.join(directory, model))
     state = None
     metrics_path = run_dir / "metrics.jsonl"
     if resume:
         state = checkpoints.latest(run_dir)  # verified; a corrupt one is refused here
         if state is None:  # killed before the first checkpoint: nothing to keep, start again
+    for model in host.algorithm.model_losses:
+        host.train_engine(model).load(os.path.join(directory, model))
             log(f"--resume: {run_dir} has no complete checkpoint yet; starting the run from the beginning")
     elif metrics_path.exists():
         raise RollplexError(f"{run_dir} already holds a run; pass --resume to continue it or pick another --out")

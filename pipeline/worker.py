@@ -110,9 +110,18 @@ class WorkerHost:
         self.engines: dict[str, Any] = dict(engines or {})
         if engines is None:
             for model in spec.trainable:
-                self.engines[model] = build(spec.train_engine, "train", spec.model_path, spec.train_options)
+            # A model may name its own engine and checkpoint (ModelDecl.engine/path); a critic's
+            # value head travels as an option. Frozen copies start from the reference.
+            decls = self.algorithm.models
+                decl = decls.get(model)
+                options = {**spec.train_options, **({"head": decl.head} if decl and decl.head != "lm" else {})}
+                self.engines[model] = build((decl and decl.engine) or spec.train_engine, "train",
+                                            (decl and decl.path) or spec.model_path, options)
             for model in spec.frozen:
-                self.engines[model] = build(spec.score_engine, "score", spec.reference_path, {})
+                decl = decls.get(model)
+                options = {"head": decl.head} if decl and decl.head != "lm" else {}
+                self.engines[model] = build((decl and decl.engine) or spec.score_engine, "score",
+                                            (decl and decl.path) or spec.reference_path, options)
         self.sharing_note = ""
         self.decode = decode if decode is not None else build(spec.decode_engine, "decode", spec.model_path,
                                                                self._decode_options(spec))
@@ -270,6 +279,28 @@ class NodeContext:
 
 
 _HOST: WorkerHost | None = None
+
+    # -- for the tasks of node kinds registered outside pipeline/ ---------------------------------
+    def engine_for(self, node: Node):
+        """The engine hosting the node's model (for a model declared with ``engine=``, that one)."""
+        return self.host.engines[node.model]
+
+    def arguments(self, node: Node, inputs: dict[str, Any]) -> dict[str, Any]:
+        """The node function's parameters → their values (per="prompt": that group's; per="batch": a
+        list over the groups), bound as the compiler wired them."""
+        from rollplex.tasks.nodes import bound_values
+
+        values = bound_values(inputs, node.args["bind"])
+        per_prompt = self._function(node).options["per"] == "prompt"
+        return {k: v[0] for k, v in values.items()} if per_prompt else values
+
+    def call(self, node: Node, inputs: dict[str, Any], **extra: Any) -> Any:
+        """Call the algorithm function behind a node with its bound values, hyperparameters from the
+        config, and ``extra`` keyword arguments the kind's task supplies (an engine, a model)."""
+        return self._function(node).call(self.arguments(node, inputs), {**self.params, **extra})
+
+    def _function(self, node: Node):
+        return next(c for c in self.algorithm.custom if c.name == node.args["function"])
 
 
 def current_host() -> WorkerHost:

@@ -1,9 +1,31 @@
 """Rollplex: synchronous on-policy RL for vision-language models, compiled to a DAG per iteration.
 
-The public API for writing algorithms is ``Algorithm``; see ``rollplex.dags.grpo`` for an example.
+The public API:
+- ``Algorithm``: write an RL algorithm as a DAG (see ``rollplex.dags.grpo`` and its siblings);
+- ``NodeKind``, ``register_kind``, ``register_task``: add a node kind of your own and what it
+  computes; ``ScoreEngine``, ``TrainEngine``, ``DecodeEngine``, ``EngineSpec``, ``EngineContext``,
+  ``register_engine``: add an engine that hosts a model (see ``dags/examples/reward_model.py``);
+- ``rollplex.tasks.lm``: the prefix/suffix forward passes tasks are built from.
+The extension names import on first use, so ``import rollplex`` stays light (no torch).
 """
 from rollplex.errors import RollplexError
 from rollplex.pipeline.authoring import Algorithm
 
-__all__ = ["Algorithm", "RollplexError"]
+_LAZY = {
+    "NodeKind": "rollplex.pipeline.ir", "register_kind": "rollplex.pipeline.ir",
+    "register_task": "rollplex.tasks.registry",
+    "ScoreEngine": "rollplex.engines.base", "TrainEngine": "rollplex.engines.base",
+    "DecodeEngine": "rollplex.engines.base", "EngineSpec": "rollplex.engines.base",
+    "EngineContext": "rollplex.engines.base", "register_engine": "rollplex.engines.base",
+}
+
+__all__ = ["Algorithm", "RollplexError", *_LAZY]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'rollplex' has no attribute {name!r}")

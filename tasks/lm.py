@@ -297,10 +297,12 @@ def full_sequence_logprobs(
     temperature: float = 1.0,
     grad: bool = False,
     vis: VisionEmbeds | None = None,
+    head: str = "lm",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same log-probs from one forward per response over prompt+response: no prefix sharing.
 
-    This is what serial runtimes do, and what ``prefix_sharing: false`` compiles to.
+    This is what serial runtimes do, and what ``prefix_sharing: false`` compiles to. With
+    ``head="value"`` (a critic's scalar head) the per-position outputs are returned as they are.
     """
     vis = vis if vis is not None else vision_embeds(model, prompt)
     device = _device_of(model)
@@ -317,5 +319,5 @@ def full_sequence_logprobs(
             position_ids = torch.cat([pos, text_pos], dim=2).to(device)
             out = model.model.language_model(inputs_embeds=embeds, position_ids=position_ids, use_cache=False)
             logits = model.lm_head(out.last_hidden_state[:, length - 1 : -1]).float()
-            rows.append(token_logprobs(logits, resp, temperature)[0])
+            rows.append(logits[0, :, 0] if head == "value" else token_logprobs(logits, resp, temperature)[0])
     return torch.stack(rows), mask.to(device)

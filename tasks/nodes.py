@@ -143,10 +143,16 @@ def suffix_score(ctx, node, inputs):
     s = ctx.settings
     n = len(node.args["prompts"])
     responses = [inputs[v].token_ids for v in node.inputs[-n:]]
+    head = node.args.get("head", "lm")  # "value": the model's head is scalar, its outputs are values
     if node.args.get("full_sequence"):
         prompts, visions = [inputs[v] for v in node.inputs[:n]], [inputs[v] for v in node.inputs[n:2 * n]]
         values = [lm.full_sequence_logprobs(model, p, r, pad_id=s.pad_id, temperature=s.score_temperature,
-                                            grad=grad, vis=v)[0] for p, v, r in zip(prompts, visions, responses)]
+                                            grad=grad, vis=v, head=head)[0]
+                  for p, v, r in zip(prompts, visions, responses)]
+    elif head == "value":
+        states = [inputs[v] for v in node.inputs[:n]]
+        padded = [lm.pad_responses(r, s.pad_id)[0] for r in responses]
+        values = [out.squeeze(-1) for out in lm.suffix_logits_batch(model, states, padded, grad=grad)]
     else:
         states = [inputs[v] for v in node.inputs[:n]]
         values = [lp for lp, _ in lm.suffix_logprobs_batch(model, states, responses, pad_id=s.pad_id,
@@ -211,11 +217,16 @@ def custom(ctx, node, inputs):
 def advantage(ctx, node, inputs):
     decl = ctx.algorithm.advantage_fn
     values = bound_values(inputs, node.args["bind"])
+    # Per-response advantages are [G]; per-token ones [G, R] come back at each group's own width R
+    # (batch-scope inputs are padded to the batch's longest response).
+    widths = [r.mask().shape[-1] for r in values["responses"]]
     if decl.options["scope"] == "group":
         adv = decl.call({k: v[0] for k, v in values.items()}, ctx.params)
-        return {node.outputs[0]: torch.as_tensor(adv, dtype=torch.float32).detach()}
+        adv = torch.as_tensor(adv, dtype=torch.float32).detach()
+        return {node.outputs[0]: adv[..., : widths[0]] if adv.dim() == 2 else adv}
     adv = torch.as_tensor(decl.call({k: join_groups(v, "stack") for k, v in values.items()}, ctx.params))
-    return {node.outputs[0]: {p: adv[i].detach().float() for i, p in enumerate(node.args["prompts"])}}
+    return {node.outputs[0]: {p: (adv[i][..., : widths[i]] if adv.dim() == 3 else adv[i]).detach().float()
+                              for i, p in enumerate(node.args["prompts"])}}
 
 
 @register_task("loss")
@@ -225,16 +236,16 @@ def loss(ctx, node, inputs):
     token-mean divides by the batch's total response tokens, the seq-mean modes by its number of
     responses, so the M micro-batch backwards add up to exactly the full-batch gradient.
     """
-    alg, engine = ctx.algorithm, ctx.train_engine(node.model)
+    decl, engine = ctx.algorithm.losses()[node.model], ctx.train_engine(node.model)
     stats = inputs["rollout_stats"]
     bound = bound_values(inputs, node.args["bind"])
     values = {k: join_groups(v, "cat") for k, v in bound.items()}
     values["mask"] = join_groups([r.mask() for r in bound["responses"]], "cat")
     values = {k: v.to(engine.device) if torch.is_tensor(v) else v for k, v in values.items()}
     mask = values["mask"]
-    result = alg.loss_fn.call(values, ctx.params)
+    result = decl.call(values, ctx.params)
     per_token, metrics = result if isinstance(result, tuple) else (result, {})
-    agg = alg.loss_fn.options["agg"]
+    agg = decl.options["agg"]
     if agg == "token-mean":
         contribution = (per_token * mask).sum() / max(stats["tokens"], 1)
     else:
@@ -273,13 +284,21 @@ def report(ctx, node, inputs):
     alg = ctx.algorithm
     stats = inputs["rollout_stats"]
     rows, rewards, losses, sums, scalars = [], [], 0.0, {}, {}
-    micro_batches = [v for k, v in inputs.items() if k.startswith("loss_m")]
-    for value in micro_batches:
-        losses += value["loss"]
-        for k, v in value["sums"].items():
-            sums[k] = sums.get(k, 0.0) + v
-        for k, v in value["scalars"].items():
-            scalars[k] = scalars.get(k, 0.0) + v / len(micro_batches)
+    # The policy's loss is "loss"; another trained model's (a critic's) is "loss_<model>". Metrics
+    # its loss function returns are merged by name.
+    trained = {alg.rollout_model: "loss_m", **{m: f"loss_{m}_m" for m in alg.model_losses}}
+    extra_losses = {}
+    for model, prefix in trained.items():
+        micro_batches = [v for k, v in inputs.items() if k.startswith(prefix) and k[len(prefix):].isdigit()]
+        for value in micro_batches:
+            if model == alg.rollout_model:
+                losses += value["loss"]
+            else:
+                extra_losses[f"loss_{model}"] = extra_losses.get(f"loss_{model}", 0.0) + value["loss"]
+            for k, v in value["sums"].items():
+                sums[k] = sums.get(k, 0.0) + v
+            for k, v in value["scalars"].items():
+                scalars[k] = scalars.get(k, 0.0) + v / len(micro_batches)
     p = 0
     while f"responses_p{p}" in inputs:
         prompt, responses = inputs[f"prompt_p{p}"], inputs[f"responses_p{p}"]
@@ -296,7 +315,8 @@ def report(ctx, node, inputs):
                 "text": ctx.decode_text(seq.token_ids),
                 "answer": prompt.answer,
                 "reward": float(r[g]),
-                "advantage": float(adv[g]),
+                # a per-token advantage [G, R] (GAE, REINFORCE++) is logged as its response mean
+                "advantage": float(adv[g, :max(n, 1)].mean()) if adv.dim() == 2 else float(adv[g]),
                 "rollout_logprobs": [float(x) for x in seq.logprobs],
             }
             for s in alg.scores:
@@ -316,6 +336,9 @@ def report(ctx, node, inputs):
         "lr": step["lr"],
         "response_len_mean": stats["tokens"] / max(stats["sequences"], 1),
     }
+    metrics.update(extra_losses)
+    for model in alg.model_losses:
+        metrics[f"grad_norm_{model}"] = inputs[f"step_{model}"]["grad_norm"]
     metrics.update({k: v / tokens for k, v in sums.items()})
     if ctx.refcache is not None:
         cache = ctx.refcache.stats()

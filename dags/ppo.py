@@ -1,0 +1,60 @@
+"""PPO with a critic (Schulman et al., 2017; as used for LLMs by Ouyang et al., 2022).
+
+A critic V (the actor's architecture with a scalar value head, trained on its own loss and
+optimizer) scores each response token's state. The per-token reward is the verifiable reward on
+the last token minus β·KL(π_old‖π_ref) on every token; generalised advantage estimation turns it
+into advantages  Â_t = Σ_l (γλ)^l δ_{t+l},  δ_t = r_t + γ·V_{t+1} − V_t,  and returns R_t = Â_t + V_t.
+The actor takes the clipped surrogate; the critic the clipped value loss
+½·max((V − R)², (V_old + clip(V − V_old, ±ε_v) − R)²). The critic's prefix, like the reference's,
+runs inside the decode window. One update per batch, so both clips are the formulas, not yet binding.
+"""
+import torch
+
+from rollplex import Algorithm
+
+ppo = Algorithm("ppo", doc=__doc__)
+ppo.policy("actor")
+ppo.frozen("ref", copy_of="actor")
+ppo.critic("critic", copy_of="actor")
+
+ppo.score("ref", as_="ref_logprobs")
+ppo.score("critic", as_="values", grad=True)  # also yields old_values (detached)
+ppo.score("actor", as_="logprobs", grad=True)  # also yields old_logprobs
+
+
+def gae(token_rewards, values, mask, gamma: float, lam: float):
+    """Generalised advantage estimates [G, R]; the state after the last token has value 0."""
+    values, advantages, running = values * mask, torch.zeros_like(token_rewards), 0.0
+    for t in reversed(range(token_rewards.shape[-1])):
+        next_value = values[:, t + 1] if t + 1 < values.shape[-1] else 0.0
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        running = delta + gamma * lam * running  # 0 past the end: nothing runs back from padding
+        advantages[:, t] = running
+    return advantages * mask
+
+
+@ppo.advantage(scope="group")
+def advantages(rewards, old_values, old_logprobs, ref_logprobs, mask,
+               gamma: float = 1.0, lam: float = 0.95, kl_coef: float = 0.02):
+    token_rewards = -kl_coef * (old_logprobs - ref_logprobs) * mask
+    last = (mask.sum(-1).long() - 1).clamp(min=0)
+    token_rewards[torch.arange(len(rewards)), last] += rewards
+    return gae(token_rewards, old_values, mask, gamma, lam)
+
+
+@ppo.loss(agg="token-mean")
+def policy_loss(logprobs, old_logprobs, ref_logprobs, advantages, clip_eps: float = 0.2):
+    ratio = torch.exp(logprobs - old_logprobs)
+    surrogate = torch.minimum(ratio * advantages, ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages)
+    return -surrogate, {"kl": old_logprobs - ref_logprobs, "clip_frac": ((ratio - 1).abs() > clip_eps).float()}
+
+
+@ppo.loss(model="critic", agg="token-mean")
+def value_loss(values, old_values, advantages, clip_value: float = 0.2):
+    returns = advantages + old_values
+    clipped = old_values + (values - old_values).clamp(-clip_value, clip_value)
+    loss = 0.5 * torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
+    return loss, {"value_loss": loss.detach(), "value_mean": values.detach()}
+
+
+algorithm = ppo

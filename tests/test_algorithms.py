@@ -1,0 +1,266 @@
+"""The algorithms in dags/ against hand-computed values on fixed inputs.
+
+Every expected number below was worked out by hand (the arithmetic is in the comments), not by
+running the code under test.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rollplex.dags import dapo, grpo, ppo, reinforce_pp, rloo
+from rollplex.pipeline.algorithms import builtin_algorithms, load_algorithm
+
+T = torch.tensor
+
+
+def close(actual, expected, tol=1e-4):
+    assert torch.allclose(actual.float(), T(expected, dtype=torch.float32), atol=tol), (actual, expected)
+
+
+# -- PPO ---------------------------------------------------------------------------------------------
+def test_gae_matches_the_recursion_by_hand():
+    """Row 0: 3 tokens, reward 1 on the last; row 1: 2 tokens, reward 2, a padding slot whose value
+    (9.0) must be ignored.
+    γ=0.9, λ=0.5, row 0, V=[.5,.6,.7]: δ2 = 1 − .7 = .3; δ1 = .9·.7 − .6 = .03; δ0 = .9·.6 − .5 = .04;
+      A2 = .3, A1 = .03 + .45·.3 = .165, A0 = .04 + .45·.165 = .11425.
+    row 1, V=[1, .5]: δ1 = 2 − .5 = 1.5; δ0 = .9·.5 − 1 = −.55; A1 = 1.5, A0 = −.55 + .45·1.5 = .125."""
+    rewards = T([[0.0, 0.0, 1.0], [0.0, 2.0, 0.0]])
+    values = T([[0.5, 0.6, 0.7], [1.0, 0.5, 9.0]])
+    mask = T([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    close(ppo.gae(rewards, values, mask, gamma=0.9, lam=0.5), [[0.11425, 0.165, 0.3], [0.125, 1.5, 0.0]])
+
+
+def test_gae_with_lambda_one_and_zero_values_is_the_return():
+    # γ=λ=1, V=0: Â_t = Σ_{s≥t} r_s.
+    close(ppo.gae(T([[1.0, 2.0, 3.0]]), torch.zeros(1, 3), torch.ones(1, 3), 1.0, 1.0), [[6.0, 5.0, 3.0]])
+
+
+def test_ppo_token_rewards_carry_the_kl_penalty_and_the_final_reward():
+    """kl_coef .1, old − ref = [.1,.2,.3] → r = [−.01, −.02, −.03 + 1]; V = 0, γ = λ = 1 → returns
+    [.94, .95, .97]. Row 1 has 1 token and reward 0: −.1·.5 = −.05."""
+    adv = ppo.advantages(rewards=T([1.0, 0.0]), old_values=torch.zeros(2, 3),
+                         old_logprobs=T([[-1.0, -1.0, -1.0], [-2.0, 0.0, 0.0]]),
+                         ref_logprobs=T([[-1.1, -1.2, -1.3], [-2.5, 0.0, 0.0]]),
+                         mask=T([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]]), gamma=1.0, lam=1.0, kl_coef=0.1)
+    close(adv, [[0.94, 0.95, 0.97], [-0.05, 0.0, 0.0]])
+
+
+def test_ppo_value_loss_is_clipped_around_the_old_values():
+    """V = [1, 0], V_old = [.5, .5], Â = [.5, −1] → returns R = [1, −.5]; clip .2 → [.7, .3].
+    unclipped (V − R)² = [0, .25]; clipped = [.09, .64]; ½·max = [.045, .32]."""
+    loss, metrics = ppo.value_loss(values=T([1.0, 0.0]), old_values=T([0.5, 0.5]), advantages=T([0.5, -1.0]),
+                                   clip_value=0.2)
+    close(loss, [0.045, 0.32])
+    close(metrics["value_loss"], [0.045, 0.32])
+
+
+def test_ppo_policy_clip():
+    # ratio e^{ln 1.5} = 1.5 with Â = 2: min(3, 1.2·2) = 2.4; ratio .5 with Â = −1: min(−.5, −.8) = −.8.
+    loss, metrics = ppo.policy_loss(logprobs=T([[1.5, 0.5]]).log(), old_logprobs=torch.zeros(1, 2),
+                                    ref_logprobs=torch.zeros(1, 2), advantages=T([[2.0, -1.0]]), clip_eps=0.2)
+    close(loss, [[-2.4, 0.8]])
+    close(metrics["clip_frac"], [[1.0, 1.0]])
+
+
+# -- RLOO --------------------------------------------------------------------------------------------
+def test_rloo_baseline_leaves_each_sample_out():
+    # r = [1, 0, 0, 1]: others' mean for a 1 is 1/3 (Â = 2/3), for a 0 it is 2/3 (Â = −2/3).
+    close(rloo.advantages(T([1.0, 0.0, 0.0, 1.0])), [2 / 3, -2 / 3, -2 / 3, 2 / 3])
+    # = G/(G−1)·(r − mean) on any input
+    r = T([0.3, 1.7, -0.4])
+    close(rloo.advantages(r), (1.5 * (r - r.mean())).tolist())
+
+
+def test_rloo_gradient_is_advantage_times_score():
+    logprobs = T([[-1.0, -2.0]], requires_grad=True)
+    loss, _ = rloo.policy_loss(logprobs=logprobs, old_logprobs=logprobs.detach(), advantages=T([0.5]))
+    loss.sum().backward()
+    close(logprobs.grad, [[-0.5, -0.5]])
+
+
+# -- DAPO --------------------------------------------------------------------------------------------
+def test_dapo_overlong_penalty():
+    # L_max 8, L_cache 4: free up to 4 tokens, then −(|y| − 4)/4, at most −1.
+    close(dapo.overlong_penalty(T([3.0, 4.0, 5.0, 7.0, 8.0, 9.0]), 8, 4), [0.0, 0.0, -0.25, -0.75, -1.0, -1.0])
+    shaped = dapo.overlong_shaping(rewards=T([1.0, 1.0]), mask=T([[1.0] * 2 + [0.0] * 4, [1.0] * 6]),
+                                   max_len=8, cache_len=4)
+    close(shaped, [1.0, 0.5])
+
+
+def test_dapo_dynamic_sampling_drops_all_equal_groups_and_renormalises():
+    """Groups: [1,1] (6 tokens), [0,1] (6), [0,0] (4), [1,0] (2); 18 tokens. Groups 1 and 3 are
+    informative: 8 tokens kept, weight 18/8 = 2.25. train_groups=1 keeps group 1 only: 18/6 = 3."""
+    rewards = [T([1.0, 1.0]), T([0.0, 1.0]), T([0.0, 0.0]), T([1.0, 0.0])]
+    mask = [T([[1.0, 1, 1], [1, 1, 1]]), T([[1.0, 1, 0, 0], [1, 1, 1, 1]]), T([[1.0, 1], [1, 1]]), T([[1.0], [1.0]])]
+    keep = dapo.dynamic_sampling(rewards, mask)
+    close(torch.stack(keep), [[0, 0], [2.25, 2.25], [0, 0], [2.25, 2.25]])
+    close(torch.stack(dapo.dynamic_sampling(rewards, mask, train_groups=1)), [[0, 0], [3, 3], [0, 0], [0, 0]])
+    # The runtime divides the summed per-token loss by all 18 tokens: with these weights that is the
+    # mean over the 8 kept tokens.
+    per_token = torch.cat([torch.nn.functional.pad(m, (0, 4 - m.shape[1])) for m in mask]) * 5.0
+    weights = torch.cat(keep).unsqueeze(-1)
+    assert float((per_token * weights).sum() / 18) == pytest.approx(5.0)
+    assert dapo.dynamic_sampling([T([0.0, 0.0])], [T([[1.0], [1.0]])])[0].tolist() == [0.0, 0.0]
+
+
+def test_dapo_clip_higher_is_asymmetric():
+    # Â = +1, ratio 1.5 → clipped at 1.28; Â = −1, ratio .5 → clipped at .8: min(−.5, −.8) = −.8.
+    loss, metrics = dapo.policy_loss(logprobs=T([[1.5, 0.5]]).log(), old_logprobs=torch.zeros(1, 2),
+                                     advantages=T([1.0]), keep=T([1.0]))
+    close(loss[0, :1], [-1.28])
+    loss, _ = dapo.policy_loss(logprobs=T([[1.5, 0.5]]).log(), old_logprobs=torch.zeros(1, 2),
+                               advantages=T([-1.0]), keep=T([2.0]))
+    close(loss, [[1.5 * 2, 0.8 * 2]])  # −min(−1.5, −1.28) = 1.5; −min(−.5, −.8) = .8; weight 2
+    close(metrics["clip_frac"], [[1.0, 1.0]])
+
+
+# -- REINFORCE++ -------------------------------------------------------------------------------------
+def test_reinforce_pp_normalises_over_the_whole_batch():
+    """Two prompts, all responses one token: rewards [[1, 1], [0, 0]]. Per-group normalisation would
+    give 0 everywhere; over the batch: mean .5, unbiased std √(4·.25/3) = .57735 → ±.86603."""
+    ones = torch.ones(2, 2, 1)
+    adv = reinforce_pp.advantages(rewards=T([[1.0, 1.0], [0.0, 0.0]]), old_logprobs=torch.zeros(2, 2, 1),
+                                  ref_logprobs=torch.zeros(2, 2, 1), mask=ones, kl_coef=0.0)
+    close(adv, [[[0.86603], [0.86603]], [[-0.86603], [-0.86603]]])
+
+
+def test_reinforce_pp_token_kl_and_discounted_return():
+    """One 3-token response, reward 1, kl_coef .5, old − ref = [.2, .4, 0], γ = .5:
+    r = [−.1, −.2, 1]; G = [−.1 + .5·.3, −.2 + .5·1, 1] = [.05, .3, 1]; mean .45, deviations
+    [−.4, −.15, .55], unbiased var .485/2 = .2425, std .492443 → [−.81228, −.30460, 1.11688]."""
+    adv = reinforce_pp.advantages(rewards=T([[1.0]]), old_logprobs=T([[[0.2, 0.4, 0.0]]]),
+                                  ref_logprobs=torch.zeros(1, 1, 3), mask=torch.ones(1, 1, 3), kl_coef=0.5, gamma=0.5)
+    close(adv, [[[-0.81228, -0.30460, 1.11688]]])
+
+
+def test_reinforce_pp_ignores_padding():
+    # Row 0: 2 tokens, reward 1 → G = [1, 1]; row 1: 1 token, reward 0 → G = [0]; padding excluded:
+    # mean 2/3, unbiased std √((1/9 + 1/9 + 4/9)/2) = .57735 → [.57735, .57735], [−1.1547, 0 (pad)].
+    adv = reinforce_pp.advantages(rewards=T([[1.0, 0.0]]), old_logprobs=torch.zeros(1, 2, 2),
+                                  ref_logprobs=torch.zeros(1, 2, 2), mask=T([[[1.0, 1.0], [1.0, 0.0]]]), kl_coef=0.0)
+    close(adv, [[[0.57735, 0.57735], [-1.1547, 0.0]]])
+
+
+# -- all of them ---------------------------------------------------------------------------------------
+def test_every_algorithm_is_built_in_and_uses_only_the_public_api():
+    import ast
+    from pathlib import Path
+
+    import rollplex.dags
+
+    assert {"grpo", "ppo", "rloo", "dapo", "reinforce_pp"} <= set(builtin_algorithms())
+    for name in ("grpo", "ppo", "rloo", "dapo", "reinforce_pp"):
+        alg = load_algorithm(name)
+        assert alg.name == name and alg.doc
+        source = (Path(rollplex.dags.__file__).parent / f"{name}.py").read_text()
+        imports = [n for n in ast.walk(ast.parse(source)) if isinstance(n, (ast.Import, ast.ImportFrom))]
+        modules = {n.module for n in imports if isinstance(n, ast.ImportFrom)} | {a.name for n in imports
+                                                                                  if isinstance(n, ast.Import)
+                                                                                  for a in n.names}
+        assert modules <= {"torch", "rollplex"}, (name, modules)
+        assert len(source.splitlines()) <= 90, f"{name}.py is more than about a page"
+    assert grpo.algorithm.trainable == ["actor"]
+    assert ppo.algorithm.trainable == ["actor", "critic"]
+
+
+# -- end to end, in process (hf decode, torch AdamW; the Dask path runs in the measured runs) ------------
+WARMUP_STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def warmed_model(tmp_path_factory):
+    """The embedded model after a short answer-format warm-up (random valid answers: reward at
+    chance), so that groups hold both rewards and every algorithm has a gradient to follow."""
+    import numpy as np
+
+    from rollplex.pipeline.runner import _warmup
+    from rollplex.tasks.data import format_warmup_batch
+
+    out = tmp_path_factory.mktemp("warmed")
+    session, host, _ = _host(out, "grpo", model_path=None)
+    try:
+        rng = np.random.default_rng(0)
+        for _ in range(WARMUP_STEPS):
+            _warmup(host, format_warmup_batch(session.task, session.builder, rng, 16), 3e-3)
+        host.train_engine("actor").module.save_pretrained(out / "model")
+        session.processor.save_pretrained(out / "model")
+    finally:
+        host.close()
+    return out / "model"
+
+
+def _host(tmp_path, algorithm: str, *extra: str, model_path=None):
+    from rollplex.config import load_config
+    from rollplex.pipeline.local import LocalExecutor
+    from rollplex.pipeline.runner import Session
+    from rollplex.pipeline.worker import WorkerHost
+
+    if model_path is not None:
+        extra = (*extra, f"model.path={model_path}")
+    cfg = load_config(None, ["seed=1", "warmup.steps=0", "stop_at_reward=null", "engines.decode=hf",
+                             "engines.train=torch", "rollout.prompts_per_iteration=4",
+                             "rollout.samples_per_prompt=4", "rollout.max_new_tokens=6",
+                             f"algorithm={algorithm}", *extra])
+    session = Session(cfg, tmp_path / algorithm.replace("/", "_"))
+    host = WorkerHost(session.host_spec(), name="local")
+    return session, host, LocalExecutor(host)
+
+
+def _iterate(session, executor, iterations: int) -> list[dict]:
+    reports = []
+    for iteration in range(iterations):
+        batch = session.loader.next_batch()
+        result = executor.run(session.graph, iteration, {f"prompt_p{p}": x for p, x in enumerate(batch)})
+        reports.append(result.output["report"])
+    return reports
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ppo", "rloo", "dapo", "reinforce_pp"])
+def test_each_algorithm_runs_two_iterations_and_updates_its_models(tmp_path, warmed_model, name):
+    session, host, executor = _host(tmp_path, name, model_path=warmed_model)
+    try:
+        trained = host.algorithm.trainable
+        before = {m: {k: v.clone() for k, v in host.train_engine(m).module.named_parameters() if v.requires_grad}
+                  for m in trained}
+        reports = _iterate(session, executor, 2)
+        assert any(0 < r["metrics"]["reward_mean"] < 1 for r in reports)  # something to learn from
+        for report in reports:
+            metrics = report["metrics"]
+            assert all(math.isfinite(v) for v in metrics.values() if isinstance(v, float)), metrics
+            assert len(report["rows"]) == 16
+        for m in trained:  # every trained model took a step (one with a nonzero gradient)
+            after = dict(host.train_engine(m).module.named_parameters())
+            assert any(not torch.equal(before[m][k], after[k]) for k in before[m]), m
+        if name == "ppo":
+            assert "loss_critic" in metrics and "value_loss" in metrics and "grad_norm_critic" in metrics
+            assert len(reports[-1]["rows"][0]["old_values"]) == len(reports[-1]["rows"][0]["response_token_ids"])
+        if name == "dapo":
+            assert 0.0 <= metrics["kept"] <= 1.0
+    finally:
+        host.close()
+
+
+@pytest.mark.slow
+def test_ppo_checkpoint_holds_the_critic_and_restores_it(tmp_path, warmed_model):
+    import os
+
+    from rollplex.pipeline.runner import _load, _save
+
+    session, host, executor = _host(tmp_path, "ppo", model_path=warmed_model)
+    try:
+        _iterate(session, executor, 1)
+        _save(host, str(tmp_path / "ckpt"), {os.getpid()})
+        assert (tmp_path / "ckpt" / "critic" / "model.safetensors").exists()
+        critic = host.train_engine("critic").module
+        saved = {k: v.clone() for k, v in critic.state_dict().items()}
+        _iterate(session, executor, 1)
+        assert any(not torch.equal(saved[k], v) for k, v in critic.state_dict().items())
+        _load(host, str(tmp_path / "ckpt"))
+        assert all(torch.equal(saved[k], v) for k, v in critic.state_dict().items())
+        assert critic.lm_head.weight.shape[0] == 1  # still the value head
+    finally:
+        host.close()
