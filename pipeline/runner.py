@@ -47,7 +47,8 @@ class RunSummary:
 def resolve_engines(cfg: RunConfig, device: str) -> tuple[str, str, str]:
     from rollplex.engines.base import get_engine
 
-    decode, train = cfg.engines.decode, cfg.engines.train
+    # decode_chunk is the decode role's only node kind, so its override picks the engine the workers build.
+    decode, train = cfg.engines.overrides.get("decode_chunk", cfg.engines.decode), cfg.engines.train
     if decode == "auto":
         decode = "vllm" if get_engine("vllm").installed() and device == "cpu" else "hf"
     if train == "auto":
