@@ -7,6 +7,12 @@ processor's batch, one padded forward for the reference and one for the policy, 
 ``--skip`` RL iterations (warm-up, compile) are dropped from both sides.
 
     python benchmarks/overhead.py --iterations 15 --threads 2,1 --json /tmp/overhead.json
+
+Dask's own time per node (every Rollplex variant): from each RL iteration's trace, the time from the
+moment a node could start (its last predecessor done and its stream free) to its start, against the
+node's compute time (``pipeline/trace.dispatch_gaps``). At the H200 scale (a 3B-wide model, bf16):
+
+    python benchmarks/overhead.py --device cuda --scale h200 --variants rollplex-hf-deepspeed --iterations 8
 """
 from __future__ import annotations
 
@@ -155,6 +161,31 @@ def plain_grpo(iterations: int, threads: int, seed: int = 0) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------
+def dask_time_per_node(cfg, run_dir: Path, skip: int) -> dict:
+    """Per node of the RL iterations after ``skip``: Dask's dispatch time (median, mean, p90) against
+    the node's compute time, and their per-iteration sums."""
+    from rollplex.pipeline.runner import Session
+    from rollplex.pipeline.trace import dispatch_gaps
+
+    graph = Session(cfg, run_dir).graph
+    preds = {n: list(graph.g.predecessors(n)) for n in graph.nodes}
+    gaps, compute, gap_sums, compute_sums = [], [], [], []
+    traces = sorted((run_dir / "traces").glob("iter_*.json"))
+    for path in traces[skip:] or traces:
+        events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"]
+        g = dispatch_gaps(events, preds)
+        gaps += g.values()
+        compute += [e["dur"] / 1e6 for e in events]
+        gap_sums.append(sum(g.values()))
+        compute_sums.append(sum(e["dur"] for e in events) / 1e6)
+    q = statistics.quantiles(gaps, n=10, method="inclusive") if len(gaps) > 1 else gaps * 9
+    return {"nodes_per_iteration": len(graph), "dask_ms_median": 1e3 * statistics.median(gaps),
+            "dask_ms_mean": 1e3 * statistics.mean(gaps), "dask_ms_p90": 1e3 * q[8],
+            "node_ms_median": 1e3 * statistics.median(compute), "node_ms_mean": 1e3 * statistics.mean(compute),
+            "dask_s_per_iteration": statistics.median(gap_sums),
+            "compute_s_per_iteration": statistics.median(compute_sums)}
+
+
 def rollplex_run(overrides: list[str], iterations: int, skip: int, run_dir: Path, echo) -> dict:
     """One `rollplex train` in this process; executor seconds from metrics.jsonl, wall from the log."""
     from rollplex.config import load_config
@@ -180,7 +211,8 @@ def rollplex_run(overrides: list[str], iterations: int, skip: int, run_dir: Path
     return {"seconds": [r["iter_seconds"] for r in rl], "wall_seconds": wall,
             "reward_mean": statistics.mean(r["reward_mean"] for r in rl),
             "response_len_mean": statistics.mean(r["response_len_mean"] for r in rl),
-            "seconds_by_kind_median": by_kind, "overrides": overrides}
+            "seconds_by_kind_median": by_kind, "overrides": overrides,
+            "dask": dask_time_per_node(cfg, run_dir, skip)}
 
 
 
@@ -194,11 +226,24 @@ def main() -> int:
                     help=f"comma-separated: plain, {', '.join(ROLLPLEX_VARIANTS)}")
     ap.add_argument("--json", type=Path, help="write the results here (atomically)")
     ap.add_argument("--runs-dir", type=Path, help="keep the Rollplex run directories here (default: temp, removed)")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="cuda: Rollplex variants only (bf16), for Dask time per node at GPU scale")
+    ap.add_argument("--scale", default="tiny", help="model shape: tiny (embedded) or h200 (benchmarks/scales.py)")
+    ap.add_argument("--layers", type=int, help="override the scale's depth")
     args = ap.parse_args()
     if args.iterations <= args.skip:
         ap.error(f"--iterations must exceed --skip ({args.skip})")
     threads = [int(t) for t in args.threads.split(",") if t]
     variants = [v for v in args.variants.split(",") if v]
+    extra: list[str] = []
+    if args.device == "cuda":
+        if "plain" in variants:
+            ap.error("--device cuda: the plain trainer is the CPU baseline; pass --variants without plain")
+        extra += ["model.device=cuda", "model.dtype=bfloat16"]
+    if args.scale != "tiny" or args.layers:
+        from scales import model_path
+
+        extra.append(f"model.path={model_path(args.scale, args.layers)}")
     unknown = [v for v in variants if v != "plain" and v not in ROLLPLEX_VARIANTS]
     if unknown:
         ap.error(f"unknown variants {unknown}; known: plain, {', '.join(ROLLPLEX_VARIANTS)}")
@@ -219,7 +264,7 @@ def main() -> int:
             run_dir = runs_root / v
             shutil.rmtree(run_dir, ignore_errors=True)
             print(f"[{v}] running ({' '.join(ROLLPLEX_VARIANTS[v])})", flush=True)
-            results[v] = rollplex_run(ROLLPLEX_VARIANTS[v], args.iterations, args.skip, run_dir,
+            results[v] = rollplex_run(ROLLPLEX_VARIANTS[v] + extra, args.iterations, args.skip, run_dir,
                                       lambda line, v=v: print(f"[{v}] {line}", flush=True))
     finally:
         if args.runs_dir is None:
@@ -246,9 +291,17 @@ def main() -> int:
             parts = ", ".join(f"{k} {s:.3f}" for k, s in sorted(r["seconds_by_kind_median"].items(),
                                                                   key=lambda kv: -kv[1]))
             print(f"{name} busy s/it by node kind (median): {parts}")
+    for name, r in results.items():
+        if "dask" in r:
+            d = r["dask"]
+            print(f"{name} Dask time per node: median {d['dask_ms_median']:.2f} ms, mean {d['dask_ms_mean']:.2f}, "
+                  f"p90 {d['dask_ms_p90']:.2f}; node compute median {d['node_ms_median']:.2f} ms, mean "
+                  f"{d['node_ms_mean']:.2f}; per iteration {d['dask_s_per_iteration']:.3f} s Dask against "
+                  f"{d['compute_s_per_iteration']:.3f} s compute ({d['nodes_per_iteration']} nodes)")
 
     if args.json:
         out = {"iterations": args.iterations, "skip": args.skip, "baseline": base_name, "cpus": os.cpu_count(),
+               "device": args.device, "scale": args.scale,
                "load_avg_before": load_before, "load_avg_after": os.getloadavg()[0],
                "python": sys.version.split()[0], "variants": results}
         args.json.parent.mkdir(parents=True, exist_ok=True)

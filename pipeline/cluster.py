@@ -38,6 +38,8 @@ class RollplexPlugin(WorkerPlugin):
 
         runtime.configure(threads=self.spec.threads, device=self.spec.device)
         quiet_task_errors()  # the driver reports a failed node once; the worker's log would repeat it
+        if self.spec.world_size > 1:
+            return  # ranks need a process group first: form_ranks builds the engines
         install_host(self.spec, name=worker.name if isinstance(worker.name, str) else f"worker{worker.name}")
 
     def teardown(self, worker) -> None:
@@ -63,10 +65,13 @@ def connect(address: str | None, workers: int, threads: int, processes: bool = T
         finally:
             client.close()
         return
+    import torch
+
+    gpu = {"GPU": 1} if torch.cuda.is_available() else {}
     cluster = LocalCluster(
         n_workers=workers,
         threads_per_worker=len(STREAMS),
-        resources={s: 1 for s in STREAMS},
+        resources={**{s: 1 for s in STREAMS}, **gpu},
         processes=processes,
         # Loopback only. In-process workers take the scheduler's inproc address, which refuses a host.
         **({"host": "127.0.0.1"} if processes else {}),
@@ -116,3 +121,101 @@ def install_engines(client, spec: HostSpec) -> None:
         if isinstance(exc, RollplexError):
             raise exc
         raise EngineError(f"engine setup failed on worker {addr}: {text}")
+
+
+# -- data-parallel ranks: one per worker ----------------------------------------------------------
+RANK_TIMEOUT_S = 300  # gloo/NCCL: a collective whose peer died fails after this (the run then restarts)
+
+
+def _host_of(address: str) -> str:
+    return address.split("://")[-1].rsplit(":", 1)[0]
+
+
+def _free_port_here(host: str) -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _join_group(spec: HostSpec, rank: int, world: int, master: str, port: int, local_rank: int) -> int:
+    """On a worker: join the process group as ``rank``, then build its engines (DeepSpeed adopts the
+    group). On CUDA with several visible GPUs, local rank i takes GPU i (a worker per GPU)."""
+    import dataclasses
+    import datetime
+    import os
+
+    import torch
+
+    from rollplex.pipeline.worker import install_host
+
+    os.environ.update(MASTER_ADDR=master, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(local_rank))
+    device = spec.device
+    if device.startswith("cuda") and torch.cuda.device_count() > 1:
+        device = f"cuda:{local_rank % torch.cuda.device_count()}"
+        torch.cuda.set_device(device)
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("nccl" if device.startswith("cuda") else "gloo",
+                                             init_method=f"tcp://{master}:{port}", rank=rank, world_size=world,
+                                             timeout=datetime.timedelta(seconds=RANK_TIMEOUT_S))
+    install_host(dataclasses.replace(spec, device=device), name=f"rank{rank}")
+    return os.getpid()
+
+
+def rank_order(workers: dict[str, dict]) -> list[str]:
+    """Worker addresses in rank order: by host, then worker name, so ranks on one host are adjacent
+    (local ranks 0, 1, ... map to its GPUs) and the order does not depend on start-up timing."""
+    return sorted(workers, key=lambda a: (_host_of(a), str(workers[a].get("name", "")), a))
+
+
+def form_ranks(client, spec: HostSpec, world: int, timeout: float = 120) -> list[str]:
+    """Make each of ``world`` workers a rank: one torch.distributed group across them (rendezvous on
+    rank 0's host, a free port there), engines built inside it. Returns the addresses by rank."""
+    try:
+        client.wait_for_workers(world, timeout=timeout)
+    except TimeoutError:
+        have = len(client.scheduler_info(n_workers=-1)["workers"])
+        raise RollplexError(f"cluster.workers is {world} but only {have} Dask worker(s) joined within "
+                            f"{timeout:.0f} s; start one `dask worker` per GPU (or rank)") from None
+    workers = client.scheduler_info(n_workers=-1)["workers"]
+    if len(workers) != world:
+        raise RollplexError(f"the Dask cluster has {len(workers)} workers but cluster.workers is {world}; "
+                            f"a data-parallel run uses one worker per rank (set --workers {len(workers)})")
+    addresses = rank_order(workers)
+    master = _host_of(addresses[0])
+    port = client.run(_free_port_here, master, workers=[addresses[0]])[addresses[0]]
+    hosts: dict[str, int] = {}
+    futures = []
+    for rank, address in enumerate(addresses):
+        local = hosts.setdefault(_host_of(address), 0)
+        hosts[_host_of(address)] += 1
+        futures.append(client.submit(_join_group, spec, rank, world, master, port, local, workers=[address],
+                                     allow_other_workers=False, pure=False, key=f"rollplex-rank{rank}-{port}"))
+    try:
+        client.gather(futures)
+    except RollplexError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - name the failure once, on the driver
+        raise EngineError(f"forming {world} data-parallel ranks failed: {type(exc).__name__}: {exc}") from None
+    return addresses
+
+
+def reform_ranks(client, spec: HostSpec, world: int, watch, log) -> list[str]:
+    """After a rank was lost: restart every worker, then form the group anew. The survivors cannot keep
+    their engines: one may be blocked in a collective with the dead rank, and a torch.distributed group
+    takes no newcomer. Every rank then starts fresh and the runner restores them all from the last
+    checkpoint (or replays from the beginning before the first one)."""
+    from rollplex.pipeline.recovery import REPLACEMENT_TIMEOUT_S
+
+    try:
+        client.restart(timeout=REPLACEMENT_TIMEOUT_S, wait_for_workers=False)
+    except Exception as exc:  # noqa: BLE001 - a worker may be mid-restart already; form_ranks waits for all
+        log(f"restarting the workers: {type(exc).__name__}: {exc}")
+    addresses = form_ranks(client, spec, world, timeout=REPLACEMENT_TIMEOUT_S)
+    watch.known = watch.identities()
+    watch.expected = len(watch.known)
+    watch.survived = set()
+    log(f"{world} data-parallel ranks formed again: {', '.join(addresses)}")
+    return addresses

@@ -44,7 +44,16 @@ def task_key(iteration: int, node: str) -> str:
     return f"it{iteration:06d}/{node}"
 
 
-def lower(graph: IterationGraph, iteration: int, inputs: dict[str, Any]) -> LoweredIteration:
+def _done(bundle: Any) -> None:
+    """An ordering token: finishes after its producer, on the producer's worker, and carries nothing."""
+    return None
+
+
+def lower(graph: IterationGraph, iteration: int, inputs: dict[str, Any],
+          ranks: list[str] | None = None) -> LoweredIteration:
+    """``ranks``: worker address per rank of a data-parallel graph (``pipeline/ranks.py``); each node
+    is restricted to its rank's worker, and an ordering edge between ranks goes through a token task
+    so that no output bundle moves for it."""
     missing = [v for v in graph.inputs if v not in inputs]
     if missing:
         raise KeyError(f"iteration inputs missing: {missing}")
@@ -52,28 +61,51 @@ def lower(graph: IterationGraph, iteration: int, inputs: dict[str, Any]) -> Lowe
     resources: dict[str, dict[str, int]] = {}
     priority: dict[str, float] = {}
     workers: dict[str, list[str]] = {}
-    uses = {v: len(graph.consumers(v)) for v in graph.values}
+    if ranks:
+        from rollplex.pipeline.ranks import rank_uses
+
+        per_rank = rank_uses(graph)
+    else:
+        per_rank = {(v, 0): len(graph.consumers(v)) for v in graph.values}
+    rank_of = {n: (node.meta.get("rank", 0) if ranks else 0) for n, node in graph.nodes.items()}
     for name in graph.inputs:
         key = task_key(iteration, f"in/{name}")
         dsk[key] = Task(key, provide_input, DataNode(None, inputs[name]), name)
         resources[key] = {"host": 1}
         priority[key] = 1e6
+        readers = graph.consumers(name)
+        if ranks and readers:
+            workers[key] = [ranks[rank_of[readers[0]]]]
     for node_name in graph.topological_order():
         node = graph.nodes[node_name]
+        rank = rank_of[node_name]
         producers: list[str] = []
         for value in node.inputs:
             producer = graph.values[value].producer
             ref = task_key(iteration, producer if producer is not None else f"in/{value}")
             if ref not in producers:
                 producers.append(ref)
-        ordering = [task_key(iteration, p) for p in graph.g.predecessors(node_name)
-                    if task_key(iteration, p) not in producers]
+        ordering = []
+        for p in graph.g.predecessors(node_name):
+            ref = task_key(iteration, p)
+            if ref in producers:
+                continue
+            if rank_of[p] != rank:
+                token = ref + "/done"
+                if token not in dsk:
+                    dsk[token] = Task(token, _done, TaskRef(ref))
+                    workers[token] = [ranks[rank_of[p]]]
+                ref = token
+            ordering.append(ref)
         key = task_key(iteration, node_name)
         refs = [TaskRef(k) for k in producers + ordering]
-        dsk[key] = Task(key, run_node, node, iteration, {v: uses[v] for v in node.inputs}, len(producers), *refs)
+        uses = {v: per_rank.get((v, rank), 0) for v in node.inputs}
+        dsk[key] = Task(key, run_node, node, iteration, uses, len(producers), *refs)
         resources[key] = {node.stream: 1}
         priority[key] = float(node.meta.get("priority", 0.0))
-        if "worker" in node.meta:
+        if ranks:
+            workers[key] = [ranks[rank]]
+        elif "worker" in node.meta:
             workers[key] = [node.meta["worker"]]
     sinks = [n for n in graph.nodes if graph.g.out_degree(n) == 0]
     if len(sinks) != 1:
@@ -84,13 +116,14 @@ def lower(graph: IterationGraph, iteration: int, inputs: dict[str, Any]) -> Lowe
 class DaskExecutor:
     """Runs lowered iterations on a ``distributed.Client`` whose workers host Rollplex engines."""
 
-    def __init__(self, client) -> None:
+    def __init__(self, client, ranks: list[str] | None = None) -> None:
         self.client = client
+        self.ranks = ranks  # worker address per data-parallel rank; None: one worker
 
     def run(self, graph: IterationGraph, iteration: int, inputs: dict[str, Any]) -> IterationResult:
         from rollplex.pipeline.worker import current_host  # noqa: F401 - fail early if misinstalled
 
-        lowered = lower(graph, iteration, inputs)
+        lowered = lower(graph, iteration, inputs, self.ranks)
         start = time.time()
         annotations = {"resources": KeyLookup(lowered.resources), "priority": KeyLookup(lowered.priority, 0.0)}
         if lowered.workers:
@@ -108,11 +141,17 @@ class DaskExecutor:
         return IterationResult(output, events, peak, seconds)
 
     def call(self, fn, *args, stream: str = "compute") -> Any:
-        """Run ``fn(host, *args)`` on a worker's engines, on one of its streams."""
+        """Run ``fn(host, *args)`` on a worker's engines, on one of its streams. With ranks, on every
+        rank at once (their engines step together: collectives inside), returning rank 0's result."""
         from rollplex.pipeline.worker import call_on_host
 
-        future = self.client.submit(call_on_host, fn, *args, stream=stream, resources={stream: 1}, pure=False)
-        return future.result()
+        if not self.ranks:
+            future = self.client.submit(call_on_host, fn, *args, stream=stream, resources={stream: 1}, pure=False)
+            return future.result()
+        futures = [self.client.submit(call_on_host, fn, *args, stream=stream, resources={stream: 1}, pure=False,
+                                      workers=[address], allow_other_workers=False) for address in self.ranks]
+        results = self.client.gather(futures)
+        return results[0]
 
 
 def _drain(dask_worker=None) -> dict:

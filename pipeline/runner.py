@@ -50,7 +50,8 @@ def resolve_engines(cfg: RunConfig, device: str) -> tuple[str, str, str]:
     # decode_chunk is the decode role's only node kind, so its override picks the engine the workers build.
     decode, train = cfg.engines.overrides.get("decode_chunk", cfg.engines.decode), cfg.engines.train
     if decode == "auto":
-        decode = "vllm" if get_engine("vllm").installed() and device == "cpu" else "hf"
+        # In-process vLLM sets up torch.distributed state of its own: not shared with data-parallel ranks yet.
+        decode = "vllm" if get_engine("vllm").installed() and device == "cpu" and cfg.cluster.workers == 1 else "hf"
     if train == "auto":
         train = "deepspeed" if get_engine("deepspeed").installed() else "torch"
     for name, role in ((decode, "decode"), (train, "train"), (cfg.engines.score, "score")):
@@ -160,6 +161,17 @@ class Session:
             vision_tokens=vision_tokens,
             prefix_sharing=cfg.train.prefix_sharing,
         )
+        # cluster.workers > 1: data-parallel ranks, one per worker, each with a share of the batch.
+        self.world = cfg.cluster.workers
+        if self.world > 1:
+            import dataclasses
+
+            from rollplex.pipeline.ranks import check_data_parallel, fit_prompts_per_node
+
+            check_data_parallel(self.world, shape.prompts, shape.micro_batch_groups, self.train_engine,
+                                cfg.train.zero_stage, self.decode_engine)
+            shape = dataclasses.replace(shape, prompts_per_node=fit_prompts_per_node(
+                shape.prompts_per_node, shape.prompts // self.world))
         choice = EngineChoice({"decode": self.decode_engine, "train": self.train_engine, "score": self.score_engine},
                               dict(cfg.engines.overrides))
         self.shape = shape
@@ -168,7 +180,10 @@ class Session:
         warmed = run_dir / "reference"
         self.reference_path = str(warmed) if (warmed / "config.json").exists() else self.model_path
         try:
-            self.graph = schedule(compile_iteration(self.algorithm, shape, choice, dims), cfg.schedule)
+            from rollplex.pipeline.ranks import distribute
+
+            self.graph = schedule(distribute(compile_iteration(self.algorithm, shape, choice, dims), self.world),
+                                  cfg.schedule)
         except GraphError as exc:  # a user DAG file's cycle or dangling value: name the file too
             if not cfg.algorithm.endswith(".py") or cfg.algorithm in str(exc):
                 raise
@@ -190,6 +205,18 @@ class Session:
         return checkpoints.save(self.run_dir, iteration, write, loader=self.loader.state_dict(),
                                 keep_last=self.cfg.checkpoint.keep_last, reward=reward)
 
+    def balanced(self, batch: list) -> list:
+        """The batch in slot order: rank r's slots get prompts whose predicted prefix + decode cost
+        evens out the ranks' loads (pipeline/ranks.py); unchanged on one rank."""
+        if self.world <= 1:
+            return batch
+        from rollplex.pipeline.ranks import balance, prompt_cost
+
+        s, d = self.shape, self.dims
+        costs = [prompt_cost(int(p.input_ids.numel()), int(max(p.meta.get("max_tokens") or [s.max_new_tokens])),
+                             s.samples, d.params, d.layers, d.hidden) for p in batch]
+        return [batch[i] for i in balance(costs, self.world)]
+
     def host_spec(self):
         from rollplex.pipeline.worker import HostSpec, IterationSettings
 
@@ -200,7 +227,7 @@ class Session:
             seed=cfg.seed, samples=cfg.rollout.samples_per_prompt, max_new_tokens=cfg.rollout.max_new_tokens,
             temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
             pad_id=tok.convert_tokens_to_ids("<|endoftext|>"), stop_token_ids=stop, params=dict(cfg.params))
-        micro_batches = len(self.shape.micro_batches())
+        micro_batches = len(self.shape.micro_batches()) // self.world  # each rank accumulates its share
         train_options = {"lr": cfg.train.lr, "betas": tuple(cfg.train.betas), "eps": cfg.train.eps,
                          "weight_decay": cfg.train.weight_decay, "grad_clip": cfg.train.grad_clip,
                          "zero_stage": cfg.train.zero_stage, "accumulation_steps": micro_batches,
@@ -220,7 +247,7 @@ class Session:
             score_engine=self.score_engine, decode_options=decode_options, train_options=train_options,
             algorithm=cfg.algorithm, reward=cfg.task.reward, settings=settings,
             trainable=tuple(alg.trainable), frozen=tuple(m for m in alg.models if m not in alg.trainable),
-            ref_cache_bytes=int(cfg.train.ref_cache_gib * 2**30),
+            ref_cache_bytes=int(cfg.train.ref_cache_gib * 2**30), world_size=self.world,
             weight_sharing=cfg.engines.weight_sharing)
 
 
@@ -268,7 +295,10 @@ def _adopt_reference(host, directory: str) -> None:
         if decl.copy_of == alg.rollout_model and not decl.trainable and decl.engine is None:
             host.engines[name].model.load_state_dict(weights)
             host.register_frozen(name)  # cached prefixes of the old weights no longer match
-    policy.module.save_pretrained(directory)
+    import torch
+
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:  # one writer per run
+        policy.module.save_pretrained(directory)
 
 
 def _save(host, directory: str, pids: set[int]) -> None:
@@ -276,11 +306,15 @@ def _save(host, directory: str, pids: set[int]) -> None:
 
     expect_host(pids)
     host.train_engine(host.algorithm.rollout_model).save(directory)
+    for model in host.algorithm.model_losses:  # other trained models (a critic): a subdirectory each
+        host.train_engine(model).save(os.path.join(directory, model))
     point("save:model")
 
 
 def _load(host, directory: str) -> None:
     host.train_engine(host.algorithm.rollout_model).load(directory)
+    for model in host.algorithm.model_losses:
+        host.train_engine(model).load(os.path.join(directory, model))
     _sync_decode(host)
 
 
@@ -320,15 +354,11 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = 
 
     runtime.configure(threads=cfg.cluster.threads, device=resolve_device(cfg))
     run_dir = Path(run_dir)
-    for model in host.algorithm.model_losses:  # other trained models (a critic): a subdirectory each
-        host.train_engine(model).save(os.path.join(directory, model))
     state = None
     metrics_path = run_dir / "metrics.jsonl"
     if resume:
         state = checkpoints.latest(run_dir)  # verified; a corrupt one is refused here
         if state is None:  # killed before the first checkpoint: nothing to keep, start again
-    for model in host.algorithm.model_losses:
-        host.train_engine(model).load(os.path.join(directory, model))
             log(f"--resume: {run_dir} has no complete checkpoint yet; starting the run from the beginning")
     elif metrics_path.exists():
         raise RollplexError(f"{run_dir} already holds a run; pass --resume to continue it or pick another --out")
@@ -362,7 +392,15 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = 
         stop.install()
         stack.callback(stop.uninstall)
         t0 = time.time()
+        if cfg.cluster.dashboard:
+            log(f"Dask dashboard: {dashboard_link(client)}")
         install_engines(client, spec)
+        ranks = None
+        if session.world > 1:
+            from rollplex.pipeline.cluster import form_ranks
+
+            ranks = form_ranks(client, spec, session.world)
+            log(f"{session.world} data-parallel ranks: {', '.join(ranks)}")
         client.run(quiet_task_errors)
         if faults.active():
             client.run(faults.install_task_hooks)
@@ -378,10 +416,19 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = 
         atomic_write_text(run_dir / "config.yaml", dump_config(cfg))
         atomic_write_text(run_dir / "graph.txt", str(session.graph) + "\n")
         try:
-            return _train_loop(cfg, session, client, state, metrics_path, progress, log, t0, stop)
+            return _train_loop(cfg, session, client, state, metrics_path, progress, log, t0, stop, ranks)
         finally:
             if cfg.cluster.scheduler:
                 uninstall_engines(client)
+
+
+def dashboard_link(client) -> str:
+    """The scheduler's dashboard address, or why there is none (it needs bokeh, an optional package)."""
+    try:
+        import bokeh  # noqa: F401
+    except ImportError:
+        return "unavailable: `pip install bokeh` (the dashboard's optional dependency)"
+    return client.dashboard_link
 
 
 def cluster_security(cfg: RunConfig):
@@ -436,7 +483,7 @@ def _failure(exc: BaseException, where: str, run_dir: Path) -> BaseException:
 
 
 def _train_loop(cfg: RunConfig, session: Session, client, state, metrics_path: Path, progress: bool, log,
-                t0: float, stop) -> RunSummary:
+                t0: float, stop, ranks: list[str] | None = None) -> RunSummary:
     from tqdm import tqdm
 
     from rollplex.pipeline import faults
@@ -444,7 +491,7 @@ def _train_loop(cfg: RunConfig, session: Session, client, state, metrics_path: P
     from rollplex.pipeline.recovery import WorkerWatch, drop_tracebacks, quiet_task_errors
 
     run_dir = session.run_dir
-    executor = DaskExecutor(client)
+    executor = DaskExecutor(client, ranks)
     watch = WorkerWatch(client)
     log(f"engines ready in {time.time() - t0:.1f}s")
     bar = tqdm(disable=not progress, desc=session.algorithm.name, unit="it", total=cfg.iterations)
@@ -462,7 +509,7 @@ def _train_loop(cfg: RunConfig, session: Session, client, state, metrics_path: P
                     raise _interrupted(stop, run_dir, iteration - 1)
                 where = f"iteration {iteration}"
                 point("iteration:start")
-                batch = session.loader.next_batch()
+                batch = session.balanced(session.loader.next_batch())
                 inputs = {f"prompt_p{p}": prompt for p, prompt in enumerate(batch)}
                 result = executor.run(session.graph, iteration, inputs)
                 watch.check()  # results computed (even partly) on a replaced worker are not the run's
@@ -509,9 +556,14 @@ def _train_loop(cfg: RunConfig, session: Session, client, state, metrics_path: P
         state = checkpoints.latest(run_dir)
         log(f"{where}: lost a Dask worker: {lost}; rolling back to "
             f"{state.directory.name if state else 'the beginning'} and replaying from there")
+        if session.world > 1:  # the survivors' process group lost a member: restart every rank afresh
+            from rollplex.pipeline.cluster import reform_ranks
+
+            executor.ranks = reform_ranks(client, session.host_spec(), session.world, watch, log)
         if iteration is not None:
             watch.forget(task_key(iteration, ""))
-        watch.await_replacements(log)
+        if session.world == 1:
+            watch.await_replacements(log)
         client.run(quiet_task_errors)
         if faults.active():
             client.run(faults.install_task_hooks)

@@ -46,3 +46,27 @@ def overlap_seconds(trace: dict, a: set[str], b: set[str]) -> float:
         for s2, e2, _ in ys:
             total += max(0.0, min(e1, e2) - max(s1, s2))
     return total / 1e6
+
+
+def dispatch_gaps(events: list[dict], predecessors: dict[str, list[str]]) -> dict[str, float]:
+    """The executor's own time per node, in seconds: from the moment the node could start (its last
+    predecessor finished and the previous node on its worker's stream finished) to its start. On the
+    Dask path that is the scheduler round trip and the worker's hand-off to the stream thread; nodes
+    without predecessors (their start has no reference) are left out. ``events``: one iteration's."""
+    end = {e["name"]: e["ts"] + e["dur"] for e in events}
+    lanes: dict[tuple, list[dict]] = defaultdict(list)
+    for e in events:
+        lanes[(str(e["pid"]), str(e["tid"]))].append(e)
+    free: dict[str, float] = {}
+    for lane in lanes.values():
+        lane.sort(key=lambda e: e["ts"])
+        for before, after in zip(lane, lane[1:]):
+            free[after["name"]] = before["ts"] + before["dur"]
+    gaps = {}
+    for e in events:
+        preds = [end[p] for p in predecessors.get(e["name"], ()) if p in end]
+        if not preds:
+            continue
+        ready = max(max(preds), free.get(e["name"], 0.0))
+        gaps[e["name"]] = max(0.0, e["ts"] - ready) / 1e6
+    return gaps

@@ -75,6 +75,7 @@ class HostSpec:
     trainable: tuple[str, ...] = ("actor",)
     frozen: tuple[str, ...] = ("ref",)
     ref_cache_bytes: int = 0  # cross-iteration cache of frozen models' prefixes; 0 disables it
+    world_size: int = 1  # data-parallel ranks; >1: engines are built by cluster.form_ranks, not the plugin
     weight_sharing: str = "off"  # auto: the decode engine runs on the policy trainer's storage (engines/sharing.py)
 
 
@@ -109,10 +110,10 @@ class WorkerHost:
 
         self.engines: dict[str, Any] = dict(engines or {})
         if engines is None:
-            for model in spec.trainable:
             # A model may name its own engine and checkpoint (ModelDecl.engine/path); a critic's
             # value head travels as an option. Frozen copies start from the reference.
             decls = self.algorithm.models
+            for model in spec.trainable:
                 decl = decls.get(model)
                 options = {**spec.train_options, **({"head": decl.head} if decl and decl.head != "lm" else {})}
                 self.engines[model] = build((decl and decl.engine) or spec.train_engine, "train",
@@ -195,6 +196,8 @@ class WorkerHost:
         """Count one use of each input; drop a value from its producer's bundle after its last use."""
         with self._lock:
             for value, bundle in bundles.items():
+                if uses[value] <= 0:  # read on several workers: freed with its Dask key, not counted
+                    continue
                 key = (iteration, value)
                 left = self._remaining.get(key, uses[value]) - 1
                 if left <= 0:
@@ -277,9 +280,6 @@ class NodeContext:
         self.refcache = host.refcache
         self.decode_text = host.decode_text
 
-
-_HOST: WorkerHost | None = None
-
     # -- for the tasks of node kinds registered outside pipeline/ ---------------------------------
     def engine_for(self, node: Node):
         """The engine hosting the node's model (for a model declared with ``engine=``, that one)."""
@@ -301,6 +301,9 @@ _HOST: WorkerHost | None = None
 
     def _function(self, node: Node):
         return next(c for c in self.algorithm.custom if c.name == node.args["function"])
+
+
+_HOST: WorkerHost | None = None
 
 
 def current_host() -> WorkerHost:

@@ -27,6 +27,10 @@ def _config_from(args, base: Path | None = None) -> "object":
             overrides.append(f"{flag}={value}")
     if getattr(args, "scheduler", None):
         overrides.append(f"cluster.scheduler={args.scheduler}")
+    if getattr(args, "workers", None) is not None:
+        overrides.append(f"cluster.workers={args.workers}")
+    if getattr(args, "dashboard", False):
+        overrides.append("cluster.dashboard=true")
     cfg = load_config(config_path, overrides)
     if dag_file is not None:
         cfg.algorithm = dag_file  # a path, taken as is (not through YAML)
@@ -106,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int)
     t.add_argument("--out", help="run directory (default: runs/<algorithm>-seed<seed>)")
     t.add_argument("--scheduler", metavar="tcp://HOST:PORT", help="use an existing Dask cluster")
+    t.add_argument("--workers", type=int, metavar="N",
+                   help="data-parallel ranks, one Dask worker each (LocalCluster starts N; with --scheduler, "
+                        "the cluster must have N workers); docs/distributed.md")
+    t.add_argument("--dashboard", action="store_true", help="serve the Dask dashboard and print its address")
     t.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     t.add_argument("--no-progress", action="store_true", help="plain log lines, no progress bar")
     common(t)
@@ -145,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     from rollplex.commands_simulate import add_parser as add_simulate  # light: heavy imports are inside
 
     add_simulate(sub)
+    from rollplex.commands_data import add_parsers as add_data_commands  # plot, export-task
+
+    add_data_commands(sub)
     from rollplex.commands_weights import add_parser as add_weights  # weight sharing report
 
     add_weights(sub)
@@ -156,9 +167,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except Interrupted as exc:  # not an error: a requested stop, resumable
-    from rollplex.commands_data import add_parsers as add_data_commands  # plot, export-task
-
-    add_data_commands(sub)
         print(f"rollplex: {exc}", file=sys.stderr)
         return exc.exit_code
     except RollplexError as exc:

@@ -113,7 +113,8 @@ class EnginesConfig:
 @dataclass
 class ClusterConfig:
     scheduler: str | None = f(None, doc="address of an existing Dask scheduler; null starts a LocalCluster")
-    workers: int = f(1, lo=1, hi=4096, doc="LocalCluster workers (one per GPU on CUDA)")
+    workers: int = f(1, lo=1, hi=4096, doc="data-parallel ranks, one Dask worker (GPU) each; a LocalCluster "
+                     "starts this many, an external cluster must have this many (docs/distributed.md)")
     threads: int = f(1, lo=1, hi=256, doc="torch/OMP threads per stream thread; streams × threads ≤ cores")
     processes: bool = f(True, doc="LocalCluster workers in separate processes")
     dashboard: bool = f(False, doc="serve the Dask dashboard")

@@ -127,12 +127,15 @@ def decode_chunk(ctx, node, inputs):
         raise RuntimeError(f"decode finished {len(finished)} of {expected} sequences")
     num_prompts = expected // s.samples
     lengths = []
+    # A rank's decode (pipeline/ranks.py) holds a slice of the batch: outputs by position, and the
+    # prompts' global indices from args.
+    index = node.args.get("prompts", range(num_prompts))
     for p in range(num_prompts):
         seqs = [finished[request_id(ctx.iteration, p), g] for g in range(s.samples)]
-        out[f"responses_p{p}"] = Responses(p, seqs)
+        out[node.outputs[p]] = Responses(index[p], seqs)
         lengths += [len(q.token_ids) for q in seqs]
-    out["rollout_stats"] = {"tokens": sum(lengths), "sequences": len(lengths),
-                            "max_len": max(lengths, default=0)}
+    out[node.outputs[-1]] = {"tokens": sum(lengths), "sequences": len(lengths),
+                             "max_len": max(lengths, default=0)}
     return out
 
 
@@ -255,7 +258,10 @@ def loss(ctx, node, inputs):
         contribution = per_seq.sum() / max(stats["sequences"], 1)
     if not torch.isfinite(contribution):
         raise FloatingPointError(f"non-finite loss {contribution.item()} in micro-batch {node.name}")
-    engine.backward(contribution)
+    # With R data-parallel ranks DeepSpeed averages the ranks' gradients; each rank's share of the
+    # global-batch loss is scaled by R so that the all-reduce yields their sum.
+    world = int(node.args.get("world", 1))
+    engine.backward(contribution * world if world != 1 else contribution)
     # Per-token metrics [B, R] are summed here and become token means over the batch in report;
     # scalar metrics become means over micro-batches.
     sums = {k: float((v.detach() * mask).sum()) for k, v in metrics.items() if torch.is_tensor(v) and v.dim() == 2}
@@ -299,8 +305,7 @@ def report(ctx, node, inputs):
                 sums[k] = sums.get(k, 0.0) + v
             for k, v in value["scalars"].items():
                 scalars[k] = scalars.get(k, 0.0) + v / len(micro_batches)
-    p = 0
-    while f"responses_p{p}" in inputs:
+    for p in sorted(int(k.removeprefix("responses_p")) for k in inputs if k.startswith("responses_p")):
         prompt, responses = inputs[f"prompt_p{p}"], inputs[f"responses_p{p}"]
         r = inputs[f"rewards_p{p}"]
         adv = inputs[f"advantages_p{p}"] if f"advantages_p{p}" in inputs else inputs["advantages"][p]
@@ -324,9 +329,8 @@ def report(ctx, node, inputs):
                 row[key] = [float(x) for x in scored[s.as_][g, :n].tolist()]
             rows.append(row)
             rewards.append(float(r[g]))
-        p += 1
     tokens = max(stats["tokens"], 1)
-    step = inputs["step"]
+    step = inputs[node.args.get("names", {}).get("step", "step")]  # a rank's copy reads its own step
     rt = torch.tensor(rewards)
     metrics = {
         "reward_mean": float(rt.mean()) if rewards else 0.0,
@@ -346,4 +350,5 @@ def report(ctx, node, inputs):
     metrics.update(scalars)
     if "kl" not in metrics:
         metrics["kl"] = 0.0
-    return {node.outputs[0]: {"rows": rows, "metrics": metrics}}
+    # "additive": metrics that are sums over the batch, which a data-parallel gather adds up.
+    return {node.outputs[0]: {"rows": rows, "metrics": metrics, "additive": ["loss", *sums]}}

@@ -1,0 +1,144 @@
+"""The data-parallel pass (pipeline/ranks.py) and its lowering onto Dask workers, on compiled graphs.
+CPU only, no engines: invariants of the placed graph, not snapshots."""
+from __future__ import annotations
+
+import random
+
+import pytest
+from dask._task_spec import TaskRef
+
+from rollplex.errors import ConfigError, GraphError
+from rollplex.pipeline.algorithms import load_algorithm
+from rollplex.pipeline.compiler import BatchShape, EngineChoice, ModelDims, compile_iteration
+from rollplex.pipeline.executor import lower, task_key
+from rollplex.pipeline.ir import Node
+from rollplex.pipeline.ranks import (balance, check_data_parallel, check_placement, distribute, fit_prompts_per_node,
+                                     rank_loads, rank_uses)
+from rollplex.pipeline.schedule import schedule
+
+DIMS = ModelDims(128, 2, 2, 32, 1000, 10**6)
+ENGINES = EngineChoice({"decode": "hf", "train": "deepspeed", "score": "transformers"})
+
+
+def compiled(prompts=8, micro=1, per_node=2, chunks=2, ranks=2, policy="rollplex"):
+    shape = BatchShape(prompts=prompts, samples=2, max_new_tokens=2 * chunks, chunk_tokens=2,
+                       micro_batch_groups=micro, prompts_per_node=per_node)
+    return schedule(distribute(compile_iteration(load_algorithm("grpo"), shape, ENGINES, DIMS), ranks), policy)
+
+
+def prompt_rank(p: int, prompts: int, ranks: int) -> int:
+    return p // (prompts // ranks)
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("policy", ["rollplex", "serial"])
+def test_every_node_runs_on_its_prompts_rank_and_device_values_never_cross(ranks, policy):
+    g = compiled(ranks=ranks, policy=policy)
+    check_placement(g)  # raises if a device tensor would move between workers
+    for node in g:
+        r = node.meta["rank"]
+        for p in node.args.get("prompts", [node.args["prompt"]] if "prompt" in node.args else []):
+            if node.kind != "advantage" or len(node.args["prompts"]) == 1:
+                assert prompt_rank(p, 8, ranks) == r, node.name
+    for u, v, data in g.g.edges(data=True):
+        if g.nodes[u].meta["rank"] != g.nodes[v].meta["rank"] and data["reason"] == "value":
+            assert all(g.values[o].device == "host" for o in g.nodes[u].outputs), (u, v)
+        if data["reason"] == "accumulation order":  # each rank sums its own micro-batches
+            assert g.nodes[u].meta["rank"] == g.nodes[v].meta["rank"], (u, v)
+
+
+def test_each_rank_decodes_its_prompts_and_steps_its_own_engine_and_one_report_merges_them():
+    g = compiled(ranks=2, micro=2)
+    for r in range(2):
+        mine = [n for n in g if n.meta["rank"] == r]
+        decode = [n for n in mine if n.kind == "decode_chunk"]
+        assert decode and all(n.args["prompts"] == list(range(4 * r, 4 * r + 4)) for n in decode)
+        losses = [n for n in mine if n.kind == "loss"]
+        assert len(losses) == 2 and all(n.args["world"] == 2 for n in losses)
+        (step,) = [n for n in mine if n.kind == "optimizer_step"]
+        assert set(step.inputs) == {n.outputs[0] for n in losses}
+    # Every loss divides by the global batch's tokens: the gathered stats of both ranks' decodes.
+    (stats,) = g.of_kind("gather")[:1]
+    assert stats.outputs == ("rollout_stats",) and stats.inputs == ("rollout_stats_r0", "rollout_stats_r1")
+    assert all("rollout_stats" in n.inputs for n in g.of_kind("loss"))
+    sinks = [n for n in g.nodes if g.g.out_degree(n) == 0]
+    assert sinks == ["report"] and g.nodes["report"].kind == "gather"
+
+
+def test_one_rank_is_the_compiled_graph_itself():
+    shape = BatchShape(prompts=4, samples=2, max_new_tokens=2, chunk_tokens=2)
+    g = compile_iteration(load_algorithm("grpo"), shape, ENGINES, DIMS)
+    assert distribute(g, 1) is g
+
+
+def test_a_device_value_read_on_another_rank_is_refused_by_name():
+    g = compiled(ranks=2)
+    g.add(Node("peek", "custom", ("ref_logprobs_p7",), ("peeked",), args={"prompts": [0]}, meta={"rank": 0}))
+    g.connect()
+    with pytest.raises(GraphError, match=r"%peek on rank 0 reads from %suffix_ref_logprobs_p6-7 on rank 1.*device"):
+        check_placement(g)
+
+
+def test_a_node_over_two_ranks_prompts_is_refused_unless_host_only():
+    shape = BatchShape(prompts=4, samples=2, max_new_tokens=2, chunk_tokens=2, prompts_per_node=4)
+    g = compile_iteration(load_algorithm("grpo"), shape, ENGINES, DIMS)
+    with pytest.raises(GraphError, match="device tensor"):
+        distribute(g, 2)  # vit_p0-3 spans both ranks; its embeddings are device values
+    assert fit_prompts_per_node(4, 2) == 2 and fit_prompts_per_node(3, 4) == 2 and fit_prompts_per_node(0, 3) == 1
+
+
+def test_lowering_pins_each_task_to_its_ranks_worker_and_orders_across_ranks_by_token():
+    g = compiled(ranks=2, policy="serial")  # serial barriers cross ranks
+    ranks = ["tcp://w0:1", "tcp://w1:1"]
+    inputs = {name: object() for name in g.inputs}
+    low = lower(g, 3, inputs, ranks)
+    home = {task_key(3, n): ranks[node.meta["rank"]] for n, node in g.nodes.items()}
+    for key, task in low.graph.items():
+        if key.endswith("/done"):  # a token: on its producer's worker, refers to that producer only
+            (dep,) = task.dependencies
+            assert low.workers[key] == [home[dep]]
+            continue
+        assert low.workers[key] == [home.get(key, low.workers[key][0])]
+        for dep in task.dependencies:
+            if dep in home and home[dep] != low.workers[key][0]:
+                producer = g.nodes[dep.split("/", 1)[1]]
+                assert all(g.values[o].device == "host" for o in producer.outputs), (key, dep)
+    assert any(k.endswith("/done") for k in low.graph)
+    # Without ranks nothing is pinned (the single-worker path is unchanged).
+    assert not lower(compiled(ranks=1), 3, inputs).workers
+
+
+def test_values_read_on_several_ranks_are_not_counted_down():
+    g = compiled(ranks=2)
+    uses = rank_uses(g)
+    assert uses["rollout_stats", 0] == 0 and uses["rollout_stats", 1] == 0
+    assert uses["responses_p0", 0] >= 3 and ("responses_p0", 1) not in uses
+
+
+def test_balance_gives_equal_counts_and_evens_out_the_loads():
+    rng = random.Random(0)
+    for _ in range(200):
+        ranks = rng.choice([2, 3, 4])
+        costs = [rng.choice([1.0, 2.0, 8.0, 30.0]) * rng.random() for _ in range(ranks * rng.randint(1, 6))]
+        order = balance(costs, ranks)
+        assert sorted(order) == list(range(len(costs)))
+        loads = rank_loads(costs, order, ranks)
+        contiguous = rank_loads(costs, list(range(len(costs))), ranks)
+        assert max(loads) <= max(contiguous) + 1e-9
+        assert max(loads) - min(loads) <= max(costs) + 1e-9  # LPT with equal counts: within one prompt
+    assert balance([5.0] * 4, 2) == [0, 2, 1, 3]  # equal costs: a fixed order
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(prompts=6), "rollout.prompts_per_iteration"),
+    (dict(micro_batch_groups=3), "train.micro_batch_groups"),
+    (dict(train_engine="torch"), "engines.train"),
+    (dict(zero_stage=3), "train.zero_stage"),
+    (dict(decode_engine="vllm"), "engines.decode"),
+])
+def test_data_parallel_settings_are_checked_by_name(kwargs, field):
+    args = dict(workers=4, prompts=8, micro_batch_groups=1, train_engine="deepspeed", zero_stage=2,
+                decode_engine="hf") | kwargs
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        check_data_parallel(**args)
+    check_data_parallel(**(args | {"workers": 1}))  # one rank: nothing to refuse
