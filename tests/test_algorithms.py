@@ -264,3 +264,20 @@ def test_ppo_checkpoint_holds_the_critic_and_restores_it(tmp_path, warmed_model)
         assert critic.lm_head.weight.shape[0] == 1  # still the value head
     finally:
         host.close()
+
+
+@pytest.mark.slow
+def test_ppo_value_loss_falls_as_the_critic_learns(tmp_path, warmed_model):
+    """The same 4 prompts every iteration, fresh samples each time, λ = 1 and no KL: the returns are
+    the rewards. The critic (zero at first) first learns the mean reward, then each prompt's; its loss
+    falls well below where it stood while it knew only the mean (measured: ~.11 → ~.04 by iteration 30)."""
+    session, host, executor = _host(tmp_path, "ppo", "params.kl_coef=0.0", "params.lam=1.0", model_path=warmed_model)
+    try:
+        batch = session.loader.next_batch()
+        losses = []
+        for iteration in range(30):
+            result = executor.run(session.graph, iteration, {f"prompt_p{p}": x for p, x in enumerate(batch)})
+            losses.append(result.output["report"]["metrics"]["loss_critic"])
+        assert sum(losses[-3:]) / 3 < 0.6 * sum(losses[1:6]) / 5, losses
+    finally:
+        host.close()
