@@ -142,3 +142,17 @@ def test_data_parallel_settings_are_checked_by_name(kwargs, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         check_data_parallel(**args)
     check_data_parallel(**(args | {"workers": 1}))  # one rank: nothing to refuse
+
+
+def test_dispatch_gaps_count_only_time_a_ready_node_waited_on_an_idle_stream():
+    """  a ──▶ b        lane (w0, compute): a [0, 10), b [15, 20)   b waited 5 µs after a
+       c ─(order)─▶ d   lane (w1, host): c [0, 30), x [30, 50), d [52, 60)
+                        d's predecessor c ended at 30, but its stream was busy until 50: 2 µs
+    """
+    from rollplex.pipeline.trace import dispatch_gaps
+
+    ev = lambda name, ts, dur, pid, tid: {"name": name, "ts": ts, "dur": dur, "pid": pid, "tid": tid}  # noqa: E731
+    events = [ev("a", 0, 10, "w0", "compute"), ev("b", 15, 5, "w0", "compute"), ev("c", 0, 30, "w1", "host"),
+              ev("x", 30, 20, "w1", "host"), ev("d", 52, 8, "w1", "host")]
+    gaps = dispatch_gaps(events, {"b": ["a"], "d": ["c"], "x": []})
+    assert gaps == pytest.approx({"b": 5e-6, "d": 2e-6})  # a, c, x have no predecessor: no reference
