@@ -88,14 +88,15 @@ def lm_prefix_of(module: torch.nn.Module) -> str:
                       "model.language_model.; not a Qwen2-family model")
 
 
-def fuse_parameters(module: torch.nn.Module, layouts: Sequence[TensorLayout]) -> int:
+def fuse_parameters(module: torch.nn.Module, layouts: Sequence[TensorLayout], frozen_only: bool = False) -> int:
     """Re-allocate each fused group's parameters as views into one buffer (values unchanged). Call
-    before an optimizer holds the parameters. Returns the number of groups fused."""
+    before an optimizer holds the parameters, or with ``frozen_only`` (the vision tower) when one
+    already does (DeepSpeed's flat buffer must keep the trainable ones). Returns the groups fused."""
     params = dict(module.named_parameters())
     fused = 0
     with torch.no_grad():
         for lay, names in fusion_groups(module, layouts, lm_prefix_of(module)):
-            if len(names) < 2:
+            if len(names) < 2 or (frozen_only and any(params[n].requires_grad for n in names)):
                 continue
             ps = [params[n] for n in names]
             if adjacent_view(ps) is not None:
@@ -202,55 +203,88 @@ class Gang:
     (``fused`` allocation), or the rollout-shaped buffer for ``inplace`` decisions; the trainer's HF
     parameters are views into it (``train_params[gpu][hf name]``)."""
 
-    def __init__(self, layouts: Sequence[TensorLayout], plan: GangPlan, full: dict[str, torch.Tensor]) -> None:
+    def __init__(self, layouts: Sequence[TensorLayout], plan: GangPlan, full: dict[str, torch.Tensor],
+                 device: torch.device | str = "cpu", local: Sequence[int] | None = None,
+                 exchange: Callable[[list], list] | None = None) -> None:
+        """``local``: the GPUs this process holds (default: all, emulated); the peers' trainer buffers
+        then come from ``exchange(buffers) -> buffers of every GPU`` (an all-gather across processes)."""
         self.plan = plan
         self.layouts = {lay.name: lay for lay in (layouts if plan.rollout.fused else unfuse(layouts))}
         self.tt, self.tr = plan.trainer.tp, plan.rollout.tp
-        self.buffers: list[dict[str, torch.Tensor]] = []
-        self.train_params: list[dict[str, torch.Tensor]] = []
-        self.rollout: list[dict[str, torch.Tensor]] = []
+        self.device = torch.device(device)
+        self.local = set(range(len(plan.gpus)) if local is None else local)
+        self.exchange = exchange
+        n = len(plan.gpus)
+        self.buffers: list[dict[str, torch.Tensor] | None] = [None] * n
+        self.train_params: list[dict] = [{} for _ in range(n)]
+        self.rollout: list[dict[str, torch.Tensor]] = [{} for _ in range(n)]
         self.moved = {"local": 0, "gathered": 0}
         with torch.no_grad():
             for g in plan.gpus:
-                self._allocate_trainer(g, full)
+                if g.gpu in self.local:
+                    self._allocate_trainer(g, full)
+            self._exchange()
             for g in plan.gpus:
-                self.rollout.append(self._materialise(g))
+                if g.gpu in self.local:
+                    self.rollout[g.gpu] = self._materialise(g)
+
+    def _exchange(self) -> None:
+        """Bring the peers' trainer buffers (current values) into reach, as views of the same geometry."""
+        if self.exchange is None:
+            return
+        everyone = self.exchange(self.buffers)
+        for g in self.plan.gpus:
+            if g.gpu not in self.local:
+                self.buffers[g.gpu] = everyone[g.gpu]
+                self.train_params[g.gpu] = self._views(g, everyone[g.gpu])
 
     # -- geometry --------------------------------------------------------------------------------
     def _pieces(self, lay: TensorLayout, t: int, rank: int) -> list[_Piece]:
         c0, c1 = lay.shard_cols(t, rank)
         return [_Piece(i, a, n, c0, c1 - c0) for i, a, n in lay.shard_rows(t, rank)]
 
+    def _outer(self, lay: TensorLayout, d, g) -> list[_Piece]:
+        """The pieces of the trainer's buffer for one tensor: its own shard, or for an ``inplace``
+        decision the rollout shard its pieces sit inside."""
+        return self._pieces(lay, self.tr, g.roll_rank) if d.kind == "inplace" else self._pieces(lay, self.tt, g.train_rank)
+
+    def buffer_numel(self, lay: TensorLayout, d, g) -> int:
+        outer = self._outer(lay, d, g)
+        return sum(p.rows for p in outer) * max(outer[0].cols if lay.cols else 0, 1)
+
+    def _views(self, g, bufs: dict[str, torch.Tensor]) -> dict:
+        """The trainer's HF parameters on GPU ``g`` as views into its buffers."""
+        params = {}
+        for d in g.decisions:
+            lay = self.layouts[d.tensor]
+            outer, tp = self._outer(lay, d, g), self._pieces(lay, self.tt, g.train_rank)
+            width = outer[0].cols if lay.cols else 0
+            base = 0
+            for i, (o, p) in enumerate(zip(outer, tp)):
+                shape = (p.rows, p.cols) if lay.cols else (p.rows,)
+                stride = (width, 1) if lay.cols else (1,)
+                params[(lay.name, i)] = view_of(bufs[lay.name], (base + p.row0 - o.row0) * max(width, 1)
+                                                + (p.col0 - o.col0), shape, stride)
+                base += o.rows
+        return params
+
     # -- trainer storage -------------------------------------------------------------------------
     def _allocate_trainer(self, g, full: dict[str, torch.Tensor]) -> None:
         dtype = getattr(torch, self.plan.trainer.dtype)
-        bufs, params = {}, {}
-        for d in g.decisions:
-            lay = self.layouts[d.tensor]
-            tp = self._pieces(lay, self.tt, g.train_rank)
-            if d.kind == "inplace":  # the rollout shard's shape; the trainer's pieces sit inside it
-                outer = self._pieces(lay, self.tr, g.roll_rank)
-            else:
-                outer = tp
-            width = outer[0].cols if lay.cols else 0
-            buf = torch.zeros(sum(p.rows for p in outer) * max(width, 1), dtype=dtype)
-            base = 0
-            for i, (o, p) in enumerate(zip(outer, tp)):
-                at = base + (p.row0 - o.row0)
-                part = lay.parts[o.part]
-                real = max(0, min(p.rows, part.rows - p.row0))  # vocab padding rows hold zeros
-                shape = (p.rows, p.cols) if lay.cols else (p.rows,)
-                stride = (width, 1) if lay.cols else (1,)
-                view = view_of(buf, at * max(width, 1) + (p.col0 - o.col0), shape, stride)
-                src = full[part.hf]
-                src = src.reshape(src.shape[0], -1) if lay.cols else src
-                rows = src[part.hf_row0 + p.row0: part.hf_row0 + p.row0 + real]
-                view[:real].copy_(rows[:, p.col0:p.col0 + p.cols] if lay.cols else rows)
-                params[(lay.name, i)] = view
-                base += o.rows
-            bufs[lay.name] = buf
-        self.buffers.append(bufs)
-        self.train_params.append(params)
+        bufs = {d.tensor: torch.zeros(self.buffer_numel(self.layouts[d.tensor], d, g), dtype=dtype, device=self.device)
+                for d in g.decisions}
+        params = self._views(g, bufs)
+        for (name, i), view in params.items():
+            lay = self.layouts[name]
+            p = self._pieces(lay, self.tt, g.train_rank)[i]
+            part = lay.parts[p.part]
+            real = max(0, min(p.rows, part.rows - p.row0))  # vocab padding rows hold zeros
+            src = full[part.hf]
+            src = src.reshape(src.shape[0], -1) if lay.cols else src
+            rows = src[part.hf_row0 + p.row0: part.hf_row0 + p.row0 + real]
+            view[:real].copy_(rows[:, p.col0:p.col0 + p.cols] if lay.cols else rows)
+        self.buffers[g.gpu] = bufs
+        self.train_params[g.gpu] = params
 
     # -- rollout tensors -----------------------------------------------------------------------
     def _materialise(self, g) -> dict[str, torch.Tensor]:
@@ -268,7 +302,7 @@ class Gang:
             if d.kind == "inplace":
                 out[lay.name] = buf.view(shape)
             else:
-                out[lay.name] = torch.empty(shape, dtype=getattr(torch, self.plan.rollout.dtype))
+                out[lay.name] = torch.empty(shape, dtype=getattr(torch, self.plan.rollout.dtype), device=self.device)
         self._fill(g, out, first=True)
         return out
 
@@ -321,7 +355,10 @@ class Gang:
         """After an optimizer step: rebuild what is not aliased; returns the bytes moved."""
         total = {"local": 0, "gathered": 0}
         with torch.no_grad():
+            self._exchange()
             for g in self.plan.gpus:
+                if g.gpu not in self.local:
+                    continue
                 moved = self._fill(g, self.rollout[g.gpu], first=False)
                 for k in total:
                     total[k] += moved[k]

@@ -415,16 +415,34 @@ class CostModel:
             t += moved / self.c.link_bw(lay.train) + 2 * self.c.collective_latency * math.log2(dp)
         return t
 
+    def share_plan(self):
+        """The weight-sharing plan (pipeline/weightshare) of a colocated layout, or None: what the
+        rollout engine's LM shard aliases of the trainer's storage and what a sync still moves."""
+        lay = self.layout
+        if not (self.weight_sharing and lay.colocated):
+            return None
+        if not hasattr(self, "_share_plan"):
+            from rollplex.pipeline.tensorlayouts import actor_layouts
+            from rollplex.pipeline.weightshare import RolloutSide, TrainerSide, plan_gang
+
+            try:
+                self._share_plan = plan_gang(actor_layouts(self.m, vision=False),
+                                             TrainerSide(lay.tp_train, zero=self.w.zero, dp=lay.train_dp),
+                                             RolloutSide(lay.tp_rollout))
+            except ConfigError:  # shapes that do not split over these degrees: no sharing assumed
+                self._share_plan = None
+        return self._share_plan
+
     def rollout_copy_bytes(self) -> float:
         """Per rollout GPU: rollout weights not physically shared with the training layout."""
-        full = self.m.lm_params * 2 / self.layout.tp_rollout
-        lay = self.layout
-        if self.weight_sharing and lay.colocated and self.w.zero < 3 and lay.tp_train % lay.tp_rollout == 0:
-            return full - self.m.lm_params * 2 / lay.tp_train  # the training shard is a slice of it
-        return full
+        plan = self.share_plan()
+        return plan.per_gpu("extra") if plan is not None else self.m.lm_params * 2 / self.layout.tp_rollout
 
     def _weight_sync(self) -> float:
         lay = self.layout
+        plan = self.share_plan()
+        if plan is not None:  # aliased bytes are current already; copies read+write HBM, gathers cross NVLink
+            return plan.sync_seconds(self.c.hbm_bw, self.c.intra_bw, self.c.collective_latency, self.m.layers)
         nbytes = self.rollout_copy_bytes()
         if lay.colocated:
             return nbytes / self.c.intra_bw + self.c.collective_latency * self.m.layers

@@ -164,10 +164,11 @@ class WorkerHost:
         if why:
             self.sharing_note = f"weight sharing off: {why}"
             return spec.decode_options
-        if spec.decode_engine == "vllm" and getattr(train, "name", "") == "torch":
+        if spec.decode_engine == "vllm":  # vLLM runs q|k|v and gate|up fused: make them one buffer each
             from rollplex.engines.sharing import fuse_parameters, layouts_for_module
 
-            fuse_parameters(train.module, layouts_for_module(train.module))  # AdamW's state is empty yet
+            # AdamW's state is empty yet; DeepSpeed's flat buffer holds the trainable ones in fusion order.
+            fuse_parameters(train.module, layouts_for_module(train.module), frozen_only=train.name != "torch")
         return {**spec.decode_options, "share_model": train.module}
 
     def _make_streams(self) -> dict[str, Any]:

@@ -236,7 +236,8 @@ def _assumptions(scn, results) -> str:
         ("serial/disaggregated", "score full sequences (no prefix sharing), like verl/OpenRLHF; serial+prefix "
          "adds sharing to isolate the overlap gain", ""),
         ("rollplex", "prefix sharing, prefix work under light decode on SM partitions (gate chosen per plan), stage "
-         "fusion of finished groups, rollout weights share the training TP shard", ""),
+         "fusion of finished groups, rollout weights per the sharing plan (views of the training shard where "
+         "layouts agree; `rollplex weights`)", ""),
         ("disaggregated", "same GPU budget, best valid split, weights shipped over the network each step", ""),
         ("host nodes", ", ".join(f"{k} {v * 1e3:g} ms" for k, v in HOST_SECONDS.items()), "assumed"),
         ("transfers", "on a copy lane per GPU at PCIe speed; the iteration ends when its last offload does", ""),
