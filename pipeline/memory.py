@@ -28,6 +28,14 @@ from rollplex.pipeline.ir import Node
 from rollplex.pipeline.schedule import Plan, rebuild, retime
 
 GiB = 1024**3
+
+
+def size(nbytes: float, digits: int = 1) -> str:
+    """Bytes for people: GiB at GPU scale, MiB/KiB for the tiny models of tests and the CPU default."""
+    for unit, scale in (("GiB", GiB), ("MiB", 2**20)):
+        if nbytes >= scale / 10:
+            return f"{nbytes / scale:.{digits if unit == 'GiB' else 2}f} {unit}"
+    return f"{nbytes / 1024:.1f} KiB"
 EPS = 1e-9
 
 
@@ -104,8 +112,8 @@ class MemoryPlan:
     def log(self) -> str:
         before, after = max(self.naive_peak.values(), default=0), max(self.peak.values(), default=0)
         kinds = {k: sum(1 for a in self.actions if a.kind == k) for k in ("free", "offload")}
-        return (f"memory: peak {before / GiB:.1f} GiB → {after / GiB:.1f} GiB per GPU (budget "
-                f"{self.budget / GiB:.1f} GiB): {kinds['offload']} offload/prefetch pair(s), {kinds['free']} free(s)")
+        return (f"memory: peak {size(before)} → {size(after)} per GPU (budget "
+                f"{size(self.budget)}): {kinds['offload']} offload/prefetch pair(s), {kinds['free']} free(s)")
 
 
 # -- tensors and their gaps under a plan -------------------------------------------------------------
@@ -356,10 +364,10 @@ def _explain(plan: Plan, tensors: list[Tensor], decisions: dict, gpu: int, at: f
                 why = f"idle only since t={gap.a:.3f}s; its copy to host takes {t_off:.3g}s"
             else:
                 why = f"needed again at t={gap.b % period:.3f}s; its prefetch takes {t_pre:.3g}s"
-        parts.append(f"{name} {nbytes / GiB:.2f} GiB ({why})")
+        parts.append(f"{name} {size(nbytes, 2)} ({why})")
     now = ", ".join(f"%{n}" for n in running[:4]) or "nothing"
-    return (f"gpu{gpu} needs {used / GiB:.1f} GiB at t={at:.3f}s of the {plan.policy} plan (while {now} run) but "
-            f"the budget is {budget / GiB:.1f} GiB; largest live tensors: " + "; ".join(parts)
+    return (f"gpu{gpu} needs {size(used)} at t={at:.3f}s of the {plan.policy} plan (while {now} run) but "
+            f"the budget is {size(budget)}; largest live tensors: " + "; ".join(parts)
             + ". Raise the budget, shard more (zero stage, TP) or use smaller batches.")
 
 

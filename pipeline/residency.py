@@ -38,8 +38,8 @@ class ResidencyPlan:
     def describe(self) -> str:
         mp = self.memory
         moved = sorted({a.tensor for a in mp.actions if a.kind == "offload"})
-        return (f"memory plan: peak {max(mp.naive_peak.values()) / GiB:.3f} GiB → {max(mp.peak.values()) / GiB:.3f} "
-                f"GiB (budget {mp.budget / GiB:.3f} GiB); offloaded between uses: {', '.join(moved) or 'nothing'}")
+        return (f"memory plan: peak {memory.size(max(mp.naive_peak.values()))} → {memory.size(max(mp.peak.values()))} "
+                f"(budget {memory.size(mp.budget)}); offloaded between uses: {', '.join(moved) or 'nothing'}")
 
 
 def movable_parts(engine_name: str, role: str) -> tuple[str, ...]:
@@ -76,7 +76,14 @@ def plan_residency(graph: IterationGraph, policy: str, *, model_path: str, shape
         ok = r.name in movable or (r.frozen and model not in (trained, "vision", "rollout") and part in score_parts)
         residents.append(replace(r, movable=ok))
     mp = memory.plan_memory(first, residents, budget_bytes)
-    return ResidencyPlan(_strip_plan_meta(mp.plan.graph), mp)
+    planned = _strip_plan_meta(mp.plan.graph)
+    # An offload after a tensor's last use is a new sink; the iteration ends when it is done (the
+    # next iteration's prefetch must find the state where it left it), so the report waits for it.
+    ends = [n for n in graph.nodes if graph.g.out_degree(n) == 0]
+    for name in [n for n in planned.nodes if planned.g.out_degree(n) == 0 and n not in ends]:
+        for end in ends:
+            planned.add_order(name, end, reason="residency")
+    return ResidencyPlan(planned, mp)
 
 
 def _strip_plan_meta(graph: IterationGraph) -> IterationGraph:

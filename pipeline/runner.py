@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from rollplex.config import RunConfig, dump_config
-from rollplex.errors import (EngineError, GraphError, Interrupted, NodeFailure, NonFiniteError, RollplexError,
-                             WorkerLost)
+from rollplex.errors import (ConfigError, EngineError, GraphError, Interrupted, NodeFailure, NonFiniteError,
+                             RollplexError, WorkerLost)
 from rollplex.pipeline import checkpoints
 from rollplex.pipeline.faults import point
 from rollplex.pipeline.preflight import check_servable
@@ -182,8 +182,9 @@ class Session:
         try:
             from rollplex.pipeline.ranks import distribute
 
-            self.graph = schedule(distribute(compile_iteration(self.algorithm, shape, choice, dims), self.world),
-                                  cfg.schedule)
+            self.compiled = distribute(compile_iteration(self.algorithm, shape, choice, dims), self.world)
+            self.memory_plan = self.plan_memory(self.compiled) if cfg.cluster.memory_plan else None
+            self.graph = schedule(self.memory_plan.graph if self.memory_plan else self.compiled, cfg.schedule)
         except GraphError as exc:  # a user DAG file's cycle or dangling value: name the file too
             if not cfg.algorithm.endswith(".py") or cfg.algorithm in str(exc):
                 raise
@@ -204,6 +205,19 @@ class Session:
 
         return checkpoints.save(self.run_dir, iteration, write, loader=self.loader.state_dict(),
                                 keep_last=self.cfg.checkpoint.keep_last, reward=reward)
+
+    def plan_memory(self, graph):
+        """Offload/prefetch nodes so one device fits ``cluster.memory_budget_gib`` (pipeline/residency.py)."""
+        from rollplex.pipeline.residency import GiB, plan_residency
+
+        cfg = self.cfg
+        if cfg.cluster.memory_budget_gib is None:
+            raise ConfigError("cluster.memory_plan needs cluster.memory_budget_gib: the memory each device may use")
+        if self.world > 1:
+            raise ConfigError(f"cluster.memory_plan plans one device; cluster.workers is {self.world}")
+        return plan_residency(graph, cfg.schedule, model_path=self.model_path, shape=self.shape,
+                              budget_bytes=cfg.cluster.memory_budget_gib * GiB, train_engine=self.train_engine,
+                              score_engine=self.score_engine, zero_stage=cfg.train.zero_stage, device=self.device)
 
     def balanced(self, batch: list) -> list:
         """The batch in slot order: rank r's slots get prompts whose predicted prefix + decode cost
@@ -363,6 +377,11 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = 
     elif metrics_path.exists():
         raise RollplexError(f"{run_dir} already holds a run; pass --resume to continue it or pick another --out")
     session = Session(cfg, run_dir)
+    session.loader.log = log
+    for bad in getattr(session.task, "bad_rows", [])[:20]:
+        log(f"data: skipped a bad row: {bad}")
+    if len(getattr(session.task, "bad_rows", [])) > 20:
+        log(f"data: ... {len(session.task.bad_rows) - 20} more bad rows skipped (data_skipped_rows in metrics.jsonl)")
     if state is not None:
         session.loader.load_state_dict(state.loader)  # refuses a checkpoint of another task or seed
         if cfg.warmup.steps and session.reference_path == session.model_path:
@@ -370,7 +389,9 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = 
     else:
         session.reference_path = session.model_path  # a killed attempt's reference is rebuilt by warm-up
     spec = session.host_spec()
-    if cfg.cluster.memory_budget_gib is not None:
+    if session.memory_plan is not None:
+        log(session.memory_plan.describe())
+    elif cfg.cluster.memory_budget_gib is not None:  # without a plan, everything stays resident
         from rollplex.pipeline import preflight
 
         preflight.check_memory_budget(cfg.cluster.memory_budget_gib, preflight.memory_terms(
@@ -404,11 +425,6 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = 
         client.run(quiet_task_errors)
         if faults.active():
             client.run(faults.install_task_hooks)
-    session.loader.log = log
-    for bad in getattr(session.task, "bad_rows", [])[:20]:
-        log(f"data: skipped a bad row: {bad}")
-    if len(getattr(session.task, "bad_rows", [])) > 20:
-        log(f"data: ... {len(session.task.bad_rows) - 20} more bad rows skipped (data_skipped_rows in metrics.jsonl)")
         # Written only now: bad input (config, DAG, engines, cluster) fails above with nothing on disk.
         run_dir.mkdir(parents=True, exist_ok=True)
         checkpoints.clean_stale(run_dir)

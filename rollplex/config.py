@@ -120,6 +120,8 @@ class ClusterConfig:
     dashboard: bool = f(False, doc="serve the Dask dashboard")
     memory_budget_gib: float | None = f(None, lo=0.0, doc="memory per device the engines may hold; checked "
                                         "before they start (null: no check)")
+    memory_plan: bool = f(False, doc="plan residency so each device fits memory_budget_gib: what the engines "
+                          "can move (optimizer state, frozen weights, device values) leaves between its uses")
     tls_ca_file: str | None = f(None, doc="CA bundle for TLS to a tls:// scheduler (with tls_cert and tls_key)")
     tls_cert: str | None = f(None, doc="this client's TLS certificate (PEM)")
     tls_key: str | None = f(None, doc="this client's TLS private key (PEM)")
@@ -142,8 +144,8 @@ class RunConfig:
                                      doc="stop once the mean reward of the last 10 iterations reaches this (null: never)")
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     engines: EnginesConfig = field(default_factory=EnginesConfig)

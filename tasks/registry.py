@@ -27,6 +27,7 @@ def register_task(kind: str) -> Callable[[TaskFn], TaskFn]:
 def task_for(kind: str) -> TaskFn:
     if kind not in _TASKS:
         import rollplex.tasks.nodes  # noqa: F401 - registers the builtin tasks on first use
+        import rollplex.tasks.residency  # noqa: F401 - the memory plan's offload/prefetch
         import rollplex.tasks.gather  # noqa: F401 - data-parallel merges (pipeline/ranks.py)
 
     try:
