@@ -7,9 +7,10 @@ from pathlib import Path
 
 SCALES = {
     "tiny": {},
-    # Qwen2.5-VL-3B's text width (hidden 2048, MLP 11008, 16 heads, 2 KV heads), 16 of its 36 layers
-    # (~1.6B parameters with the small vocabulary), a vision tower of 8 blocks of width 1280.
-    "h200": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=16, num_attention_heads=16,
+    # Qwen2.5-VL-3B's text width (hidden 2048, MLP 11008, 16 heads, 2 KV heads), 8 of its 36 layers
+    # and a vision tower of 8 blocks of width 1280: ~0.8B parameters with the small vocabulary. Every
+    # run ends with a checkpoint (weights and ZeRO's fp32 optimizer state, ~10 GB at this size).
+    "h200": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=8, num_attention_heads=16,
                  num_key_value_heads=2, vision_depth=8, vision_hidden_size=1280, vision_heads=16),
 }
 
