@@ -223,3 +223,16 @@ def test_the_compiled_graph_sees_video_tokens_and_vllm_refuses_video(tmp_path):
     with pytest.raises(EngineError, match="video prompts, which the vllm decode engine does not take"):
         Session(load_config(None, base + [f"data.path={tmp_path / 'video' / 'train.jsonl'}",
                                           "engines.overrides={decode_chunk: vllm}"]), tmp_path)
+
+
+def test_cli_exits_2_naming_the_file_and_line(tmp_path, capsys):
+    from rollplex.cli import main
+
+    (tmp_path / "ok.png").write_bytes(_png())
+    good = {"prompt": "<image>Q", "images": ["ok.png"], "answer": "red"}
+    path = _write_jsonl(tmp_path / "train.jsonl", [good, good, {"prompt": "<image>Q", "images": ["gone.png"],
+                                                                 "answer": "red"}])
+    assert main(["graph", "--set", f"data.path={path}", "--set", "rollout.prompts_per_iteration=2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"rollplex: error: {path} line 3: image 0: {tmp_path / 'gone.png'} does not exist "
+                   "(set data.on_bad_row: skip to leave such rows out)")
