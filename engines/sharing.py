@@ -355,7 +355,8 @@ class Gang:
         """After an optimizer step: rebuild what is not aliased; returns the bytes moved."""
         total = {"local": 0, "gathered": 0}
         with torch.no_grad():
-            self._exchange()
+            if any(d.gathered and d.trainable for g in self.plan.gpus if g.gpu in self.local for d in g.decisions):
+                self._exchange()  # the peers' updated rows
             for g in self.plan.gpus:
                 if g.gpu not in self.local:
                     continue
