@@ -5,6 +5,7 @@ from rollplex.engines import (  # noqa: F401
     deepspeed_train,
     graph_decode,
     hf_score,
+    replay_decode,
     torch_decode,
     torch_train,
     vllm_decode,

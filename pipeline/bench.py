@@ -136,6 +136,7 @@ class PolicyResult:
     decode_seconds: float = 0.0
     tokens: int = 0
     update: dict[str, torch.Tensor] | None = None
+    replayed_update: dict[str, torch.Tensor] | None = None  # the same update on serial's recorded rollout
     trace: dict | None = None
     decode_bytes: float = 0.0  # weights + KV bytes the decode steps had to read, per iteration
     responses: list | None = None
@@ -177,6 +178,7 @@ def compile_for(cfg: BenchConfig, policy: str, config):
 
 def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
     from rollplex.engines.base import EngineContext, get_engine
+    from rollplex.engines.replay_decode import Recorder, ReplayDecodeEngine
     from rollplex.pipeline.local import LocalExecutor
     from rollplex.pipeline.trace import chrome_trace, overlap_seconds, seconds_by_kind
     from rollplex.tasks.rewards import get_reward, register_reward
@@ -211,15 +213,20 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
         f"{torch.cuda.get_device_name() if cfg.device == 'cuda' else 'cpu'}; built in {time.time() - t0:.1f}s")
     partitions = sm_partitions(cfg, decode) if cfg.device == "cuda" else None
     results: dict[str, PolicyResult] = {}
-    for policy in cfg.policies:
-        graph = compile_for(cfg, policy, config)
+    recorder = Recorder(decode)  # serial's rollouts, replayed below so updates compare on one rollout
+
+    def host_for(policy: str, decode_engine) -> tuple[Any, Any]:
         streams = ({"decode": torch.cuda.Stream(device), "compute": torch.cuda.Stream(device)}
                    if cfg.device == "cuda" else {})
-        host = _host(cfg, actor, ref_engine, decode, policy, streams)
+        host = _host(cfg, actor, ref_engine, decode_engine, policy, streams)
         if policy == "rollplex":
             host.partitions = partitions
             host.gate_rows = cfg.gate_rows
-        executor = LocalExecutor(host)
+        return host, LocalExecutor(host)
+
+    for policy in cfg.policies:
+        graph = compile_for(cfg, policy, config)
+        host, executor = host_for(policy, recorder if policy == "serial" else decode)
         res = PolicyResult(policy)
         for iteration in range(cfg.iterations):
             actor.module.load_state_dict(start_state)  # every policy, every iteration: same start
@@ -255,6 +262,16 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
                                  + kv_reads * spec.kv_bytes_per_token(2)) / (cfg.iterations - 1)
         results[policy] = res
         log(f"  {policy:15s} {res.median:7.3f} s/it   " + "  ".join(f"{k} {v:.2f}" for k, v in sorted(res.by_kind.items())))
+    if recorder.recorded:  # iteration 0 again under every policy, on serial's recorded rollout
+        replay = ReplayDecodeEngine(recorder.recorded)
+        for policy, res in results.items():
+            _, executor = host_for(policy, replay)
+            actor.module.load_state_dict(start_state)
+            actor.optimizer.load_state_dict(start_optim)
+            executor.run(compile_for(cfg, policy, config), 0,
+                         {f"prompt_p{p}": x for p, x in enumerate(make_prompts(cfg, config, 0))})
+            res.replayed_update = {k: (v.detach().float() - start_state[k].float()) for k, v in
+                                   actor.module.state_dict().items() if "visual" not in k}
     return report(cfg, spec, results, out_dir, decode, log)
 
 
@@ -320,10 +337,11 @@ def report(cfg, spec, results: dict[str, PolicyResult], out_dir: Path, decode, l
             f"{row['tokens_per_s']:8.0f} {row['ratio_to_bound']:7.2f} {res.decode_bandwidth() / 1e12:11.2f}")
         if res.trace is not None:
             atomic_write_text(out_dir / f"trace_{name}.json", json.dumps(res.trace))
-    checks = compare_updates(results)
-    for line in checks:
+    updates = compare_updates(results)
+    for line in update_lines(updates):
         log(line)
-    summary = {"config": cfg.__dict__ | {"policies": list(cfg.policies)}, "results": rows, "update_checks": checks,
+    summary = {"config": cfg.__dict__ | {"policies": list(cfg.policies)}, "results": rows, "updates": updates,
+               "update_checks": update_lines(updates),
                "device": torch.cuda.get_device_name() if cfg.device == "cuda" else "cpu",
                "date": time.strftime("%Y-%m-%d")}
     atomic_write_text(out_dir / "bench.json", json.dumps(summary, indent=1, default=str))
@@ -331,20 +349,43 @@ def report(cfg, spec, results: dict[str, PolicyResult], out_dir: Path, decode, l
     return summary
 
 
-def compare_updates(results: dict[str, PolicyResult]) -> list[str]:
-    """The first iteration's update (new − start weights) from the same start, against serial's:
-    ‖Δ_policy − Δ_serial‖ / ‖Δ_serial‖ over all trained tensors, and whether the sampled responses
-    were the same (bf16 kernels on a different SM partition may round differently and flip a sample)."""
-    lines = []
+def relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """‖a − b‖ / ‖b‖ over all tensors."""
+    num = sum(float((a[k] - b[k]).double().pow(2).sum()) for k in b)
+    den = sum(float(b[k].double().pow(2).sum()) for k in b)
+    return math.sqrt(num / max(den, 1e-30))
+
+
+def compare_updates(results: dict[str, PolicyResult]) -> list[dict]:
+    """The first iteration's update (new − start weights) from the same start, against serial's.
+    ``sampled``: each policy's own rollout (bf16 kernels on another SM partition may round
+    differently and flip a sample, and then everything downstream differs). ``replayed``: serial's
+    recorded rollout under every policy, so only the scoring, the loss and the update are compared;
+    serial's own row compares its replayed update with its sampled one (the replay itself)."""
+    rows = []
     ref = results.get("serial")
+    if ref is None or ref.update is None:
+        return rows
     for name, res in results.items():
-        if ref is None or res is ref or res.update is None:
+        if res.update is None:
             continue
-        num = sum(float((res.update[k] - ref.update[k]).double().pow(2).sum()) for k in ref.update)
-        den = sum(float(ref.update[k].double().pow(2).sum()) for k in ref.update)
-        same = sum(a == b for a, b in zip(res.responses or [], ref.responses or []))
-        lines.append(f"update {name} vs serial: relative difference {math.sqrt(num / max(den, 1e-30)):.2e}; "
-                     f"{same}/{len(ref.responses or [])} responses identical")
+        replayed = ref.update if res is ref else ref.replayed_update
+        rows.append({"policy": name,
+                     "sampled": relative_difference(res.update, ref.update),
+                     "identical_responses": sum(a == b for a, b in zip(res.responses or [], ref.responses or [])),
+                     "responses": len(ref.responses or []),
+                     "replayed": (relative_difference(res.replayed_update, replayed)
+                                  if res.replayed_update is not None and replayed is not None else None)})
+    return rows
+
+
+def update_lines(rows: list[dict]) -> list[str]:
+    lines = []
+    for r in rows:
+        what = "replayed vs sampled" if r["policy"] == "serial" else "vs serial"
+        lines.append(f"update {r['policy']} {what}: sampled {r['sampled']:.2e} ({r['identical_responses']}/"
+                     f"{r['responses']} responses identical)" + (f", on serial's replayed rollout {r['replayed']:.2e}"
+                                                                if r["replayed"] is not None else ""))
     return lines
 
 

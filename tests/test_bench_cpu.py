@@ -1,0 +1,39 @@
+"""``rollplex bench`` on the CPU with the tiny model: every policy runs full iterations side by side,
+and on one recorded rollout (the replay engine) every policy computes serial's update."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rollplex.config import load_config
+from rollplex.engines.base import DecodeRequest, FinishedSequence
+from rollplex.engines.replay_decode import ReplayDecodeEngine
+from rollplex.errors import EngineError
+from rollplex.pipeline.bench import BenchConfig, run
+from rollplex.pipeline.runner import resolve_model_path
+
+
+@pytest.mark.slow
+def test_bench_runs_every_policy_and_replayed_updates_agree(tmp_path):
+    config = resolve_model_path(load_config(None, [])) + "/config.json"
+    out = run(BenchConfig(model=config, device="cpu", dtype="float32", prompts=2, samples=2, vision_tokens=16,
+                          text_tokens=8, max_new_tokens=8, mean_new_tokens=4, chunk_tokens=4, iterations=2,
+                          out=str(tmp_path)), log=lambda *a: None)
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert [r["policy"] for r in saved["results"]] == ["serial-noshare", "serial", "rollplex"]
+    assert all(r["median_s"] > 0 and r["seconds_by_kind"]["decode_chunk"] > 0 for r in saved["results"])
+    updates = {u["policy"]: u for u in out["updates"]}
+    assert updates["serial"]["replayed"] == 0.0  # replaying serial's rollout reproduces its update exactly
+    assert updates["rollplex"]["replayed"] <= 1e-6  # same rollout, other schedule: the same update
+    assert updates["serial-noshare"]["replayed"] <= 1e-3  # full-sequence scoring: fp32 rounding only
+    assert (tmp_path / "bench.png").exists() and (tmp_path / "trace_rollplex.json").exists()
+
+
+def test_replay_returns_recorded_samples_and_names_a_missing_one():
+    seq = FinishedSequence("it0-p0", [5, 6], [-0.1, -0.2], "stop", index=1)
+    engine = ReplayDecodeEngine({("it0-p0", 0): FinishedSequence("it0-p0", [7], [-0.3], "stop"), ("it0-p0", 1): seq})
+    engine.add_requests([DecodeRequest("it0-p0", [1, 2], None, None, 4, seed=0, n=2)])
+    assert engine.has_unfinished() and engine.step(4)[1] is seq and not engine.has_unfinished()
+    with pytest.raises(EngineError, match="no recorded response for request 'it0-p1' sample 0"):
+        engine.add_requests([DecodeRequest("it0-p1", [1], None, None, 4, seed=0)])
