@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+import networkx as nx
 import pytest
 import torch
 
@@ -164,6 +165,34 @@ def test_every_algorithm_is_built_in_and_uses_only_the_public_api():
         assert len(source.splitlines()) <= 90, f"{name}.py is more than about a page"
     assert grpo.algorithm.trainable == ["actor"]
     assert ppo.algorithm.trainable == ["actor", "critic"]
+
+
+@pytest.mark.parametrize("name", ["grpo", "ppo", "rloo", "dapo", "reinforce_pp"])
+def test_every_algorithm_compiles_under_both_schedules(name):
+    """Serial barriers put grad forwards in the training phase, unless the advantage reads them (PPO's
+    critic values, REINFORCE++'s old log-probs): then they stay in scoring, or the barrier would be a
+    cycle. Each trained model gets its own losses and optimizer step; only the policy is synced."""
+    from rollplex.pipeline.compiler import BatchShape, EngineChoice, ModelDims, compile_iteration
+    from rollplex.pipeline.schedule import schedule
+
+    alg = load_algorithm(name)
+    choice = EngineChoice({"decode": "vllm", "train": "torch", "score": "transformers"})
+    for sharing in (True, False):
+        graph = compile_iteration(alg, BatchShape(4, 4, 8, 4, micro_batch_groups=2, prefix_sharing=sharing), choice,
+                                  ModelDims(128, 2, 2, 32, 600, 10**6))
+        for policy in ("serial", "rollplex"):
+            schedule(graph, policy).lint()
+        steps = {n.model for n in graph.of_kind("optimizer_step")}
+        assert steps == set(alg.trainable)
+        assert {n.model for n in graph.of_kind("loss")} == steps
+        assert [n.model for n in graph.of_kind("weight_sync")] == ["actor"]
+    if name == "ppo":  # the critic's prefix is scheduled like the reference's: in the decode window
+        graph = schedule(compile_iteration(alg, BatchShape(4, 4, 8, 4, micro_batch_groups=2), choice,
+                                           ModelDims(128, 2, 2, 32, 600, 10**6)), "rollplex")
+        assert {n.model for n in graph.of_kind("prefix")} == {"actor", "ref", "critic"}
+        decode = {n.name for n in graph.of_kind("decode_chunk")}
+        for node in graph.of_kind("prefix"):  # nothing orders it after decode: it runs beside it
+            assert not nx.ancestors(graph.g, node.name) & decode, node.name
 
 
 # -- end to end, in process (hf decode, torch AdamW; the Dask path runs in the measured runs) ------------
