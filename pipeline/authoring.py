@@ -18,6 +18,11 @@ by the compiler; the author never writes a schedule.
 
     @grpo.loss(agg="token-mean")
     def loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps=0.2, kl_coef=0.04): ...
+
+A second trained model (PPO's critic) is declared with ``critic(name, copy_of=...)``, scored like any
+model (``score("critic", as_="values", grad=True)``) and trained by ``@loss(model="critic")`` with an
+optimizer step of its own. A model may name its own engine (``frozen(..., engine=...)``), and a node
+of a kind registered outside pipeline/ is placed with ``node(kind=..., model=...)``.
 """
 from __future__ import annotations
 
