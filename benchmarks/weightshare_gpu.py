@@ -74,7 +74,12 @@ def run_mode(mode: str, args, queue) -> None:
         sync_s.append(time.perf_counter() - t)
     lm = [p for n, p in train.module.named_parameters() if "visual" not in n]
     shared = sum(1 for n, p in rollout.named_parameters() if any(p.data_ptr() == q.data_ptr() for q in lm))
-    peak = torch.cuda.max_memory_allocated(device) if cuda else 0
+    if cuda:
+        peak = torch.cuda.max_memory_allocated(device)
+    else:  # this process's peak resident memory (each mode runs in its own process)
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     queue.put({"mode": mode, "model": spec.name, "params": params, "layers": model.config.get_text_config().num_hidden_layers,
                "peak_bytes": int(peak), "sync_seconds": sync_s, "sync_median_s": statistics.median(sync_s[1:] or sync_s),
                "rollout_params_on_trainer_storage": shared, "greedy_tokens_first": tokens[0][0][:8]})
@@ -102,7 +107,7 @@ def main() -> None:
         proc.join()
     print(f"{rows[0]['model']} ({rows[0]['params'] / 1e9:.2f}B parameters, {rows[0]['layers']} layers), "
           f"torch AdamW trainer + torch-graph decode, {args.device}")
-    print(f"{'mode':8s} {'peak GiB':>9s} {'sync ms (median)':>17s} {'rollout params on trainer storage':>34s}")
+    print(f"{'mode':8s} {'peak GiB' if args.device == 'cuda' else 'peak RSS':>9s} {'sync ms (median)':>17s} {'rollout params on trainer storage':>34s}")
     for r in rows:
         print(f"{r['mode']:8s} {r['peak_bytes'] / 2**30:9.2f} {r['sync_median_s'] * 1e3:17.2f} "
               f"{r['rollout_params_on_trainer_storage']:34d}")

@@ -140,7 +140,8 @@ def from_dict(data: dict, p: Path | str = "config.json") -> VLMSpec:
                    vit_window=(vision.get("window_size", 112) // vision.get("patch_size", 14)) ** 2,
                    spatial_merge=vision.get("spatial_merge_size", 2))
     return VLMSpec(
-        name=p.parent.name or str(p), hidden=hidden, layers=need(text, "num_hidden_layers", ""), heads=heads,
+        name=(p.parent.name if p.name == "config.json" else p.stem) or str(p), hidden=hidden,
+        layers=need(text, "num_hidden_layers", ""), heads=heads,
         kv_heads=text.get("num_key_value_heads", heads), head_dim=text.get("head_dim") or hidden // heads,
         intermediate=need(text, "intermediate_size", ""), vocab=need(text, "vocab_size", ""),
         tied=bool(text.get("tie_word_embeddings", data.get("tie_word_embeddings", False))), **vit)
