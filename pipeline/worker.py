@@ -168,7 +168,8 @@ class WorkerHost:
             from rollplex.engines.sharing import fuse_parameters, layouts_for_module
 
             # AdamW's state is empty yet; DeepSpeed's flat buffer holds the trainable ones in fusion order.
-            fuse_parameters(train.module, layouts_for_module(train.module), frozen_only=train.name != "torch")
+            fuse_parameters(train.module, layouts_for_module(train.module),
+                            frozen_only=getattr(train, "name", "") != "torch")
         return {**spec.decode_options, "share_model": train.module}
 
     def _make_streams(self) -> dict[str, Any]:

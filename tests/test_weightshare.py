@@ -321,3 +321,39 @@ def test_deepspeed_zero2_shares_its_flat_buffer_and_zero3_is_refused(tiny_model_
     params = dict(train.module.named_parameters())
     torch.testing.assert_close(qkv, torch.cat([params[f"model.language_model.layers.0.self_attn.{n}_proj.weight"]
                                                for n in "qkv"]).detach(), rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------------------------------
+# what users see: `rollplex weights`, and the weight_sync node of `rollplex graph`
+def test_weights_cli_prints_hbm_saved_and_refuses_bad_degrees(capsys, tmp_path):
+    import json
+
+    from rollplex.cli import main
+
+    out = tmp_path / "w.json"
+    assert main(["weights", "--model", "qwen2.5-vl-32b", "--tp-train", "8", "--tp-roll", "4", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "GiB saved" in text and "mlp.gate_up" in text and "gather into" in text
+    row = json.loads(out.read_text())[0]
+    assert row["aliased_bytes_per_gpu"] > 0 and row["tp_train"] == 8
+    assert main(["weights", "--model", "qwen2.5-vl-7b", "--tp-train", "2", "--tp-roll", "3"]) == 2
+    assert "must divide one another" in capsys.readouterr().err
+    assert main(["weights", "--model", "qwen2.5-vl-7b", "--zero", "3", "--tp-train", "2", "--tp-roll", "2"]) == 0
+    assert "ZeRO-3" in capsys.readouterr().out
+
+
+def test_weight_sync_node_carries_the_plan(tiny_model_dir):
+    from rollplex.dags.grpo import grpo
+    from rollplex.pipeline.compiler import BatchShape, EngineChoice, ModelDims, compile_iteration
+    from rollplex.pipeline.weightshare import annotate_run
+
+    dims = ModelDims(hidden=128, layers=2, kv_heads=2, head_dim=32, vocab=600, params=600_000)
+    graph = compile_iteration(grpo, BatchShape(prompts=2, samples=2, max_new_tokens=8, chunk_tokens=4,
+                                               micro_batch_groups=1),
+                              EngineChoice({"decode": "vllm", "train": "deepspeed", "score": "transformers"}), dims)
+    plan = annotate_run(graph, str(tiny_model_dir), "vllm", "deepspeed", "float32", 2, "auto")
+    assert plan is not None and plan.saved_per_gpu() == plan.per_gpu("nbytes")  # TP 1: everything a view
+    line = next(ln for ln in str(graph).splitlines() if ln.startswith("%weight_sync"))
+    assert "aliased 2." in line and "rebuilt 0.0MiB" in line
+    annotate_run(graph, str(tiny_model_dir), "vllm", "deepspeed", "float32", 3, "auto")
+    assert "ZeRO-3" in next(ln for ln in str(graph).splitlines() if ln.startswith("%weight_sync"))
