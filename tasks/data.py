@@ -268,9 +268,10 @@ class PromptLoader:
 
     def __post_init__(self) -> None:
         if not 1 <= self.prompts_per_batch <= len(self.task):
-            raise ConfigError(
-                f"prompts_per_batch={self.prompts_per_batch}: must be between 1 and the task size {len(self.task)}"
-            )
+            where = (f"the {len(self.task)} usable rows of {self.task.path}" if hasattr(self.task, "path")
+                     else f"the task size {len(self.task)}")
+            raise ConfigError(f"prompts_per_batch={self.prompts_per_batch} (rollout.prompts_per_iteration): "
+                              f"must be between 1 and {where}")
         if self.seed < 0:
             raise ConfigError(f"loader seed={self.seed}: must be >= 0")
 

@@ -134,6 +134,9 @@ def test_parquet_bad_rows_name_the_row_and_config_errors(tmp_path):
         FileDataset(_write_jsonl(tmp_path / "e.jsonl", [{"prompt": "", "answer": "x"}]), on_bad_row="skip")
     with pytest.raises(ConfigError, match="unknown reward"):
         FileDataset(tmp_path / "d.parquet", on_bad_row="skip", reward="nope")
+    small = FileDataset(tmp_path / "d.parquet", on_bad_row="skip")
+    with pytest.raises(ConfigError, match=r"prompts_per_iteration\): must be between 1 and the 1 usable rows of"):
+        PromptLoader(small, None, 2)
 
 
 def test_loader_skips_late_bad_rows_reproducibly_and_resumes(tmp_path, builder):
