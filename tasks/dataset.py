@@ -146,6 +146,7 @@ class FileDataset:
                 lines = self.path.read_text(encoding="utf-8").splitlines()
             except (OSError, UnicodeDecodeError) as exc:
                 raise DataError(f"data.path: {self.path} cannot be read: {exc}") from None
+            # A malformed line is yielded as its error, so that it becomes a bad row like any other.
             for number, line in enumerate(lines, 1):
                 if not line.strip():
                     continue
@@ -335,8 +336,10 @@ def probe_shape(task, builder: PromptBuilder, vision_token_ids: tuple[int, ...])
         if not task.max_prompt_tokens:
             task.max_prompt_tokens = max(p.num_tokens for p in prompts)
     tokens = max(p.num_tokens for p in prompts)
+    if isinstance(task, FileDataset):
+        tokens = task.max_prompt_tokens  # the cap every later row is held to
     vision = max(sum(int((p.input_ids == t).sum()) for t in vision_token_ids) for p in prompts)
-    return (task.max_prompt_tokens or tokens) if isinstance(task, FileDataset) else tokens, vision
+    return tokens, vision
 
 
 # --------------------------------------------------------------------------------------------------

@@ -56,8 +56,8 @@ def test_every_command_of_the_tutorial_runs(tmp_path):
     assert (tmp_path / "my_grpo.svg").read_text().lstrip().startswith("<svg")
     run = tmp_path / "runs" / "my_grpo"
     assert "my_grpo on cpu" in log and "engines decode=hf" in log
-    decode_lines = [l for l in (run / "graph.txt").read_text().splitlines() if "= decode_chunk" in l]
-    assert decode_lines and all("@hf(" in l for l in decode_lines)
-    rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    decode_lines = [line for line in (run / "graph.txt").read_text().splitlines() if "= decode_chunk" in line]
+    assert decode_lines and all("@hf(" in line for line in decode_lines)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [0, 1, 2, 3] and all(r["data_skipped_rows"] == 0 for r in rows)
     assert {p.name for p in (run / "plots").iterdir()} == {"curves.png", "time_by_kind.png", "gantt_iter_000003.png"}
