@@ -156,12 +156,17 @@ def _join_group(spec: HostSpec, rank: int, world: int, master: str, port: int, l
     if device.startswith("cuda") and torch.cuda.device_count() > 1:
         device = f"cuda:{local_rank % torch.cuda.device_count()}"
         torch.cuda.set_device(device)
-    if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("nccl" if device.startswith("cuda") else "gloo",
-                                             init_method=f"tcp://{master}:{port}", rank=rank, world_size=world,
-                                             timeout=datetime.timedelta(seconds=RANK_TIMEOUT_S))
+    torch.distributed.init_process_group("nccl" if device.startswith("cuda") else "gloo",
+                                         init_method=f"tcp://{master}:{port}", rank=rank, world_size=world,
+                                         timeout=datetime.timedelta(seconds=RANK_TIMEOUT_S))
     install_host(dataclasses.replace(spec, device=device), name=f"rank{rank}")
     return os.getpid()
+
+
+def _in_group() -> bool:
+    import torch
+
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def rank_order(workers: dict[str, dict]) -> list[str]:
@@ -179,6 +184,11 @@ def form_ranks(client, spec: HostSpec, world: int, timeout: float = 120) -> list
         have = len(client.scheduler_info(n_workers=-1)["workers"])
         raise RollplexError(f"cluster.workers is {world} but only {have} Dask worker(s) joined within "
                             f"{timeout:.0f} s; start one `dask worker` per GPU (or rank)") from None
+    if any(client.run(_in_group).values()):
+        # An earlier run's ranks (a cluster that outlives its runs): DeepSpeed caches groups made from
+        # the old one, so fresh processes are the clean way to a new group.
+        client.restart(timeout=timeout)
+        client.wait_for_workers(world, timeout=timeout)
     workers = client.scheduler_info(n_workers=-1)["workers"]
     if len(workers) != world:
         raise RollplexError(f"the Dask cluster has {len(workers)} workers but cluster.workers is {world}; "

@@ -10,7 +10,8 @@ weights. Adam's update is nearly scale-free, so the weights alone would not catc
 rank instead of over the global batch; the logged gradient norm (the global one, after the all-reduce
 and before clipping) does. The kill test SIGKILLs one rank's worker process inside iteration 1's
 optimizer step: the run restarts both ranks, forms the process group again, rolls back to iteration 0's
-checkpoint and replays, ending where the uninterrupted 2-rank run ends.
+checkpoint and replays, ending where the uninterrupted 2-rank run ends. Both 2-rank runs share one stock
+cluster, as consecutive jobs would.
 """
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -97,11 +97,26 @@ def assert_equal_to_rounding(a: dict[str, torch.Tensor], b: dict[str, torch.Tens
     assert worst[0] <= 1e-2 * LR, f"{worst[1]} differs by {worst[0]:.3g}"
 
 
+# The fault is armed on the workers from the start but inert until a driver with the same variables
+# installs the task hooks (faults.install_task_hooks): only the kill test's run does.
+FAULT = {"ROLLPLEX_TEST_FAULT": "task:optimizer_step:before#2", "ROLLPLEX_TEST_FAULT_KILL": "self"}
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
-    """The one-worker reference (LocalCluster) and the 2-rank run on a stock cluster, side by side."""
+def cluster(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cluster")
+    env = {**FAULT, "ROLLPLEX_TEST_FAULT_ONCE": str(root / "fired")}
+    stock = StockCluster(root, workers=2, env=env)
+    try:
+        yield stock, env
+    finally:
+        stock.close()
+
+
+@pytest.fixture(scope="module")
+def runs(cluster, tmp_path_factory) -> dict[str, Path]:
+    """The one-worker reference (LocalCluster) and the 2-rank run on the stock cluster, side by side."""
     root = tmp_path_factory.mktemp("dp")
-    cluster = StockCluster(root, workers=2)
     out = {"one": root / "one", "two": root / "two"}
     errors: list[BaseException] = []
 
@@ -112,14 +127,11 @@ def runs(tmp_path_factory) -> dict[str, Path]:
             errors.append(exc)
 
     threads = [threading.Thread(target=go, args=(out["one"],)),
-               threading.Thread(target=go, args=(out["two"], "--scheduler", cluster.address, "--workers", "2"))]
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        cluster.close()
+               threading.Thread(target=go, args=(out["two"], "--scheduler", cluster[0].address, "--workers", "2"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
     if errors:
         raise errors[0]
     return out
@@ -146,16 +158,12 @@ def test_two_data_parallel_ranks_equal_one_worker_with_the_same_global_batch(run
     assert len({e["pid"] for e in steps}) == 2
 
 
-def test_a_killed_rank_worker_is_replaced_and_no_update_is_lost_or_applied_twice(runs, tmp_path):
-    once = tmp_path / "fired"
-    fault = {"ROLLPLEX_TEST_FAULT": "task:optimizer_step:before#2", "ROLLPLEX_TEST_FAULT_KILL": "self",
-             "ROLLPLEX_TEST_FAULT_ONCE": str(once)}
-    cluster = StockCluster(tmp_path, workers=2, env=fault)
-    try:
-        result = train(tmp_path / "killed", "--scheduler", cluster.address, "--workers", "2", env=fault)
-    finally:
-        cluster.close()
-    assert once.exists(), "the fault never fired"
+def test_a_killed_rank_worker_is_replaced_and_no_update_is_lost_or_applied_twice(cluster, runs, tmp_path):
+    """The second run on the same cluster (its workers restart to leave the first run's group), with the
+    fault's task hooks installed: one rank's worker process dies in iteration 1's optimizer step."""
+    stock, env = cluster
+    result = train(tmp_path / "killed", "--scheduler", stock.address, "--workers", "2", env=env)
+    assert Path(env["ROLLPLEX_TEST_FAULT_ONCE"]).exists(), "the fault never fired"
     log = result.stdout + result.stderr
     assert "iteration 1: lost a Dask worker" in log and "rolling back to iter_000000" in log, log[-3000:]
     assert "ranks formed again" in log

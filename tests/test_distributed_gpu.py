@@ -1,0 +1,33 @@
+"""Two data-parallel ranks on two GPUs (NCCL), one LocalCluster worker per GPU, against one GPU with the
+same global batch. Run on the 2-GPU machine with ``pytest -m gpu tests/test_distributed_gpu.py``.
+
+fp32 and the tiny model, so the comparison is about the runtime (placement, NCCL all-reduce, loss
+normalisation), not bf16 rounding; GPU kernels and NCCL's reduction order still differ between the
+runs, so the tolerance is that of tests/test_distributed.py (1% of one Adam step).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from test_distributed import ARGS, assert_equal_to_rounding, final_weights, rl_rows, train
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+GPU = ["--set", "model.device=cuda", "--set", "model.dtype=float32"]
+
+
+def test_one_worker_per_gpu_equals_one_gpu_with_the_same_global_batch(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.fail(f"needs 2 CUDA devices, found {torch.cuda.device_count()}; run it on the 2-GPU machine")
+    assert "--workers" not in ARGS
+    one, two = tmp_path / "one", tmp_path / "two"
+    # One after the other: the 1-GPU run would otherwise share GPU 0 with rank 0.
+    train(one, *GPU)
+    train(two, *GPU, "--workers", "2")
+    a, b = rl_rows(one), rl_rows(two)
+    assert [r["iteration"] for r in b] == [0, 1]
+    for x, y in zip(a, b):
+        assert y["reward_mean"] == x["reward_mean"]
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-4)
+    assert_equal_to_rounding(final_weights(one), final_weights(two))
+    trace = (two / "traces" / "iter_000001.json").read_text()
+    assert '"rank0"' in trace and '"rank1"' in trace
