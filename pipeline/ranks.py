@@ -49,10 +49,13 @@ def fit_prompts_per_node(prompts_per_node: int, per_rank: int) -> int:
 
 
 def check_data_parallel(workers: int, prompts: int, micro_batch_groups: int, train_engine: str,
-                        zero_stage: int, decode_engine: str) -> None:
+                        zero_stage: int, decode_engine: str, processes: bool = True) -> None:
     """Refuse settings a multi-rank run cannot honour, naming the config field."""
     if workers <= 1:
         return
+    if not processes:
+        raise ConfigError(f"cluster.processes: false puts all {workers} workers in one process, which can hold "
+                          f"only one torch.distributed rank; data-parallel ranks need processes: true")
     if prompts % workers:
         raise ConfigError(f"rollout.prompts_per_iteration ({prompts}) must be a multiple of cluster.workers "
                           f"({workers}): each rank takes an equal share of the batch")

@@ -169,7 +169,8 @@ class Session:
             from rollplex.pipeline.ranks import check_data_parallel, fit_prompts_per_node
 
             check_data_parallel(self.world, shape.prompts, shape.micro_batch_groups, self.train_engine,
-                                cfg.train.zero_stage, self.decode_engine)
+                                cfg.train.zero_stage, self.decode_engine,
+                                processes=cfg.cluster.processes or bool(cfg.cluster.scheduler))
             shape = dataclasses.replace(shape, prompts_per_node=fit_prompts_per_node(
                 shape.prompts_per_node, shape.prompts // self.world))
         choice = EngineChoice({"decode": self.decode_engine, "train": self.train_engine, "score": self.score_engine},

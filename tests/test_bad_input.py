@@ -128,6 +128,10 @@ CASES = {
     "dataset smaller than a batch": Case((*TRAIN, "--set", "task.size=4"), ("task.size (4)", "prompts_per_iteration")),
     "unservable head_dim": Case((*TRAIN, "--set", "model.path=model"), ("head_dim 16", "vLLM", "engines.decode=hf"),
                                 {"model": _model(_heads)}),
+    "ranks without deepspeed": Case((*TRAIN, "--workers", "2", "--set", "engines.train=torch"),
+                                    ("cluster.workers=2", "engines.train is 'torch'", "engines.train=deepspeed")),
+    "prompts not split evenly over ranks": Case((*TRAIN, "--workers", "3"),
+                                                ("rollout.prompts_per_iteration (8)", "cluster.workers (3)")),
     "unservable architecture": Case((*TRAIN, "--set", "model.path=model", *HF_TORCH),
                                     ("LlamaForCausalLM", "Qwen2.5-VL"), {"model": _model(_llama)}),
 }

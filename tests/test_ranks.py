@@ -135,10 +135,11 @@ def test_balance_gives_equal_counts_and_evens_out_the_loads():
     (dict(train_engine="torch"), "engines.train"),
     (dict(zero_stage=3), "train.zero_stage"),
     (dict(decode_engine="vllm"), "engines.decode"),
+    (dict(processes=False), "cluster.processes"),
 ])
 def test_data_parallel_settings_are_checked_by_name(kwargs, field):
     args = dict(workers=4, prompts=8, micro_batch_groups=1, train_engine="deepspeed", zero_stage=2,
-                decode_engine="hf") | kwargs
+                decode_engine="hf", processes=True) | kwargs
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         check_data_parallel(**args)
     check_data_parallel(**(args | {"workers": 1}))  # one rank: nothing to refuse
