@@ -11,7 +11,7 @@
               rank's loss is scaled by R because DeepSpeed averages gradients over ranks, so the
               all-reduced update equals the single-rank one. A ``gather`` report merges the ranks'.
               Accumulation-order edges between ranks are dropped: each rank sums its own micro-batches.
-    ensures   ``node.meta["rank"]`` on every node; ``check_placement``: a value read on another rank
+    ensures   ``node.meta["rank"]`` (and "placement", ``rankR``) on every node; ``check_placement``: a value read on another rank
               than its producer's is host data (and its producer's other outputs too, since Dask moves
               a node's whole output bundle), so device tensors never leave their worker.
 
@@ -104,6 +104,7 @@ def distribute(graph: IterationGraph, ranks: int) -> IterationGraph:
 
     def add(node: Node, rank: int, infos: dict[str, Value]) -> None:
         node.meta["rank"] = rank
+        node.meta["placement"] = f"rank{rank}"  # printed as %name : rank1/compute ...
         out.add(node, **{o: {"nbytes": infos[o].nbytes, "device": infos[o].device, "what": infos[o].what}
                          for o in node.outputs})
 

@@ -3,6 +3,7 @@ CPU only, no engines: invariants of the placed graph, not snapshots."""
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 from dask._task_spec import TaskRef
@@ -157,3 +158,10 @@ def test_dispatch_gaps_count_only_time_a_ready_node_waited_on_an_idle_stream():
               ev("x", 30, 20, "w1", "host"), ev("d", 52, 8, "w1", "host")]
     gaps = dispatch_gaps(events, {"b": ["a"], "d": ["c"], "x": []})
     assert gaps == pytest.approx({"b": 5e-6, "d": 2e-6})  # a, c, x have no predecessor: no reference
+
+
+def test_the_placed_graph_prints_each_nodes_rank():
+    text = str(compiled(prompts=4, ranks=2))
+    assert re.search(r"^%decode_r1_c0 : rank1/decode ", text, re.M)
+    assert re.search(r"^%optimizer_step_r0 : rank0/compute ", text, re.M)
+    assert re.search(r"^%report : rank0/host .* = gather\(%rollout_stats, %report_r0, %report_r1\)$", text, re.M)
