@@ -170,7 +170,7 @@ def compile_for(cfg: BenchConfig, policy: str, config):
     shape = BatchShape(prompts=cfg.prompts, samples=cfg.samples, max_new_tokens=cfg.max_new_tokens,
                        chunk_tokens=cfg.chunk_tokens, micro_batch_groups=1,
                        prompt_tokens=cfg.vision_tokens + cfg.text_tokens + 2, vision_tokens=cfg.vision_tokens,
-                       prefix_sharing=policy != "serial-noshare")
+                       prefix_sharing=policy != "serial-noshare", stage_fusion=policy == "rollplex")
     engines = EngineChoice({"decode": "torch-graph", "train": cfg.train_engine, "score": "transformers"})
     graph = compile_iteration(grpo, shape, engines, ModelDims.from_hf_config(config, 2))
     return schedule(graph, "rollplex" if policy == "rollplex" else "serial")

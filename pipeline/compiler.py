@@ -62,6 +62,13 @@ class BatchShape:
     vision_tokens: int = 16
     prefix_sharing: bool = True
     prompts_per_node: int = 1  # prompts per vit_encode / prefix / suffix_score node (batched forwards)
+    # Frozen models score the groups that finished in each decode chunk right after it (stage fusion),
+    # instead of every group after the last chunk; needs prefix sharing and two chunks or more.
+    stage_fusion: bool = False
+
+    @property
+    def fused(self) -> bool:
+        return self.stage_fusion and self.prefix_sharing and self.chunks > 1
 
     def __post_init__(self) -> None:
         for name in ("prompts", "samples", "max_new_tokens", "chunk_tokens", "micro_batch_groups",
@@ -167,6 +174,7 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
             **{f"vis_p{p}": dev(shape.vision_tokens * dims.hidden * dims.dtype_bytes, "embeddings") for p in ps})
 
     # Decode: chunk 0 prefills every prompt from its vision embeddings; each chunk advances ≤ K tokens.
+    # With stage fusion each chunk also hands on the groups that finished in it (``handoff_c``).
     state = None
     for c in range(shape.chunks):
         last = c == shape.chunks - 1
@@ -177,6 +185,9 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
             outputs += [f"responses_p{p}" for p in range(P)] + ["rollout_stats"]
             info.update({f"responses_p{p}": host(resp_tokens * 12, "sequences") for p in range(P)})
             info["rollout_stats"] = host(64, "scalars")
+        if shape.fused:
+            outputs.append(f"handoff_c{c}")
+            info[f"handoff_c{c}"] = host(P * resp_tokens * 12 / shape.chunks, "sequences")
         add(f"decode_c{c}", "decode_chunk", inputs, outputs, model=policy,
             args={"chunk": c, "chunks": shape.chunks, "tokens": K}, **info)
         state = f"decode_state_c{c}"
@@ -185,6 +196,9 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
     # such forwards are scoring even when they keep a graph (the serial schedule reads this arg).
     early = {r for d in (alg.advantage_fn, *alg.custom) for r in d.reads}
     early_models = {s.model for s in alg.scores if {s.as_, f"old_{s.as_}"} & early}
+
+    def fused(score) -> bool:  # frozen log-prob scores go per decode chunk (stage fusion)
+        return shape.fused and not score.grad and alg.models[score.model].head == "lm"
 
     # Scoring: prefix once per prompt (independent of the responses), suffix per prompt group.
     kv_bytes = dims.kv_bytes(shape.prompt_tokens) + dims.vocab * 4
@@ -217,11 +231,27 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
                 add(f"prefix_{s.model}_{span(ps)}", "prefix", [f"prompt_p{p}" for p in ps] + [f"vis_p{p}" for p in ps],
                     kvs, model=s.model, role=role, args={"prompts": list(ps), "grad": s.grad, **early_arg},
                     **{kv: dev(kv_bytes + held, "kv") for kv in kvs})
+            if fused(s):
+                continue  # scored per decode chunk below
             add(f"suffix_{s.as_}_{span(ps)}", "suffix_score", kvs + responses, outs,
                 model=s.model, role=role, args=args, **score_info)
             if s.grad:
                 grad_nodes.setdefault(("prefix", s.model), []).append(f"prefix_{s.model}_{span(ps)}")
                 grad_nodes.setdefault(("suffix", s.as_), []).append(f"suffix_{s.as_}_{span(ps)}")
+
+        if fused(s):
+            # Stage fusion: after each decode chunk, the groups it finished are scored on the compute
+            # stream while decode goes on; a join hands each prompt's scores on under its usual name.
+            kvs = [f"prefix_{s.model}_p{p}" for p in range(P)]
+            chunk_outs = [f"{s.as_}_c{c}" for c in range(shape.chunks)]
+            for c, out in enumerate(chunk_outs):
+                add(f"suffix_{s.as_}_c{c}", "suffix_score", kvs + [f"handoff_c{c}"], [out], model=s.model, role=role,
+                    args={"prompts": list(range(P)), "as": s.as_, "grad": False,
+                          "head": alg.models[s.model].head, "handoff_chunk": c,
+                          "prompts_per_batch": shape.prompts_per_node},
+                    **{out: dev(logprob_bytes * P / shape.chunks, "logprobs")})
+            add(f"join_{s.as_}", "join", chunk_outs, [f"{s.as_}_p{p}" for p in range(P)],
+                args={"prompts": list(range(P))}, **{f"{s.as_}_p{p}": dev(logprob_bytes, "logprobs") for p in range(P)})
 
     for p in range(P):
         add(f"reward_p{p}", "reward", [f"prompt_p{p}", f"responses_p{p}"], [f"rewards_p{p}"],

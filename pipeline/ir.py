@@ -74,6 +74,7 @@ for _kind in (
     NodeKind("report", None, "host", "sync", "gather host-side records and metrics of the iteration"),
     NodeKind("gather", None, "host", "sync", "merge the ranks' host-side records (data-parallel runs)"),
     NodeKind("custom", None, "host", "score", "a host function of the algorithm's own (Algorithm.node)"),
+    NodeKind("join", None, "host", "score", "hand per-chunk scores on under per-prompt names (stage fusion)"),
     NodeKind("offload", None, "compute", "sync", "move a value from HBM to host memory"),
     NodeKind("prefetch", None, "compute", "sync", "bring an offloaded value back to HBM"),
 ):

@@ -160,6 +160,9 @@ class Session:
             prompt_tokens=prompt_tokens,
             vision_tokens=vision_tokens,
             prefix_sharing=cfg.train.prefix_sharing,
+            # The serial schedule scores after the rollout by definition; data-parallel ranks split
+            # decode per rank (pipeline/ranks.py), which hands groups on only after the last chunk.
+            stage_fusion=cfg.train.stage_fusion and cfg.schedule == "rollplex" and cfg.cluster.workers == 1,
         )
         # cluster.workers > 1: data-parallel ranks, one per worker, each with a share of the batch.
         self.world = cfg.cluster.workers

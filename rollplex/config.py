@@ -87,6 +87,8 @@ class TrainConfig:
                               "forward); 0 = auto: enough prompts that a node's work outweighs its dispatch")
     zero_stage: int = f(2, lo=0, hi=3, doc="DeepSpeed ZeRO stage")
     prefix_sharing: bool = f(True, doc="score the prompt prefix once per group (else full sequences)")
+    stage_fusion: bool = f(True, doc="rollplex schedule: frozen models score the groups each decode chunk "
+                           "finished while decode goes on (one worker)")
     ref_cache_gib: float = f(1.0, lo=0.0, doc="host memory for frozen models' prefixes, reused across "
                              "epochs (0 disables)")
 

@@ -112,30 +112,46 @@ def decode_chunk(ctx, node, inputs):
         engine.add_requests(requests)
         finished: dict[tuple[str, int], FinishedSequence] = {}
         expected = sum(r.n for r in requests)
+        handed: frozenset[int] = frozenset()
     else:
         previous = inputs[node.inputs[0]]
         finished, expected = dict(previous["finished"]), previous["expected"]
+        handed = previous.get("handed", frozenset())
     for seq in engine.step(node.args["tokens"]):
         finished[_sample_key(seq)] = seq
+    num_prompts = expected // s.samples
+    # A rank's decode (pipeline/ranks.py) holds a slice of the batch: outputs by position, and the
+    # prompts' global indices from args.
+    index = node.args.get("prompts", range(num_prompts))
+    fused = node.outputs[-1] == f"handoff_c{chunk}"
+
+    def group(p: int) -> Responses | None:
+        keys = [(request_id(ctx.iteration, p), g) for g in range(s.samples)]
+        return Responses(index[p], [finished[k] for k in keys]) if all(k in finished for k in keys) else None
+
     if chunk < chunks - 1:
-        return {node.outputs[0]: {"finished": finished, "expected": expected}}
+        out = {}
+        if fused:  # stage fusion: groups whose every sample finished in this chunk go on now
+            done = {p: r for p in range(num_prompts) if p not in handed and (r := group(p)) is not None}
+            handed = handed | done.keys()
+            out[node.outputs[1]] = {index[p]: r for p, r in done.items()}
+        out[node.outputs[0]] = {"finished": finished, "expected": expected, "handed": handed}
+        return out
     out: dict[str, Any] = {}
     while len(finished) < expected and engine.has_unfinished():  # max_tokens bounds this loop
         for seq in engine.step(node.args["tokens"]):
             finished[_sample_key(seq)] = seq
     if len(finished) != expected:
         raise RuntimeError(f"decode finished {len(finished)} of {expected} sequences")
-    num_prompts = expected // s.samples
     lengths = []
-    # A rank's decode (pipeline/ranks.py) holds a slice of the batch: outputs by position, and the
-    # prompts' global indices from args.
-    index = node.args.get("prompts", range(num_prompts))
     for p in range(num_prompts):
-        seqs = [finished[request_id(ctx.iteration, p), g] for g in range(s.samples)]
-        out[node.outputs[p]] = Responses(index[p], seqs)
-        lengths += [len(q.token_ids) for q in seqs]
-    out[node.outputs[-1]] = {"tokens": sum(lengths), "sequences": len(lengths),
-                             "max_len": max(lengths, default=0)}
+        responses = group(p)
+        out[node.outputs[p]] = responses
+        lengths += [len(q) for q in responses.token_ids]
+    out[node.outputs[num_prompts]] = {"tokens": sum(lengths), "sequences": len(lengths),
+                                      "max_len": max(lengths, default=0)}
+    if fused:
+        out[node.outputs[-1]] = {index[p]: out[node.outputs[p]] for p in range(num_prompts) if p not in handed}
     return out
 
 
@@ -144,6 +160,20 @@ def suffix_score(ctx, node, inputs):
     model = ctx.model(node.model)
     grad = bool(node.args["grad"])
     s = ctx.settings
+    if "handoff_chunk" in node.args:  # stage fusion: the groups one decode chunk finished
+        handoff = inputs[node.inputs[-1]]
+        kv_of = dict(zip(node.args["prompts"], node.inputs[:-1]))
+        ready, per_batch = sorted(handoff), node.args.get("prompts_per_batch", 1)
+        scored = {}
+        # Batches of the size the unfused nodes use: one prompt per forward on a GPU gives the very
+        # bits the serial schedule computes (padding to another batch's longest response would not).
+        for i in range(0, len(ready), per_batch):
+            batch = ready[i:i + per_batch]
+            logprobs = lm.suffix_logprobs_batch(model, [inputs[kv_of[p]] for p in batch],
+                                                [handoff[p].token_ids for p in batch], pad_id=s.pad_id,
+                                                temperature=s.score_temperature, grad=False)
+            scored.update({p: lp.detach() for p, (lp, _) in zip(batch, logprobs)})
+        return {node.outputs[0]: scored}
     n = len(node.args["prompts"])
     responses = [inputs[v].token_ids for v in node.inputs[-n:]]
     head = node.args.get("head", "lm")  # "value": the model's head is scalar, its outputs are values
@@ -166,6 +196,18 @@ def suffix_score(ctx, node, inputs):
         if grad:
             out[next(names)] = value.detach().cpu()
     return out
+
+
+@register_task("join")
+def join(ctx, node, inputs):
+    """Per-chunk scores (stage fusion) under the per-prompt names the rest of the graph reads."""
+    merged: dict[int, Any] = {}
+    for v in node.inputs:
+        merged.update(inputs[v])
+    missing = [p for p in node.args["prompts"] if p not in merged]
+    if missing:
+        raise RuntimeError(f"%{node.name}: no chunk scored prompts {missing}")
+    return {out: merged[p] for p, out in zip(node.args["prompts"], node.outputs)}
 
 
 @register_task("reward")
