@@ -80,8 +80,9 @@ def run_mode(mode: str, args, queue) -> None:
         import resource
 
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    queue.put({"mode": mode, "model": spec.name, "params": params, "layers": model.config.get_text_config().num_hidden_layers,
-               "peak_bytes": int(peak), "sync_seconds": sync_s, "sync_median_s": statistics.median(sync_s[1:] or sync_s),
+    queue.put({"mode": mode, "model": spec.name, "params": params,
+               "layers": model.config.get_text_config().num_hidden_layers, "peak_bytes": int(peak),
+               "sync_seconds": sync_s, "sync_median_s": statistics.median(sync_s[1:] or sync_s),
                "rollout_params_on_trainer_storage": shared, "greedy_tokens_first": tokens[0][0][:8]})
 
 
@@ -107,7 +108,8 @@ def main() -> None:
         proc.join()
     print(f"{rows[0]['model']} ({rows[0]['params'] / 1e9:.2f}B parameters, {rows[0]['layers']} layers), "
           f"torch AdamW trainer + torch-graph decode, {args.device}")
-    print(f"{'mode':8s} {'peak GiB' if args.device == 'cuda' else 'peak RSS':>9s} {'sync ms (median)':>17s} {'rollout params on trainer storage':>34s}")
+    peak = "peak GiB" if args.device == "cuda" else "peak RSS"
+    print(f"{'mode':8s} {peak:>9s} {'sync ms (median)':>17s} {'rollout params on trainer storage':>34s}")
     for r in rows:
         print(f"{r['mode']:8s} {r['peak_bytes'] / 2**30:9.2f} {r['sync_median_s'] * 1e3:17.2f} "
               f"{r['rollout_params_on_trainer_storage']:34d}")

@@ -52,8 +52,9 @@ def worker(rank: int, args, port: int) -> None:
     ids = torch.randint(0, args.vocab, (args.seq,), generator=torch.Generator().manual_seed(1)).to(device)
     dims = TextDims(args.layers, heads, kv, d, args.vocab, cfg.rms_norm_eps)
     with torch.no_grad():
-        cos, sin = Qwen2ForCausalLM(cfg).model.rotary_emb.to(device)(torch.zeros(1, args.seq, args.hidden, device=device),
-                                          torch.arange(args.seq, device=device)[None])
+        rotary = Qwen2ForCausalLM(cfg).model.rotary_emb.to(device)
+        positions = torch.arange(args.seq, device=device)[None]
+        cos, sin = rotary(torch.zeros(1, args.seq, args.hidden, device=device), positions)
 
     def canonical(tensors):
         return {(k[6:] if k.startswith("model.") else k): v.detach() for k, v in tensors}

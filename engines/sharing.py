@@ -246,7 +246,9 @@ class Gang:
     def _outer(self, lay: TensorLayout, d, g) -> list[_Piece]:
         """The pieces of the trainer's buffer for one tensor: its own shard, or for an ``inplace``
         decision the rollout shard its pieces sit inside."""
-        return self._pieces(lay, self.tr, g.roll_rank) if d.kind == "inplace" else self._pieces(lay, self.tt, g.train_rank)
+        if d.kind == "inplace":
+            return self._pieces(lay, self.tr, g.roll_rank)
+        return self._pieces(lay, self.tt, g.train_rank)
 
     def buffer_numel(self, lay: TensorLayout, d, g) -> int:
         outer = self._outer(lay, d, g)
@@ -344,8 +346,8 @@ class Gang:
                     target.copy_(block)
                     moved["local" if local else "gathered"] += block.numel() * dst.element_size()
                 if got != piece.rows * max(piece.cols, 1):
-                    raise EngineError(f"weight sharing: the trainer ranks hold {got} of the {piece.rows * max(piece.cols, 1)} "
-                                      f"elements {lay.name} needs on GPU {g.gpu}")
+                    raise EngineError(f"weight sharing: the trainer ranks hold {got} of the "
+                                      f"{piece.rows * max(piece.cols, 1)} elements {lay.name} needs on GPU {g.gpu}")
                 at += piece.rows
         for k in moved:
             self.moved[k] += moved[k]
@@ -424,11 +426,12 @@ def tp_forward(dims: TextDims, ids: torch.Tensor, cos: torch.Tensor, sin: torch.
         for r in range(t):
             h = rms(x, weight(r, f"{p}.input_layernorm.weight"))
             if fused:
-                qkv = F.linear(h, weight(r, f"{p}.self_attn.qkv_proj.weight"), weight(r, f"{p}.self_attn.qkv_proj.bias"))
+                qkv = F.linear(h, weight(r, f"{p}.self_attn.qkv_proj.weight"),
+                               weight(r, f"{p}.self_attn.qkv_proj.bias"))
                 q, k, v = qkv.split(split(f"{p}.self_attn.qkv_proj.weight", r), -1)
             else:
-                q, k, v = (F.linear(h, weight(r, f"{p}.self_attn.{n}_proj.weight"), weight(r, f"{p}.self_attn.{n}_proj.bias"))
-                           for n in "qkv")
+                q, k, v = (F.linear(h, weight(r, f"{p}.self_attn.{n}_proj.weight"),
+                                    weight(r, f"{p}.self_attn.{n}_proj.bias")) for n in "qkv")
             d = dims.head_dim
             q = rope(q.view(S, -1, d).transpose(0, 1))
             k = rope(k.view(S, -1, d).transpose(0, 1))
@@ -436,7 +439,8 @@ def tp_forward(dims: TextDims, ids: torch.Tensor, cos: torch.Tensor, sin: torch.
             group = q.shape[0] // k.shape[0]
             k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
             att = torch.softmax(q @ k.transpose(-1, -2) / d ** 0.5 + causal, -1) @ v
-            attn_out = attn_out + F.linear(att.transpose(0, 1).reshape(S, -1), weight(r, f"{p}.self_attn.o_proj.weight"))
+            o_proj = weight(r, f"{p}.self_attn.o_proj.weight")
+            attn_out = attn_out + F.linear(att.transpose(0, 1).reshape(S, -1), o_proj)
         x = x + attn_out
         mlp_out = 0
         for r in range(t):

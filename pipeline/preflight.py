@@ -72,9 +72,10 @@ def parameter_counts(model_path: str) -> tuple[int, int]:
 
 
 def memory_terms(total: int, trainable: int, dtype_bytes: int, train_engine: str, frozen_copies: int,
-                 kv_pool_bytes: int) -> dict[str, float]:
+                 kv_pool_bytes: int, decode_weight_bytes: float | None = None) -> dict[str, float]:
     """Bytes per device, by what holds them. AdamW keeps two moments per trainable parameter: in the
-    parameter dtype in the torch engine, in fp32 plus an fp32 master copy under DeepSpeed bf16."""
+    parameter dtype in the torch engine, in fp32 plus an fp32 master copy under DeepSpeed bf16.
+    ``decode_weight_bytes``: what the decode engine adds under weight sharing (default: a full copy)."""
     if train_engine == "deepspeed":
         optimizer = 8 if dtype_bytes == 4 else 12
     else:
@@ -84,7 +85,7 @@ def memory_terms(total: int, trainable: int, dtype_bytes: int, train_engine: str
         "gradients": trainable * dtype_bytes,
         "optimizer state": trainable * optimizer,
         "frozen copies": frozen_copies * total * dtype_bytes,
-        "decode weights": total * dtype_bytes,
+        "decode weights": total * dtype_bytes if decode_weight_bytes is None else decode_weight_bytes,
         "decode KV pool": kv_pool_bytes,
     }
 

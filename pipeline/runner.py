@@ -400,10 +400,15 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = 
 
         preflight.check_memory_budget(cfg.cluster.memory_budget_gib, preflight.memory_terms(
             *preflight.parameter_counts(session.model_path), 4 if cfg.model.dtype == "float32" else 2,
-            session.train_engine, len(spec.frozen), spec.decode_options.get("kv_cache_bytes", 0)))
+            session.train_engine, len(spec.frozen), spec.decode_options.get("kv_cache_bytes", 0),
+            None if session.weight_plan is None else session.weight_plan.per_gpu("extra")))
     log(f"rollplex: {session.algorithm.name} on {session.device}, schedule={cfg.schedule}, "
         f"engines decode={session.decode_engine} train={session.train_engine} score={session.score_engine}, "
         f"{len(session.graph)} nodes/iteration → {run_dir}")
+    if session.weight_plan is not None:  # engines.weight_sharing
+        plan = session.weight_plan
+        log(f"weight sharing: the decode engine runs on the trainer's weights ({plan.per_gpu('aliased') / 2**20:.1f} "
+            f"MiB as views, {plan.per_gpu('extra') / 2**20:.1f} MiB rebuilt)")
     stop = StopSignals()
     with contextlib.ExitStack() as stack:
         # A task on a dead worker fails at once (KilledWorker) instead of being re-run on a fresh

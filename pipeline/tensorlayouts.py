@@ -185,8 +185,8 @@ def vision_layouts(m: VLMSpec) -> list[TensorLayout]:
                        bias=True, trainable=False)
     out.append(TensorLayout("visual.merger.ln_q.weight", "vision.norm", "replicated",
                             (Part("visual.merger.ln_q.weight", h, h),), 0, trainable=False))
-    out += _linear("visual.merger.mlp.0", "vision.merger", "column", [Part("visual.merger.mlp.0.weight", merged, merged)],
-                   merged, bias=True, trainable=False)
+    out += _linear("visual.merger.mlp.0", "vision.merger", "column",
+                   [Part("visual.merger.mlp.0.weight", merged, merged)], merged, bias=True, trainable=False)
     out += _linear("visual.merger.mlp.2", "vision.merger", "row", [Part("visual.merger.mlp.2.weight", m.vit_out,
                                                                         m.vit_out)], merged, bias=True, trainable=False)
     return out

@@ -160,7 +160,8 @@ def rank_mapping(t_train: int, t_roll: int, mapping: str = "aligned") -> list[tu
             raise ConfigError(f"weight sharing: TP degree {t} must be >= 1")
     big, small = max(t_train, t_roll), min(t_train, t_roll)
     if big % small:
-        raise ConfigError(f"weight sharing: TP degrees {t_train} (train) and {t_roll} (rollout) must divide one another")
+        raise ConfigError(f"weight sharing: TP degrees {t_train} (train) and {t_roll} (rollout) must divide "
+                          "one another")
     if mapping == "aligned":
         return [(g * t_train // big, g * t_roll // big) for g in range(big)]
     if mapping == "contiguous":

@@ -76,8 +76,8 @@ def cmd_weights(args) -> int:
                      "full_sync_bytes": plan.per_gpu("nbytes", trainable=True), "notes": list(plan.notes)})
     print(f"{spec.describe()}\n{args.engine} rollout, ZeRO-{args.zero}, {args.allocation} trainer allocation, "
           f"{args.mapping} rank mapping; GiB per GPU (worst GPU of the gang)")
-    print(f"  {'train→roll':>10s} {'2nd copy':>9s} {'shared':>8s} {'saved':>8s} {'sync copy':>10s} {'sync gather':>12s} "
-          f"{'full sync':>10s}")
+    print(f"  {'train→roll':>10s} {'2nd copy':>9s} {'shared':>8s} {'saved':>8s} {'sync copy':>10s} "
+          f"{'sync gather':>12s} {'full sync':>10s}")
     for r in rows:
         g = 2**30
         print(f"  {r['tp_train']:>4d} → {r['tp_roll']:<3d} {r['copy_bytes_per_gpu'] / g:9.2f} "

@@ -138,7 +138,8 @@ def _forwards(model, spec, ids, gang: Gang, fused: bool):
     def split(name, rank):
         return [n for _, _, n in lays[name].shard_rows(gang.tr, rank)]
 
-    roll = tp_forward(dims, ids, cos, sin, gang.tr, lambda r, n: gang.rollout[gang.rank_gpu("roll", r)][n], fused, split)
+    roll = tp_forward(dims, ids, cos, sin, gang.tr, lambda r, n: gang.rollout[gang.rank_gpu("roll", r)][n], fused,
+                      split)
     train = tp_forward(dims, ids, cos, sin, gang.tt, lambda r, n: gang.trainer_tensor(gang.rank_gpu("train", r), n),
                        False, split)
     return ref, train, roll
