@@ -46,11 +46,14 @@ class Recorder(DecodeEngine):
 
 
 class ReplayDecodeEngine(DecodeEngine):
-    """Returns ``recorded[(request_id, index)]`` for each requested sample, all on the first step."""
+    """Returns ``recorded[(request_id, index)]`` for each requested sample, on the step in which a
+    sampling engine would have finished it (after as many tokens as it has), so that decode chunks
+    hand on the same groups as in the recorded run (stage fusion scores them in the same batches)."""
 
     def __init__(self, recorded: Mapping[Key, FinishedSequence]) -> None:
         self.recorded = dict(recorded)
         self._queue: list[Key] = []
+        self._tokens = 0  # tokens every live sequence has advanced since the requests came
 
     def add_requests(self, requests: Sequence[DecodeRequest]) -> None:
         for r in requests:
@@ -59,10 +62,13 @@ class ReplayDecodeEngine(DecodeEngine):
                     raise EngineError(f"replay: no recorded response for request {r.request_id!r} sample {i} "
                                       f"({len(self.recorded)} recorded)")
                 self._queue.append((r.request_id, i))
+        self._tokens = 0
 
     def step(self, max_tokens: int) -> list[FinishedSequence]:
-        done, self._queue = [self.recorded[k] for k in self._queue], []
-        return done
+        self._tokens += max_tokens
+        done = [k for k in self._queue if len(self.recorded[k].token_ids) <= self._tokens]
+        self._queue = [k for k in self._queue if k not in set(done)]
+        return [self.recorded[k] for k in done]
 
     def has_unfinished(self) -> bool:
         return bool(self._queue)

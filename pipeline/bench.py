@@ -52,6 +52,8 @@ class BenchConfig:
     device: str = "cuda"
     dtype: str = "bfloat16"
     layers: int | None = None  # override the preset's depth (smoke tests on small machines)
+    prompts_per_node: int = 1  # prompts per vit/prefix/suffix node: batched forwards (ViT batching)
+    stage_fusion: bool = True  # rollplex: the reference scores the groups each decode chunk finished
 
 
 class _Tokenizer:
@@ -170,7 +172,8 @@ def compile_for(cfg: BenchConfig, policy: str, config):
     shape = BatchShape(prompts=cfg.prompts, samples=cfg.samples, max_new_tokens=cfg.max_new_tokens,
                        chunk_tokens=cfg.chunk_tokens, micro_batch_groups=1,
                        prompt_tokens=cfg.vision_tokens + cfg.text_tokens + 2, vision_tokens=cfg.vision_tokens,
-                       prefix_sharing=policy != "serial-noshare", stage_fusion=policy == "rollplex")
+                       prefix_sharing=policy != "serial-noshare", prompts_per_node=cfg.prompts_per_node,
+                       stage_fusion=cfg.stage_fusion and policy == "rollplex")
     engines = EngineChoice({"decode": "torch-graph", "train": cfg.train_engine, "score": "transformers"})
     graph = compile_iteration(grpo, shape, engines, ModelDims.from_hf_config(config, 2))
     return schedule(graph, "rollplex" if policy == "rollplex" else "serial")
@@ -382,8 +385,11 @@ def compare_updates(results: dict[str, PolicyResult]) -> list[dict]:
 def update_lines(rows: list[dict]) -> list[str]:
     lines = []
     for r in rows:
-        what = "replayed vs sampled" if r["policy"] == "serial" else "vs serial"
-        lines.append(f"update {r['policy']} {what}: sampled {r['sampled']:.2e} ({r['identical_responses']}/"
+        if r["policy"] == "serial":
+            if r["replayed"] is not None:
+                lines.append(f"update serial on its replayed rollout vs sampled: {r['replayed']:.2e} (the replay itself)")
+            continue
+        lines.append(f"update {r['policy']} vs serial: sampled {r['sampled']:.2e} ({r['identical_responses']}/"
                      f"{r['responses']} responses identical)" + (f", on serial's replayed rollout {r['replayed']:.2e}"
                                                                 if r["replayed"] is not None else ""))
     return lines

@@ -77,8 +77,8 @@ def cmd_bench(args) -> int:
                       mean_new_tokens=args.mean_new_tokens, chunk_tokens=args.chunk_tokens,
                       iterations=args.iterations, policies=policies, train_engine=args.train_engine,
                       decode_sms=args.decode_sms, gate_rows=args.gate_rows, out=args.out, device=args.device,
-                      dtype=args.dtype,
-                      layers=args.layers)
+                      dtype=args.dtype, layers=args.layers, prompts_per_node=args.prompts_per_node,
+                      stage_fusion=not args.no_stage_fusion)
     run(cfg)
     return 0
 
@@ -141,6 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--decode-sms", type=int, default=0, help="SMs for decode while prefix work runs (0: auto)")
     b.add_argument("--gate-rows", type=int, default=0,
                    help="rollplex: prefix work joins decode once at most this many rows decode (0: at once)")
+    b.add_argument("--prompts-per-node", type=int, default=1,
+                   help="prompts per vision, prefix and suffix node (batched forwards; ViT batching)")
+    b.add_argument("--no-stage-fusion", action="store_true",
+                   help="rollplex: score the reference after the last decode chunk, not per chunk")
     b.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     b.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     b.add_argument("--layers", type=int, help="override the preset's depth (smoke runs)")

@@ -34,6 +34,7 @@ def test_replay_returns_recorded_samples_and_names_a_missing_one():
     seq = FinishedSequence("it0-p0", [5, 6], [-0.1, -0.2], "stop", index=1)
     engine = ReplayDecodeEngine({("it0-p0", 0): FinishedSequence("it0-p0", [7], [-0.3], "stop"), ("it0-p0", 1): seq})
     engine.add_requests([DecodeRequest("it0-p0", [1, 2], None, None, 4, seed=0, n=2)])
-    assert engine.has_unfinished() and engine.step(4)[1] is seq and not engine.has_unfinished()
+    assert [s.token_ids for s in engine.step(1)] == [[7]]  # finishes when it has as many tokens as recorded
+    assert engine.has_unfinished() and engine.step(1) == [seq] and not engine.has_unfinished()
     with pytest.raises(EngineError, match="no recorded response for request 'it0-p1' sample 0"):
         engine.add_requests([DecodeRequest("it0-p1", [1], None, None, 4, seed=0)])
