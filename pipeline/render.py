@@ -67,8 +67,9 @@ def _node_lines(node: Node) -> list[str]:
              + (f" · prio {prio:g}" if isinstance(prio, (int, float)) else "")]
     if (times := _seconds(node)) is not None:
         lines.append(f"{times[0]:.3f}–{times[1]:.3f}s")
-    if node.meta.get("weights"):  # weight_sync: what the sharing plan aliases and rebuilds
-        lines.append(str(node.meta["weights"]))
+    if node.meta.get("weights"):  # weight_sync: what the sharing plan aliases and rebuilds (its first clause)
+        short = str(node.meta["weights"]).split(";")[0]
+        lines.append(short if len(short) <= 34 else short[:33] + "…")
     return lines
 
 
