@@ -10,8 +10,7 @@ weights. Adam's update is nearly scale-free, so the weights alone would not catc
 rank instead of over the global batch; the logged gradient norm (the global one, after the all-reduce
 and before clipping) does. The kill test SIGKILLs one rank's worker process inside iteration 1's
 optimizer step: the run restarts both ranks, forms the process group again, rolls back to iteration 0's
-checkpoint and replays, ending where the uninterrupted 2-rank run ends. Both 2-rank runs share one stock
-cluster, as consecutive jobs would.
+checkpoint and replays, ending where the uninterrupted 2-rank run ends.
 """
 from __future__ import annotations
 
@@ -53,6 +52,7 @@ class StockCluster:
     def __init__(self, root: Path, workers: int, env: dict[str, str] | None = None) -> None:
         port = _free_port()
         self.address = f"tcp://127.0.0.1:{port}"
+        (root / "dask").mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "DASK_TEMPORARY_DIRECTORY": str(root / "dask"), **(env or {})}
         quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "env": env}
         self.procs = [subprocess.Popen([str(BIN / "dask"), "scheduler", "--host", "127.0.0.1", "--port", str(port),
@@ -97,44 +97,42 @@ def assert_equal_to_rounding(a: dict[str, torch.Tensor], b: dict[str, torch.Tens
     assert worst[0] <= 1e-2 * LR, f"{worst[1]} differs by {worst[0]:.3g}"
 
 
-# The fault is armed on the workers from the start but inert until a driver with the same variables
-# installs the task hooks (faults.install_task_hooks): only the kill test's run does.
 FAULT = {"ROLLPLEX_TEST_FAULT": "task:optimizer_step:before#2", "ROLLPLEX_TEST_FAULT_KILL": "self"}
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cluster")
-    env = {**FAULT, "ROLLPLEX_TEST_FAULT_ONCE": str(root / "fired")}
-    stock = StockCluster(root, workers=2, env=env)
-    try:
-        yield stock, env
-    finally:
-        stock.close()
-
-
-@pytest.fixture(scope="module")
-def runs(cluster, tmp_path_factory) -> dict[str, Path]:
-    """The one-worker reference (LocalCluster) and the 2-rank run on the stock cluster, side by side."""
+def runs(tmp_path_factory) -> dict:
+    """Three runs side by side (most of a launch is single-threaded imports): the one-worker reference
+    (LocalCluster), the 2-rank run on a stock cluster, and the 2-rank run whose worker is killed, on a
+    second stock cluster whose workers carry the fault (inert until that run's driver installs the
+    task hooks)."""
     root = tmp_path_factory.mktemp("dp")
-    out = {"one": root / "one", "two": root / "two"}
+    fault = {**FAULT, "ROLLPLEX_TEST_FAULT_ONCE": str(root / "fired")}
+    clusters = [StockCluster(root / "a", workers=2), StockCluster(root / "b", workers=2, env=fault)]
+    jobs = {"one": (), "two": ("--scheduler", clusters[0].address, "--workers", "2"),
+            "killed": ("--scheduler", clusters[1].address, "--workers", "2")}
+    results: dict = {"fired": root / "fired"}
     errors: list[BaseException] = []
 
-    def go(*args, **kwargs):
+    def go(name: str, extra: tuple[str, ...]) -> None:
         try:
-            train(*args, **kwargs)
+            results[f"{name}-log"] = train(root / name, *extra, env=fault if name == "killed" else None)
+            results[name] = root / name
         except BaseException as exc:  # noqa: BLE001 - re-raised below, in the test's thread
             errors.append(exc)
 
-    threads = [threading.Thread(target=go, args=(out["one"],)),
-               threading.Thread(target=go, args=(out["two"], "--scheduler", cluster[0].address, "--workers", "2"))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    threads = [threading.Thread(target=go, args=job) for job in jobs.items()]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        for c in clusters:
+            c.close()
     if errors:
         raise errors[0]
-    return out
+    return results
 
 
 def test_two_data_parallel_ranks_equal_one_worker_with_the_same_global_batch(runs):
@@ -158,14 +156,11 @@ def test_two_data_parallel_ranks_equal_one_worker_with_the_same_global_batch(run
     assert len({e["pid"] for e in steps}) == 2
 
 
-def test_a_killed_rank_worker_is_replaced_and_no_update_is_lost_or_applied_twice(cluster, runs, tmp_path):
-    """The second run on the same cluster (its workers restart to leave the first run's group), with the
-    fault's task hooks installed: one rank's worker process dies in iteration 1's optimizer step."""
-    stock, env = cluster
-    result = train(tmp_path / "killed", "--scheduler", stock.address, "--workers", "2", env=env)
-    assert Path(env["ROLLPLEX_TEST_FAULT_ONCE"]).exists(), "the fault never fired"
-    log = result.stdout + result.stderr
+def test_a_killed_rank_worker_is_replaced_and_no_update_is_lost_or_applied_twice(runs):
+    """One rank's worker process dies in iteration 1's optimizer step (its peer waits in the all-reduce)."""
+    assert runs["fired"].exists(), "the fault never fired"
+    log = runs["killed-log"].stdout + runs["killed-log"].stderr
     assert "iteration 1: lost a Dask worker" in log and "rolling back to iter_000000" in log, log[-3000:]
     assert "ranks formed again" in log
-    assert [r["iteration"] for r in rl_rows(tmp_path / "killed")] == [0, 1]  # no gap, no duplicate
-    assert_equal_to_rounding(final_weights(runs["two"]), final_weights(tmp_path / "killed"))
+    assert [r["iteration"] for r in rl_rows(runs["killed"])] == [0, 1]  # no gap, no duplicate
+    assert_equal_to_rounding(final_weights(runs["two"]), final_weights(runs["killed"]))
