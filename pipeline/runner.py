@@ -409,6 +409,10 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = 
         plan = session.weight_plan
         log(f"weight sharing: the decode engine runs on the trainer's weights ({plan.per_gpu('aliased') / 2**20:.1f} "
             f"MiB as views, {plan.per_gpu('extra') / 2**20:.1f} MiB rebuilt)")
+    elif cfg.engines.weight_sharing != "off":  # asked for, but these engines cannot (ZeRO-3, say): say why
+        from rollplex.pipeline.weightshare import sharing_refusal
+
+        log(f"weight sharing off: {sharing_refusal(session.decode_engine, session.train_engine, cfg.train.zero_stage)}")
     stop = StopSignals()
     with contextlib.ExitStack() as stack:
         # A task on a dead worker fails at once (KilledWorker) instead of being re-run on a fresh
