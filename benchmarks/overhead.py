@@ -164,7 +164,7 @@ def plain_grpo(iterations: int, threads: int, seed: int = 0) -> dict:
 def dask_time_per_node(cfg, run_dir: Path, skip: int) -> dict:
     """Per node of the RL iterations after ``skip``: Dask's dispatch time (median, mean, p90) against
     the node's compute time, and their per-iteration sums."""
-    from rollplex.pipeline.runner import Session
+    from rollplex.pipeline.session import Session
     from rollplex.pipeline.trace import dispatch_gaps
 
     graph = Session(cfg, run_dir).graph

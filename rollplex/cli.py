@@ -53,7 +53,7 @@ def cmd_train(args) -> int:
 
 def cmd_graph(args) -> int:
     from rollplex.pipeline.render import render
-    from rollplex.pipeline.runner import Session
+    from rollplex.pipeline.session import Session
 
     cfg = _config_from(args)
     session = Session(cfg, Path("."))

@@ -205,7 +205,7 @@ def warmed_model(tmp_path_factory):
     chance), so that groups hold both rewards and every algorithm has a gradient to follow."""
     import numpy as np
 
-    from rollplex.pipeline.runner import _warmup
+    from rollplex.pipeline.hostops import _warmup
     from rollplex.tasks.data import format_warmup_batch
 
     out = tmp_path_factory.mktemp("warmed")
@@ -224,7 +224,7 @@ def warmed_model(tmp_path_factory):
 def _host(tmp_path, algorithm: str, *extra: str, model_path=None):
     from rollplex.config import load_config
     from rollplex.pipeline.local import LocalExecutor
-    from rollplex.pipeline.runner import Session
+    from rollplex.pipeline.session import Session
     from rollplex.pipeline.worker import WorkerHost
 
     if model_path is not None:
@@ -277,7 +277,7 @@ def test_each_algorithm_runs_two_iterations_and_updates_its_models(tmp_path, war
 def test_ppo_checkpoint_holds_the_critic_and_restores_it(tmp_path, warmed_model):
     import os
 
-    from rollplex.pipeline.runner import _load, _save
+    from rollplex.pipeline.hostops import _load, _save
 
     session, host, executor = _host(tmp_path, "ppo", model_path=warmed_model)
     try:

@@ -11,7 +11,7 @@ from rollplex.engines.base import DecodeRequest, FinishedSequence
 from rollplex.engines.replay_decode import ReplayDecodeEngine
 from rollplex.errors import EngineError
 from rollplex.pipeline.bench import BenchConfig, run
-from rollplex.pipeline.runner import resolve_model_path
+from rollplex.pipeline.session import resolve_model_path
 
 
 @pytest.mark.slow

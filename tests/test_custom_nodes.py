@@ -47,7 +47,7 @@ def test_the_example_kind_runs_on_its_own_engine(tmp_path):
     fed the advantage, on the engine the example registered."""
     from rollplex.config import load_config
     from rollplex.pipeline.local import LocalExecutor
-    from rollplex.pipeline.runner import Session
+    from rollplex.pipeline.session import Session
     from rollplex.pipeline.worker import WorkerHost
 
     cfg = load_config(None, ["seed=2", "warmup.steps=0", "stop_at_reward=null", "engines.decode=hf",

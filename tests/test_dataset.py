@@ -211,7 +211,7 @@ def test_the_compiled_graph_sees_video_tokens_and_vllm_refuses_video(tmp_path):
     """BatchShape counts a prompt's image and video pad tokens: 4 frames give 32, one image 16."""
     from rollplex.config import load_config
     from rollplex.errors import EngineError
-    from rollplex.pipeline.runner import Session
+    from rollplex.pipeline.session import Session
 
     base = ["engines.decode=hf", "engines.train=torch", "rollout.prompts_per_iteration=2"]
     shapes = {}

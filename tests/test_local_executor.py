@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from rollplex.config import load_config
-from rollplex.pipeline.runner import Session, train
+from rollplex.pipeline.runner import train
+from rollplex.pipeline.session import Session
 
 OVERRIDES = ["iterations=2", "seed=5", "warmup.steps=0", "stop_at_reward=null", "engines.decode=hf",
              "engines.train=torch", "checkpoint.every=1"]

@@ -12,7 +12,8 @@ from rollplex.config import load_config
 from rollplex.engines.base import EngineError, move_tensors
 from rollplex.errors import ConfigError, MemoryPlanError
 from rollplex.pipeline.residency import GiB, plan_residency
-from rollplex.pipeline.runner import Session, train
+from rollplex.pipeline.runner import train
+from rollplex.pipeline.session import Session
 from rollplex.tasks.residency import to_device
 
 BASE = ["iterations=2", "seed=5", "warmup.steps=0", "stop_at_reward=null", "checkpoint.every=1"]

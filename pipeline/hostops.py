@@ -1,0 +1,94 @@
+"""Operations the driver runs on every worker's host between iterations (``executor.call``):
+the supervised warm-up step, adopting the warmed-up reference, syncing decode weights, saving,
+loading and restoring the engines' state.
+"""
+from __future__ import annotations
+
+import os
+
+from rollplex.pipeline.faults import point
+
+
+def _warmup(host, examples: list, lr: float) -> float:
+    """One supervised answer-format step: -mean log p(target | prompt) on the policy."""
+    from rollplex.tasks import lm
+    from rollplex.tasks.data import warmup_target_ids
+
+    policy = host.algorithm.rollout_model
+    engine = host.train_engine(policy)
+    vision_model = host.model(host.algorithm.vision_model)
+    engine.set_lr(lr)
+    targets = [warmup_target_ids(host.tokenizer, t) for _, t in examples]
+    total = sum(len(ids) for ids in targets)
+    loss_sum = 0.0
+    for (prompt, _), ids in zip(examples, targets):
+        vis = lm.vision_embeds(vision_model, prompt)
+        state = lm.prefix_forward(engine.module, prompt, vis, grad=True)
+        logp, mask = lm.suffix_logprobs(engine.module, state, [ids], pad_id=host.spec.settings.pad_id, grad=True)
+        loss = -(logp * mask).sum() / total
+        engine.backward(loss)
+        loss_sum += float(loss.detach())
+    engine.step()
+    engine.set_lr(host.spec.train_options["lr"])
+    return loss_sum
+
+
+def _end_warmup(host) -> None:
+    host.train_engine(host.algorithm.rollout_model).reset_optimizer_state()
+
+
+def _sync_decode(host) -> None:
+    engine = host.train_engine(host.algorithm.rollout_model)
+    host.decode.load_weights(engine.state_dict_for_sync(trainable_only=True))
+
+
+def _adopt_reference(host, directory: str) -> None:
+    """Make the frozen copies of the policy equal to it now, and save it for resumed runs."""
+    alg = host.algorithm
+    policy = host.train_engine(alg.rollout_model)
+    weights = dict(policy.state_dict_for_sync())
+    for name, decl in alg.models.items():
+        # A critic trains its own weights; a model on an engine of its own (a reward model) keeps its.
+        if decl.copy_of == alg.rollout_model and not decl.trainable and decl.engine is None:
+            host.engines[name].model.load_state_dict(weights)
+            host.register_frozen(name)  # cached prefixes of the old weights no longer match
+    import torch
+
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:  # one writer per run
+        policy.module.save_pretrained(directory)
+
+
+def _save(host, directory: str, pids: set[int]) -> None:
+    from rollplex.pipeline.recovery import expect_host
+
+    expect_host(pids)
+    host.train_engine(host.algorithm.rollout_model).save(directory)
+    for model in host.algorithm.model_losses:  # other trained models (a critic): a subdirectory each
+        host.train_engine(model).save(os.path.join(directory, model))
+    point("save:model")
+
+
+def _load(host, directory: str) -> None:
+    host.train_engine(host.algorithm.rollout_model).load(directory)
+    for model in host.algorithm.model_losses:
+        host.train_engine(model).load(os.path.join(directory, model))
+    _sync_decode(host)
+
+
+def _restore(host, directory: str, reference: str | None) -> None:
+    """Bring a host's engines to a checkpoint after a lost worker: finish requests a failed iteration
+    left in the decode engine, reload the frozen copies of the policy (a fresh worker built them from
+    the initial model), then the policy and its optimizer."""
+    from rollplex.engines.torch_train import load_hf_weights
+
+    while host.decode.has_unfinished():
+        host.decode.step(host.spec.settings.max_new_tokens)
+    alg = host.algorithm
+    for name, decl in alg.models.items():
+        if reference and decl.copy_of == alg.rollout_model and not decl.trainable and decl.engine is None:
+            load_hf_weights(host.engines[name].model, reference)
+            host.register_frozen(name)
+    _load(host, directory)
+
+
+# ------------------------------------------------------------------------------------------------

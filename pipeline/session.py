@@ -1,0 +1,241 @@
+"""A run on the driver: which engines and device it uses, its data, and its compiled iteration.
+
+``Session`` resolves the config against what is installed and visible (engines, device, model
+path), builds the prompt loader, compiles the algorithm for the batch shape (data-parallel ranks,
+stage fusion, the memory plan when asked) and schedules it. ``pipeline/runner.py`` drives it.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from rollplex.config import RunConfig
+from rollplex.errors import ConfigError, EngineError, GraphError, RollplexError
+from rollplex.pipeline import checkpoints
+from rollplex.pipeline.hostops import _save
+from rollplex.pipeline.preflight import check_servable
+
+
+def resolve_engines(cfg: RunConfig, device: str) -> tuple[str, str, str]:
+    from rollplex.engines.base import get_engine
+
+    # decode_chunk is the decode role's only node kind, so its override picks the engine the workers build.
+    decode, train = cfg.engines.overrides.get("decode_chunk", cfg.engines.decode), cfg.engines.train
+    if decode == "auto":
+        # In-process vLLM sets up torch.distributed state of its own: not shared with data-parallel ranks yet.
+        decode = "vllm" if get_engine("vllm").installed() and device == "cpu" and cfg.cluster.workers == 1 else "hf"
+    if train == "auto":
+        train = "deepspeed" if get_engine("deepspeed").installed() else "torch"
+    for name, role in ((decode, "decode"), (train, "train"), (cfg.engines.score, "score")):
+        try:
+            spec = get_engine(name, role)
+        except EngineError as exc:
+            raise EngineError(f"engines.{role}: {exc}") from None
+        if not spec.installed():
+            raise EngineError(f"engines.{role}: engine {name!r} is not installed "
+                              f"(missing {', '.join(spec.missing())})")
+    for kind, name in cfg.engines.overrides.items():
+        from rollplex.pipeline.ir import get_kind
+
+        try:
+            role = get_kind(kind).role
+            get_engine(name, role)
+        except RollplexError as exc:
+            raise EngineError(f"engines.overrides.{kind}: {exc}") from None
+    return decode, train, cfg.engines.score
+
+
+def resolve_device(cfg: RunConfig) -> str:
+    import torch
+
+    if cfg.model.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if cfg.model.device == "cuda" and not torch.cuda.is_available():
+        raise RollplexError("model.device: cuda requested but no CUDA device is visible")
+    return cfg.model.device
+
+
+def resolve_model_path(cfg: RunConfig) -> str:
+    if cfg.model.path:
+        path = Path(cfg.model.path)
+        if not (path / "config.json").exists():
+            raise RollplexError(f"model.path: {path} has no config.json (expected an HF model directory)")
+        return str(path)
+    from rollplex.engines.models import ensure_tiny_vlm
+    from rollplex.tasks.data import default_model_spec
+
+    return str(ensure_tiny_vlm(default_model_spec()))
+
+
+# FLOPs a vit/prefix/suffix node should carry so that its dispatch (Dask task, Python, kernel launches:
+# milliseconds) stays a small share of it: ~0.1-0.5 s of CPU work, a few ms of GPU work.
+MIN_NODE_FLOPS = {"cpu": 2e9, "cuda": 2e12}
+
+
+def auto_prompts_per_node(dims, prompt_tokens: int, prompts: int, device: str) -> int:
+    """One prompt per node wherever a prompt's prefix is real work (any real VLM on a GPU); on a tiny
+    model, batch prompts until a node is worth its dispatch."""
+    per_prompt = 2 * dims.params * max(prompt_tokens, 1)
+    return max(1, min(prompts, math.ceil(MIN_NODE_FLOPS.get(device, 2e12) / per_prompt)))
+
+
+class Session:
+    """Everything a run needs on the driver: data, compiled graph, and the cluster connection."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path) -> None:
+        from transformers import AutoConfig, AutoProcessor
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+
+        from rollplex.engines import base  # noqa: F401 - registers engines
+        from rollplex.pipeline.algorithms import load_algorithm
+        from rollplex.pipeline.compiler import BatchShape, EngineChoice, ModelDims, compile_iteration
+        from rollplex.pipeline.schedule import schedule
+        from rollplex.tasks.data import PromptBuilder, PromptLoader
+        from rollplex.tasks.dataset import make_task, probe_shape
+
+        import rollplex.engines  # noqa: F401
+
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.device = resolve_device(cfg)
+        self.model_path = resolve_model_path(cfg)
+        self.decode_engine, self.train_engine, self.score_engine = resolve_engines(cfg, self.device)
+        check_servable(self.model_path, self.decode_engine, self.device)
+        self.algorithm = load_algorithm(cfg.algorithm)
+        unknown = sorted(set(cfg.params) - set(self.algorithm.hyperparameters()))
+        if unknown:
+            known = ", ".join(sorted(self.algorithm.hyperparameters())) or "none"
+            raise RollplexError(f"params: {unknown} are not hyperparameters of {self.algorithm.name} (known: {known})")
+        self.processor = AutoProcessor.from_pretrained(self.model_path)
+        self.task = make_task(cfg)  # the synthetic task, or data.path's rows (bad ones refused or left out)
+        self.builder = PromptBuilder(self.processor)
+        self.loader = PromptLoader(self.task, self.builder, cfg.rollout.prompts_per_iteration, cfg.seed)
+        hf_config = AutoConfig.from_pretrained(self.model_path)
+        dims = ModelDims.from_hf_config(hf_config, 4 if cfg.model.dtype == "float32" else 2)
+        # Video frames add vision tokens (temporal patches), so both pad kinds count.
+        prompt_tokens, vision_tokens = probe_shape(self.task, self.builder,
+                                                   (hf_config.image_token_id, hf_config.video_token_id))
+        if getattr(self.task, "has_video", False) and "vllm" in (
+                self.decode_engine, cfg.engines.overrides.get("decode_chunk")):
+            raise EngineError(f"data.path: {cfg.data.path} has video prompts, which the vllm decode engine does "
+                              "not take yet; set engines.decode: hf")
+        shape = BatchShape(
+            prompts=cfg.rollout.prompts_per_iteration,
+            samples=cfg.rollout.samples_per_prompt,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            chunk_tokens=cfg.rollout.chunk_tokens,
+            micro_batch_groups=min(cfg.train.micro_batch_groups, cfg.rollout.prompts_per_iteration),
+            prompts_per_node=cfg.train.prompts_per_node or auto_prompts_per_node(
+                dims, prompt_tokens, cfg.rollout.prompts_per_iteration, self.device),
+            prompt_tokens=prompt_tokens,
+            vision_tokens=vision_tokens,
+            prefix_sharing=cfg.train.prefix_sharing,
+            # The serial schedule scores after the rollout by definition; data-parallel ranks split
+            # decode per rank (pipeline/ranks.py), which hands groups on only after the last chunk.
+            stage_fusion=cfg.train.stage_fusion and cfg.schedule == "rollplex" and cfg.cluster.workers == 1,
+        )
+        # cluster.workers > 1: data-parallel ranks, one per worker, each with a share of the batch.
+        self.world = cfg.cluster.workers
+        if self.world > 1:
+            import dataclasses
+
+            from rollplex.pipeline.ranks import check_data_parallel, fit_prompts_per_node
+
+            check_data_parallel(self.world, shape.prompts, shape.micro_batch_groups, self.train_engine,
+                                cfg.train.zero_stage, self.decode_engine,
+                                processes=cfg.cluster.processes or bool(cfg.cluster.scheduler))
+            shape = dataclasses.replace(shape, prompts_per_node=fit_prompts_per_node(
+                shape.prompts_per_node, shape.prompts // self.world))
+        choice = EngineChoice({"decode": self.decode_engine, "train": self.train_engine, "score": self.score_engine},
+                              dict(cfg.engines.overrides))
+        self.shape = shape
+        self.dims = dims
+        # After a warm-up the reference is the warmed-up policy, saved once in the run directory.
+        warmed = run_dir / "reference"
+        self.reference_path = str(warmed) if (warmed / "config.json").exists() else self.model_path
+        try:
+            from rollplex.pipeline.ranks import distribute
+
+            self.compiled = distribute(compile_iteration(self.algorithm, shape, choice, dims), self.world)
+            self.memory_plan = self.plan_memory(self.compiled) if cfg.cluster.memory_plan else None
+            self.graph = schedule(self.memory_plan.graph if self.memory_plan else self.compiled, cfg.schedule)
+        except GraphError as exc:  # a user DAG file's cycle or dangling value: name the file too
+            if not cfg.algorithm.endswith(".py") or cfg.algorithm in str(exc):
+                raise
+            raise GraphError(f"{cfg.algorithm}: {exc}") from None
+        self.tokenizer = self.processor.tokenizer
+        from rollplex.pipeline.weightshare import annotate_run  # weight_sync nodes: what is aliased, rebuilt
+
+        self.weight_plan = annotate_run(self.graph, self.model_path, self.decode_engine, self.train_engine,
+                                        cfg.model.dtype, cfg.train.zero_stage, cfg.engines.weight_sharing)
+
+    def checkpoint(self, executor, iteration: int, reward: float | None, pids: set[int]) -> Path:
+        """The actor and optimizer (from the worker) plus the processor files, so that the
+        checkpoint directory loads as is in transformers and vLLM. ``pids``: the workers whose
+        engines hold the run's state; a replacement worker refuses to save its fresh weights."""
+        def write(directory: str) -> None:
+            executor.call(_save, directory, pids)
+            self.processor.save_pretrained(directory)
+
+        return checkpoints.save(self.run_dir, iteration, write, loader=self.loader.state_dict(),
+                                keep_last=self.cfg.checkpoint.keep_last, reward=reward)
+
+    def plan_memory(self, graph):
+        """Offload/prefetch nodes so one device fits ``cluster.memory_budget_gib`` (pipeline/residency.py)."""
+        from rollplex.pipeline.residency import GiB, plan_residency
+
+        cfg = self.cfg
+        if cfg.cluster.memory_budget_gib is None:
+            raise ConfigError("cluster.memory_plan needs cluster.memory_budget_gib: the memory each device may use")
+        if self.world > 1:
+            raise ConfigError(f"cluster.memory_plan plans one device; cluster.workers is {self.world}")
+        return plan_residency(graph, cfg.schedule, model_path=self.model_path, shape=self.shape,
+                              budget_bytes=cfg.cluster.memory_budget_gib * GiB, train_engine=self.train_engine,
+                              score_engine=self.score_engine, zero_stage=cfg.train.zero_stage, device=self.device)
+
+    def balanced(self, batch: list) -> list:
+        """The batch in slot order: rank r's slots get prompts whose predicted prefix + decode cost
+        evens out the ranks' loads (pipeline/ranks.py); unchanged on one rank."""
+        if self.world <= 1:
+            return batch
+        from rollplex.pipeline.ranks import balance, prompt_cost
+
+        s, d = self.shape, self.dims
+        costs = [prompt_cost(int(p.input_ids.numel()), int(max(p.meta.get("max_tokens") or [s.max_new_tokens])),
+                             s.samples, d.params, d.layers, d.hidden) for p in batch]
+        return [batch[i] for i in balance(costs, self.world)]
+
+    def host_spec(self):
+        from rollplex.pipeline.worker import HostSpec, IterationSettings
+
+        tok = self.tokenizer
+        stop = tuple(sorted({tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")}))
+        cfg = self.cfg
+        settings = IterationSettings(
+            seed=cfg.seed, samples=cfg.rollout.samples_per_prompt, max_new_tokens=cfg.rollout.max_new_tokens,
+            temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+            pad_id=tok.convert_tokens_to_ids("<|endoftext|>"), stop_token_ids=stop, params=dict(cfg.params))
+        micro_batches = len(self.shape.micro_batches()) // self.world  # each rank accumulates its share
+        train_options = {"lr": cfg.train.lr, "betas": tuple(cfg.train.betas), "eps": cfg.train.eps,
+                         "weight_decay": cfg.train.weight_decay, "grad_clip": cfg.train.grad_clip,
+                         "zero_stage": cfg.train.zero_stage, "accumulation_steps": micro_batches,
+                         # weight sharing with vLLM: DeepSpeed's flat buffer holds q|k|v, gate|up adjacent
+                         "fusion_order": cfg.engines.weight_sharing != "off" and self.decode_engine == "vllm",
+                         **cfg.engines.train_options}
+        longest = max(256, self.shape.prompt_tokens + cfg.rollout.max_new_tokens + 64)
+        sequences = self.shape.prompts * self.shape.samples
+        # Size the decode KV pool from the batch: vLLM's CPU default reserves a share of host memory.
+        kv_bytes = max(32 << 20, 2 * self.dims.kv_bytes(longest) * sequences)
+        decode_options = {"max_model_len": longest, "max_num_seqs": sequences, "kv_cache_bytes": kv_bytes,
+                          **cfg.engines.decode_options}
+        alg = self.algorithm
+        return HostSpec(
+            model_path=self.model_path, reference_path=self.reference_path, device=self.device, dtype=cfg.model.dtype,
+            threads=cfg.cluster.threads, decode_engine=self.decode_engine, train_engine=self.train_engine,
+            score_engine=self.score_engine, decode_options=decode_options, train_options=train_options,
+            algorithm=cfg.algorithm, reward=cfg.task.reward, settings=settings,
+            trainable=tuple(alg.trainable), frozen=tuple(m for m in alg.models if m not in alg.trainable),
+            ref_cache_bytes=int(cfg.train.ref_cache_gib * 2**30), world_size=self.world,
+            weight_sharing=cfg.engines.weight_sharing)
