@@ -49,7 +49,8 @@ def movable_parts(engine_name: str, role: str) -> tuple[str, ...]:
 
 
 def plan_residency(graph: IterationGraph, policy: str, *, model_path: str, shape: BatchShape, budget_bytes: float,
-                   train_engine: str, score_engine: str, zero_stage: int, device: str = "cpu") -> ResidencyPlan:
+                   train_engine: str, score_engine: str, zero_stage: int, device: str = "cpu",
+                   weight_sharing: bool = True) -> ResidencyPlan:
     """``graph`` (compiled, not scheduled) with the offload/prefetch nodes that make one device of
     ``budget_bytes`` hold the iteration; ``MemoryPlanError`` names the tensors when nothing can."""
     if budget_bytes <= 0:
@@ -65,7 +66,8 @@ def plan_residency(graph: IterationGraph, policy: str, *, model_path: str, shape
                  micro_batch_groups=shape.micro_batch_groups, prompts_per_node=shape.prompts_per_node,
                  checkpointing=False, actor_forward="keep")
     layout = Layout.colocate(cluster)
-    cm = CostModel(spec, cluster, w, layout, weight_sharing=True, prefix_sharing=shape.prefix_sharing)
+    # weight_sharing=False: the decode engine's own copy of the policy is resident too.
+    cm = CostModel(spec, cluster, w, layout, weight_sharing=weight_sharing, prefix_sharing=shape.prefix_sharing)
     first = plan(footprint.annotate(graph, cm), cluster, cm, policy, layout)
     trained = first.graph.meta.get("rollout_model", "actor")
     movable = {f"{trained}.{part}" for part in movable_parts(train_engine, "train")}

@@ -193,7 +193,8 @@ class Session:
             raise ConfigError(f"cluster.memory_plan plans one device; cluster.workers is {self.world}")
         return plan_residency(graph, cfg.schedule, model_path=self.model_path, shape=self.shape,
                               budget_bytes=cfg.cluster.memory_budget_gib * GiB, train_engine=self.train_engine,
-                              score_engine=self.score_engine, zero_stage=cfg.train.zero_stage, device=self.device)
+                              score_engine=self.score_engine, zero_stage=cfg.train.zero_stage, device=self.device,
+                              weight_sharing=cfg.engines.weight_sharing != "off")
 
     def balanced(self, batch: list) -> list:
         """The batch in slot order: rank r's slots get prompts whose predicted prefix + decode cost
