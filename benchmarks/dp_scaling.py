@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import sys
@@ -111,11 +110,9 @@ def main() -> int:
     if args.json:
         out = {"device": args.device, "scale": args.scale, "layers": args.layers, "args": vars(args) | {
             "json": str(args.json), "runs_dir": str(args.runs_dir)}, "results": results}
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=args.json.parent, prefix=f".{args.json.name}.", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(out, f, indent=1)
-        os.replace(tmp, args.json)
+        from rollplex.pipeline.fsio import atomic_write_text
+
+        atomic_write_text(args.json, json.dumps(out, indent=1))
         print(f"wrote {args.json}")
     return 0
 

@@ -304,11 +304,9 @@ def main() -> int:
                "device": args.device, "scale": args.scale,
                "load_avg_before": load_before, "load_avg_after": os.getloadavg()[0],
                "python": sys.version.split()[0], "variants": results}
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=args.json.parent, prefix=f".{args.json.name}.", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(out, f, indent=1)
-        os.replace(tmp, args.json)
+        from rollplex.pipeline.fsio import atomic_write_text
+
+        atomic_write_text(args.json, json.dumps(out, indent=1))
         print(f"wrote {args.json}")
     return 0
 

@@ -126,9 +126,11 @@ def main() -> None:
     worst = {k: max(abs(t["error"]) for t in table if t["prediction"] == k) for k in rows}
     print("\nworst |error|: " + ", ".join(f"{k} {v:.1%}" for k, v in worst.items()))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"bench": args.results, "fit_from": args.fit_from or args.results, "factors": cal.factors,
-                       "overheads": cal.overheads, "contention": contention, "rows": table}, f, indent=1)
+        from rollplex.pipeline.fsio import atomic_write_text
+
+        atomic_write_text(args.json, json.dumps({"bench": args.results, "fit_from": args.fit_from or args.results,
+                                                 "factors": cal.factors, "overheads": cal.overheads,
+                                                 "contention": contention, "rows": table}, indent=1))
     if not all(math.isfinite(t["predicted_s"]) for t in table):
         raise SystemExit("a prediction is not finite")
 

@@ -79,8 +79,9 @@ def main() -> None:
                   f"({row['compile_gc_paused_s'] + row['plan_cpu_s']:.3f}s with the GC paused in compile too; "
                   f"median of {args.repeat})")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        from rollplex.pipeline.fsio import atomic_write_text
+
+        atomic_write_text(args.json, json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

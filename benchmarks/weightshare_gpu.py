@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import os
 import statistics
 import time
 
@@ -115,10 +114,9 @@ def main() -> None:
               f"{r['rollout_params_on_trainer_storage']:34d}")
     if rows[0]["greedy_tokens_first"] != rows[1]["greedy_tokens_first"]:
         print("note: the first greedy tokens differ between modes (they decode the same weights)")
-    tmp = args.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump({"rows": rows, "args": vars(args)}, f, indent=1)
-    os.replace(tmp, args.out)
+    from rollplex.pipeline.fsio import atomic_write_text
+
+    atomic_write_text(args.out, json.dumps({"rows": rows, "args": vars(args)}, indent=1))
 
 
 if __name__ == "__main__":

@@ -140,10 +140,9 @@ def worker(rank: int, args, port: int) -> None:
                 if not ok:
                     raise SystemExit(f"rollout forward differs from the training forward: {row}")
     if rank == 0:
-        tmp = args.out + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump({"rows": rows, "args": vars(args)}, f, indent=1)
-        os.replace(tmp, args.out)
+        from rollplex.pipeline.fsio import atomic_write_text
+
+        atomic_write_text(args.out, json.dumps({"rows": rows, "args": vars(args)}, indent=1))
         print(f"all pairs match (tolerance {args.tol}); wrote {args.out}")
     dist.destroy_process_group()
 
