@@ -45,26 +45,20 @@ def _resident_engine(ctx, node) -> tuple[Any, str]:
     return engine, part
 
 
-def _device(ctx) -> torch.device:
-    engine = ctx.train_engine or next(iter(ctx.host.engines.values()), None)
-    return engine.device if engine is not None else torch.device("cpu")
+def _move(ctx, node, inputs, to_host: bool) -> dict[str, Any]:
+    if node.args.get("resident"):
+        engine, part = _resident_engine(ctx, node)
+        (engine.offload if to_host else engine.reload)(part)
+        return {}
+    (src,), (dst,) = node.inputs, node.outputs
+    return {dst: to_device(inputs[src], torch.device("cpu") if to_host else ctx.host.device)}
 
 
 @register_task("offload")
 def offload(ctx, node, inputs):
-    if node.args.get("resident"):
-        engine, part = _resident_engine(ctx, node)
-        engine.offload(part)
-        return {}
-    (src,), (host,) = node.inputs, node.outputs
-    return {host: to_device(inputs[src], torch.device("cpu"))}
+    return _move(ctx, node, inputs, to_host=True)
 
 
 @register_task("prefetch")
 def prefetch(ctx, node, inputs):
-    if node.args.get("resident"):
-        engine, part = _resident_engine(ctx, node)
-        engine.reload(part)
-        return {}
-    (host,), (dev,) = node.inputs, node.outputs
-    return {dev: to_device(inputs[host], _device(ctx))}
+    return _move(ctx, node, inputs, to_host=False)

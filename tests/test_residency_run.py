@@ -59,6 +59,21 @@ def test_engines_refuse_parts_they_cannot_move_and_moves_are_in_place():
     assert moved["n"] == 3 and torch.equal(moved["kv"][1][0], torch.ones(1))
 
 
+def test_a_value_goes_to_host_memory_and_back_to_the_workers_device():
+    from types import SimpleNamespace
+
+    from rollplex.pipeline.ir import Node
+    from rollplex.tasks.residency import offload, prefetch
+
+    ctx = SimpleNamespace(host=SimpleNamespace(device=torch.device("cpu"), engines={}))
+    kv = {"k": torch.arange(4.0), "rows": [torch.ones(2)]}
+    off = offload(ctx, Node("offload_kv_0", "offload", ("kv",), ("kv@host0",)), {"kv": kv})
+    back = prefetch(ctx, Node("prefetch_kv_0", "prefetch", ("kv@host0",), ("kv@dev0",)), off)
+    assert torch.equal(back["kv@dev0"]["k"], kv["k"]) and torch.equal(back["kv@dev0"]["rows"][0], kv["rows"][0])
+    with pytest.raises(Exception, match="no engine for model 'ref'"):
+        offload(ctx, Node("offload_ref_0", "offload", (), (), args={"resident": True, "tensor": "ref.weights"}), {})
+
+
 def test_a_missing_budget_is_named(tmp_path):
     with pytest.raises(ConfigError, match="cluster.memory_plan needs cluster.memory_budget_gib"):
         Session(load_config(None, BASE + ["cluster.memory_plan=true"]), tmp_path / "x")
