@@ -187,12 +187,8 @@ class TrainEngine(ABC):
 
         Adam's second moments from supervised warm-up gradients are orders of magnitude larger than
         RL policy gradients and decay with β2 over ~1000 steps, which would stall RL for as long.
-        Wrappers (DeepSpeed's ZeRO optimizers) hold the torch optimizer as ``.optimizer``.
         """
-        inner = self.optimizer
-        while hasattr(inner, "optimizer"):
-            inner = inner.optimizer
-        inner.state.clear()
+        self._inner_optimizer().state.clear()
 
     @abstractmethod
     def state_dict_for_sync(self, trainable_only: bool = False) -> Iterable[tuple[str, torch.Tensor]]:

@@ -189,20 +189,28 @@ class DeepSpeedTrainEngine(TrainEngine):
             return super().offload(part)
         from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
 
-        moved = sum(t.numel() * t.element_size() for t in self._part_tensors(part) if t.device == self.device)
+        moved = self._bytes_on_device([part])
         self.ds.offload_states(include=[OffloadStateTypeEnum(self._DS_STATES[part])],
                                pin_memory=self.device.type == "cuda")
-        return moved if self.device.type != "cpu" else 0
+        return moved
 
     def reload(self, part: str) -> int:
         if self.stage == 0:
             return super().reload(part)
-        offloaded = getattr(self.ds.optimizer, "offloaded_states", set())
+        offloaded = {s.value for s in getattr(self.ds.optimizer, "offloaded_states", ())}
         if not offloaded:
             return 0
         # DeepSpeed brings every offloaded state back at once; a later prefetch finds nothing left.
         self.ds.reload_states()
-        return sum(t.numel() * t.element_size() for p in ("master", "adam") for t in self._part_tensors(p))
+        return self._bytes_on_device([p for p, state in self._DS_STATES.items() if state in offloaded])
+
+    def _bytes_on_device(self, parts: list[str]) -> int:
+        """Bytes of ``parts`` that a move between host and device copies (none when the device is
+        the host), as ``move_tensors`` counts them."""
+        if self.device.type == "cpu":
+            return 0
+        tensors = [t for p in parts for t in self._part_tensors(p)]
+        return sum(t.numel() * t.element_size() for t in tensors if t.device == self.device)
 
     def state_dict_for_sync(self, trainable_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """Full tensors under module names (as TorchTrainEngine). ZeRO-3 gathers one parameter at a
