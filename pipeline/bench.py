@@ -227,13 +227,20 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
             host.gate_rows = cfg.gate_rows
         return host, LocalExecutor(host)
 
-    for policy in cfg.policies:
-        graph = compile_for(cfg, policy, config)
+    def restart() -> None:  # every policy, every iteration: the same start
+        actor.module.load_state_dict(start_state)
+        actor.optimizer.load_state_dict(start_optim)
+
+    def update_since_start() -> dict[str, torch.Tensor]:
+        return {k: (v.detach().float() - start_state[k].float()) for k, v in actor.module.state_dict().items()
+                if "visual" not in k}
+
+    graphs = {policy: compile_for(cfg, policy, config) for policy in cfg.policies}
+    for policy, graph in graphs.items():
         host, executor = host_for(policy, recorder if policy == "serial" else decode)
         res = PolicyResult(policy)
         for iteration in range(cfg.iterations):
-            actor.module.load_state_dict(start_state)  # every policy, every iteration: same start
-            actor.optimizer.load_state_dict(start_optim)
+            restart()
             prompts = make_prompts(cfg, config, iteration)
             if cfg.device == "cuda":
                 torch.cuda.synchronize()
@@ -241,8 +248,7 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
             steps_before = decode.steps_run
             result = executor.run(graph, iteration, {f"prompt_p{p}": x for p, x in enumerate(prompts)})
             if iteration == 0:  # the update from the common start, compared across policies
-                res.update = {k: (v.detach().float() - start_state[k].float()) for k, v in
-                              actor.module.state_dict().items() if "visual" not in k}
+                res.update = update_since_start()
                 res.responses = [r["response_token_ids"] for r in result.output["report"]["rows"]]
                 continue
             res.seconds.append(result.seconds)
@@ -269,12 +275,9 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
         replay = ReplayDecodeEngine(recorder.recorded)
         for policy, res in results.items():
             _, executor = host_for(policy, replay)
-            actor.module.load_state_dict(start_state)
-            actor.optimizer.load_state_dict(start_optim)
-            executor.run(compile_for(cfg, policy, config), 0,
-                         {f"prompt_p{p}": x for p, x in enumerate(make_prompts(cfg, config, 0))})
-            res.replayed_update = {k: (v.detach().float() - start_state[k].float()) for k, v in
-                                   actor.module.state_dict().items() if "visual" not in k}
+            restart()
+            executor.run(graphs[policy], 0, {f"prompt_p{p}": x for p, x in enumerate(make_prompts(cfg, config, 0))})
+            res.replayed_update = update_since_start()
     return report(cfg, spec, results, out_dir, decode, log)
 
 

@@ -129,15 +129,14 @@ def decode_chunk(ctx, node, inputs):
         keys = [(request_id(ctx.iteration, p), g) for g in range(s.samples)]
         return Responses(index[p], [finished[k] for k in keys]) if all(k in finished for k in keys) else None
 
+    out: dict[str, Any] = {}
     if chunk < chunks - 1:
-        out = {}
         if fused:  # stage fusion: groups whose every sample finished in this chunk go on now
             done = {p: r for p in range(num_prompts) if p not in handed and (r := group(p)) is not None}
             handed = handed | done.keys()
             out[node.outputs[1]] = {index[p]: r for p, r in done.items()}
         out[node.outputs[0]] = {"finished": finished, "expected": expected, "handed": handed}
         return out
-    out: dict[str, Any] = {}
     while len(finished) < expected and engine.has_unfinished():  # max_tokens bounds this loop
         for seq in engine.step(node.args["tokens"]):
             finished[_sample_key(seq)] = seq
