@@ -4,9 +4,8 @@ iteration DAG compiles and schedules in under 1 s).
 For each size: ``compile_iteration`` of GRPO, the runner's ``schedule(graph, policy)`` (streams and
 critical-path priorities), and the full ``plan(graph, cluster, costs, policy)`` (placement and
 predicted times on the lanes of every GPU). Wall and process CPU time are both printed: the
-machine may be shared. ``plan`` pauses Python's cyclic GC while it runs; the compile is also
-timed with the GC paused, to show what the same guard would save there. The cost model is built
-once per size outside the timings (its decode profile samples every response length), so the
+machine may be shared. All three pause Python's cyclic GC while they run (``ir.gc_paused``). The
+cost model is built once per size outside the timings (its decode profile samples every response length), so the
 times are the graph work alone.
 
     python benchmarks/schedule_scale.py                 # ~10k nodes, rollplex and serial, 8 H200s
@@ -15,7 +14,6 @@ times are the graph work alone.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import statistics
 import time
@@ -51,13 +49,8 @@ def main() -> None:
                            vision_tokens=w.vision_total)
         for policy in args.policies:
             times: dict[str, list[float]] = {k: [] for k in ("compile", "schedule", "plan", "compile_cpu",
-                                                              "schedule_cpu", "plan_cpu", "compile_gc_paused")}
+                                                              "schedule_cpu", "plan_cpu")}
             for _ in range(args.repeat):
-                gc.disable()  # what compile_iteration costs with the collector paused, as plan() does
-                t = time.process_time()
-                compile_iteration(grpo, shape, engines, dims)
-                times["compile_gc_paused"].append(time.process_time() - t)
-                gc.enable()
                 marks = [(time.perf_counter(), time.process_time())]
                 graph = compile_iteration(grpo, shape, engines, dims)
                 marks.append((time.perf_counter(), time.process_time()))
@@ -76,8 +69,7 @@ def main() -> None:
                   f"{row['schedule_s']:.3f}s + plan on {args.gpus} GPUs {row['plan_s']:.3f}s | cpu: compile "
                   f"{row['compile_cpu_s']:.3f}s + schedule {row['schedule_cpu_s']:.3f}s + plan "
                   f"{row['plan_cpu_s']:.3f}s → compile+plan {row['compile_cpu_s'] + row['plan_cpu_s']:.3f}s cpu "
-                  f"({row['compile_gc_paused_s'] + row['plan_cpu_s']:.3f}s with the GC paused in compile too; "
-                  f"median of {args.repeat})")
+                  f"(median of {args.repeat})")
     if args.json:
         from rollplex.pipeline.fsio import atomic_write_text
 

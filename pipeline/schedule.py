@@ -28,9 +28,7 @@ by names or insertion order, so two namings of one graph get the same plan.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
-import gc
 import hashlib
 import json
 from collections.abc import Callable, Mapping
@@ -40,7 +38,7 @@ import networkx as nx
 
 from rollplex.errors import GraphError
 from rollplex.pipeline.hardware import Cluster, Layout
-from rollplex.pipeline.ir import IterationGraph, Node
+from rollplex.pipeline.ir import IterationGraph, Node, gc_paused
 from rollplex.pipeline.timing import Job, Problem, Timing, dispatch, lane_orders, replay
 
 POLICIES = ("serial", "rollplex")
@@ -135,7 +133,7 @@ def schedule(graph: IterationGraph, policy: str, cluster: Cluster | None = None,
         return plan(graph, cluster, costs if costs is not None else {}, policy, layout).graph
     if policy not in POLICIES:
         raise GraphError(f"unknown schedule policy {policy!r}; choose one of {', '.join(POLICIES)}")
-    with _gc_paused():
+    with gc_paused():
         planned = copy_graph(graph)
         if policy == "serial":
             _serial_barriers(planned)
@@ -373,19 +371,6 @@ class Plan:
         return "\n".join([head, *lines])
 
 
-@contextlib.contextmanager
-def _gc_paused():
-    """Planning allocates many small acyclic objects next to a big heap (the graph); the cyclic
-    collector would rescan that heap again and again (30–50% of a 10k-node plan)."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
 def plan(graph: IterationGraph, cluster: Cluster, costs, policy: str = "rollplex", layout: Layout | None = None,
          *, release: Mapping[int, int] | None = None) -> Plan:
     """Place and time every node of ``graph`` under ``policy``. Pure: the input is not modified.
@@ -393,7 +378,7 @@ def plan(graph: IterationGraph, cluster: Cluster, costs, policy: str = "rollplex
     ``costs`` is ``(node, gang size) -> NodeCost | seconds`` or a mapping node name → seconds.
     ``release`` (prompt → decode chunk in which its group finishes) enables stage fusion.
     """
-    with _gc_paused():
+    with gc_paused():
         return _plan(graph, cluster, costs, policy, layout, release)
 
 
@@ -433,7 +418,7 @@ def _plan(graph, cluster, costs, policy, layout, release) -> Plan:
 def retime(old: Plan, graph: IterationGraph | None = None, costs=None) -> Plan:
     """Replay ``old``'s placement and lane orders, with other ``costs`` or on a ``graph`` that adds
     nodes (offload/prefetch): a new node runs on its fixed gang, in its lane at ``meta['at']``."""
-    with _gc_paused():
+    with gc_paused():
         return _retime(old, graph, costs)
 
 
