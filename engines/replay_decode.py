@@ -67,7 +67,7 @@ class ReplayDecodeEngine(DecodeEngine):
     def step(self, max_tokens: int) -> list[FinishedSequence]:
         self._tokens += max_tokens
         done = [k for k in self._queue if len(self.recorded[k].token_ids) <= self._tokens]
-        self._queue = [k for k in self._queue if k not in set(done)]
+        self._queue = [k for k in self._queue if len(self.recorded[k].token_ids) > self._tokens]
         return [self.recorded[k] for k in done]
 
     def has_unfinished(self) -> bool:
