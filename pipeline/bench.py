@@ -13,6 +13,7 @@ Policies:
 - ``rollplex``: no barriers. Vision and prefix work run on the compute stream inside the decode window;
   on CUDA, while both streams are busy each runs on its own green context (SM partition), and alone
   each gets the whole GPU.
+- ``disaggregated`` and ``rollplex-dp2``, on two GPUs: see ``pipeline/bench_multi.py``.
 """
 from __future__ import annotations
 
@@ -29,7 +30,10 @@ import torch
 
 from rollplex.errors import RollplexError
 
-POLICIES = ("serial-noshare", "serial", "rollplex")
+from rollplex.pipeline.bench_multi import TWO_GPU_POLICIES
+
+POLICIES = ("serial-noshare", "serial", "rollplex")  # one GPU
+ALL_POLICIES = POLICIES + TWO_GPU_POLICIES  # the two-GPU ones are in pipeline/bench_multi.py
 
 
 @dataclass
@@ -54,6 +58,11 @@ class BenchConfig:
     layers: int | None = None  # override the preset's depth (smoke tests on small machines)
     prompts_per_node: int = 1  # prompts per vit/prefix/suffix node: batched forwards (ViT batching)
     stage_fusion: bool = True  # rollplex: the reference scores the groups each decode chunk finished
+    second_device: str = ""  # the two-GPU policies' other device; default cuda:1 (cpu: cpu, for tests)
+
+    def __post_init__(self) -> None:
+        if not self.second_device:
+            self.second_device = "cuda:1" if self.device == "cuda" else self.device
 
 
 class _Tokenizer:
@@ -142,6 +151,7 @@ class PolicyResult:
     trace: dict | None = None
     decode_bytes: float = 0.0  # weights + KV bytes the decode steps had to read, per iteration
     responses: list | None = None
+    ranks_disagree: float = 0.0  # two data-parallel ranks: largest weight difference after a step
 
     def decode_bandwidth(self) -> float:
         return self.decode_bytes / self.decode_seconds if self.decode_seconds else 0.0
@@ -151,45 +161,57 @@ class PolicyResult:
         return statistics.median(self.seconds) if self.seconds else float("nan")
 
 
-def _host(cfg: BenchConfig, actor_engine, ref_engine, decode, policy: str, streams: dict):
+def _host(cfg: BenchConfig, actor_engine, ref_engine, decode, policy: str, streams: dict, device: str = ""):
     from rollplex.pipeline.worker import HostSpec, IterationSettings, WorkerHost
 
     settings = IterationSettings(seed=cfg.seed, samples=cfg.samples, max_new_tokens=cfg.max_new_tokens,
                                  temperature=1.0, top_p=1.0, pad_id=0, stop_token_ids=(), params={})
-    spec = HostSpec(model_path="", reference_path="", device=cfg.device, dtype=cfg.dtype, threads=8,
+    spec = HostSpec(model_path="", reference_path="", device=device or cfg.device, dtype=cfg.dtype, threads=8,
                     decode_engine="torch-graph", train_engine=cfg.train_engine, score_engine="transformers",
                     decode_options={}, train_options={}, algorithm="grpo", reward="bench_parity",
                     settings=settings)
-    return WorkerHost(spec, name=f"gpu0/{policy}", engines={"actor": actor_engine, "ref": ref_engine},
+    return WorkerHost(spec, name=f"{device or cfg.device}/{policy}", engines={"actor": actor_engine, "ref": ref_engine},
                       decode=decode, streams=streams, tokenizer=_Tokenizer())
 
 
 def compile_for(cfg: BenchConfig, policy: str, config):
+    """``disaggregated`` runs serial's graph (its rollout GPU is a placement, not a graph change);
+    ``rollplex-dp2`` runs rollplex's over two ranks, without stage fusion (ranks decode apart)."""
     from rollplex.dags.grpo import grpo
     from rollplex.pipeline.compiler import BatchShape, EngineChoice, ModelDims, compile_iteration
+    from rollplex.pipeline.ranks import distribute, fit_prompts_per_node
     from rollplex.pipeline.schedule import schedule
 
+    ranks = 2 if policy == "rollplex-dp2" else 1
     shape = BatchShape(prompts=cfg.prompts, samples=cfg.samples, max_new_tokens=cfg.max_new_tokens,
                        chunk_tokens=cfg.chunk_tokens, micro_batch_groups=1,
                        prompt_tokens=cfg.vision_tokens + cfg.text_tokens + 2, vision_tokens=cfg.vision_tokens,
-                       prefix_sharing=policy != "serial-noshare", prompts_per_node=cfg.prompts_per_node,
+                       prefix_sharing=policy != "serial-noshare",
+                       prompts_per_node=fit_prompts_per_node(cfg.prompts_per_node, cfg.prompts // ranks),
                        stage_fusion=cfg.stage_fusion and policy == "rollplex")
     engines = EngineChoice({"decode": "torch-graph", "train": cfg.train_engine, "score": "transformers"})
-    graph = compile_iteration(grpo, shape, engines, ModelDims.from_hf_config(config, 2))
-    return schedule(graph, "rollplex" if policy == "rollplex" else "serial")
+    graph = distribute(compile_iteration(grpo, shape, engines, ModelDims.from_hf_config(config, 2)), ranks)
+    return schedule(graph, "rollplex" if policy.startswith("rollplex") else "serial")
 
 
 def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
     from rollplex.engines.base import EngineContext, get_engine
     from rollplex.engines.replay_decode import Recorder, ReplayDecodeEngine
+    from rollplex.pipeline import bench_multi
     from rollplex.pipeline.local import LocalExecutor
-    from rollplex.pipeline.trace import chrome_trace, overlap_seconds, seconds_by_kind
     from rollplex.tasks.rewards import get_reward, register_reward
 
     import rollplex.engines  # noqa: F401 - registers the engines
 
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise RollplexError("rollplex bench: no CUDA device (use --device cpu with a small --model for a smoke run)")
+    unknown = [p for p in cfg.policies if p not in ALL_POLICIES]
+    if unknown:
+        raise RollplexError(f"--policies: {unknown} unknown; choose from {', '.join(ALL_POLICIES)}")
+    if (set(cfg.policies) & set(TWO_GPU_POLICIES) and cfg.device == "cuda"
+            and torch.cuda.device_count() < 2 and cfg.second_device.startswith("cuda:")):
+        raise RollplexError(f"--policies: {', '.join(TWO_GPU_POLICIES)} need two GPUs; this machine has "
+                            f"{torch.cuda.device_count()}")
     try:
         get_reward("bench_parity")
     except RollplexError:
@@ -214,91 +236,138 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
     start_optim = copy.deepcopy(actor.optimizer.state_dict())
     log(f"bench: {cfg.model} ({sum(p.numel() for p in model.parameters()) / 1e9:.2f}B params, {cfg.dtype}) on "
         f"{torch.cuda.get_device_name() if cfg.device == 'cuda' else 'cpu'}; built in {time.time() - t0:.1f}s")
-    partitions = sm_partitions(cfg, decode) if cfg.device == "cuda" else None
+    partitions: dict[str, dict | None] = {}
     results: dict[str, PolicyResult] = {}
     recorder = Recorder(decode)  # serial's rollouts, replayed below so updates compare on one rollout
 
-    def host_for(policy: str, decode_engine) -> tuple[Any, Any]:
-        streams = ({"decode": torch.cuda.Stream(device), "compute": torch.cuda.Stream(device)}
-                   if cfg.device == "cuda" else {})
-        host = _host(cfg, actor, ref_engine, decode_engine, policy, streams)
-        if policy == "rollplex":
-            host.partitions = partitions
-            host.gate_rows = cfg.gate_rows
-        return host, LocalExecutor(host)
+    def executor_for(policy: str, ranks: list[dict]) -> LocalExecutor:
+        """One host per rank: ``ranks[r]`` holds its actor, ref and decode engines; a decode engine on
+        another device than the trainer's (disaggregated) gets its stream there."""
+        hosts = []
+        for rank, engines in enumerate(ranks):
+            home = cfg.device if rank == 0 else cfg.second_device
+            streams = {}
+            if cfg.device == "cuda":
+                streams = {"decode": torch.cuda.Stream(engines["decode"].device)
+                           if hasattr(engines["decode"], "device") else torch.cuda.Stream(home),
+                           "compute": torch.cuda.Stream(home)}
+            host = _host(cfg, engines["actor"], engines["ref"], engines["decode"], policy, streams, home)
+            if policy.startswith("rollplex"):
+                if cfg.device == "cuda" and home not in partitions:
+                    partitions[home] = sm_partitions(cfg, torch.device(home).index or 0)
+                host.partitions = partitions.get(home)
+                host.gate_rows = cfg.gate_rows
+            hosts.append(host)
+        return LocalExecutor(hosts)
 
-    def restart() -> None:  # every policy, every iteration: the same start
+    def restart(extra: bench_multi.Replicas | None) -> None:  # every policy, every iteration: the same start
         actor.module.load_state_dict(start_state)
         actor.optimizer.load_state_dict(start_optim)
+        if extra is not None:
+            extra.reset()
 
     def update_since_start() -> dict[str, torch.Tensor]:
         return {k: (v.detach().float() - start_state[k].float()) for k, v in actor.module.state_dict().items()
                 if "visual" not in k}
 
-    graphs = {policy: compile_for(cfg, policy, config) for policy in cfg.policies}
+    def replicas_for(policy: str) -> bench_multi.Replicas | None:
+        if policy == "disaggregated":
+            return bench_multi.disaggregated(cfg, actor, ref_engine, start_state, dtype, longest)
+        if policy == "rollplex-dp2":
+            return bench_multi.data_parallel(cfg, actor, ref_engine, decode, start_state, start_optim, dtype, longest)
+        return None
+
+    def synchronize() -> None:
+        if cfg.device == "cuda":
+            for d in range(torch.cuda.device_count()):
+                torch.cuda.synchronize(d)
+                torch.cuda.reset_peak_memory_stats(d)
+
+    # Serial first: its recorded rollout is what the others replay right after their timed runs.
+    graphs = {policy: compile_for(cfg, policy, config) for policy in sorted(cfg.policies, key=lambda p: p != "serial")}
     for policy, graph in graphs.items():
-        host, executor = host_for(policy, recorder if policy == "serial" else decode)
+        extra = replicas_for(policy)
+        ranks = extra.hosts_engines if extra else [{"actor": actor, "ref": ref_engine, "decode": decode}]
+        if policy == "serial":
+            ranks = [dict(ranks[0], decode=recorder)]
+        executor = executor_for(policy, ranks)
+        decodes = [r["decode"] for r in ranks]
         res = PolicyResult(policy)
         for iteration in range(cfg.iterations):
-            restart()
+            restart(extra)
             prompts = make_prompts(cfg, config, iteration)
-            if cfg.device == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            steps_before = decode.steps_run
+            synchronize()
+            steps_before = sum(d.steps_run for d in decodes)
             result = executor.run(graph, iteration, {f"prompt_p{p}": x for p, x in enumerate(prompts)})
             if iteration == 0:  # the update from the common start, compared across policies
                 res.update = update_since_start()
                 res.responses = [r["response_token_ids"] for r in result.output["report"]["rows"]]
+                res.ranks_disagree = bench_multi.ranks_disagree(extra) if extra else 0.0
                 continue
-            res.seconds.append(result.seconds)
-            res.peak_bytes = max(res.peak_bytes, result.peak_memory_bytes)
-            kinds = seconds_by_kind(result.events)
-            for k, v in kinds.items():
-                res.by_kind[k] = res.by_kind.get(k, 0.0) + v / (cfg.iterations - 1)
-            trace = chrome_trace(result.events, iteration, policy)
-            prefix_time = sum(e["dur"] for e in trace["traceEvents"] if e.get("cat") in ("prefix", "vit_encode")) / 1e6
-            hidden = overlap_seconds(trace, {"prefix", "vit_encode"}, {"decode_chunk"})
-            res.hidden_share += (hidden / prefix_time if prefix_time else 0.0) / (cfg.iterations - 1)
-            res.decode_seconds += kinds.get("decode_chunk", 0.0) / (cfg.iterations - 1)
-            res.tokens = result.output["report"]["metrics"]["response_len_mean"] * cfg.prompts * cfg.samples
-            res.trace = trace
-            prompt_len = cfg.vision_tokens + cfg.text_tokens + 2
-            kv_reads = sum(prompt_len * len(r["response_token_ids"]) + len(r["response_token_ids"]) ** 2 / 2
-                           for r in result.output["report"]["rows"])
-            weights = sum(p.numel() * p.element_size() for n, p in actor.module.named_parameters() if "visual" not in n)
-            res.decode_bytes += ((decode.steps_run - steps_before) * weights
-                                 + kv_reads * spec.kv_bytes_per_token(2)) / (cfg.iterations - 1)
+            record_iteration(cfg, spec, actor, res, result, sum(d.steps_run for d in decodes) - steps_before, policy)
+        if recorder.recorded and policy != "serial":  # iteration 0 again, on serial's recorded rollout
+            replay = [dict(r, decode=ReplayDecodeEngine(recorder.recorded)) for r in ranks]
+            restart(extra)
+            executor_for(policy, replay).run(graph, 0, {f"prompt_p{p}": x for p, x in
+                                                        enumerate(make_prompts(cfg, config, 0))})
+            res.replayed_update = update_since_start()
+        if extra is not None:
+            extra.release()
         results[policy] = res
         log(f"  {policy:15s} {res.median:7.3f} s/it   " + "  ".join(f"{k} {v:.2f}" for k, v in sorted(res.by_kind.items())))
-    if recorder.recorded:  # iteration 0 again under every policy, on serial's recorded rollout
-        replay = ReplayDecodeEngine(recorder.recorded)
-        for policy, res in results.items():
-            _, executor = host_for(policy, replay)
-            restart()
-            executor.run(graphs[policy], 0, {f"prompt_p{p}": x for p, x in enumerate(make_prompts(cfg, config, 0))})
-            res.replayed_update = update_since_start()
-    return report(cfg, spec, results, out_dir, decode, log)
+        report(cfg, spec, results, out_dir, lambda *a: None)  # partial results survive a later failure
+    if "serial" in results and recorder.recorded:  # serial replaying its own rollout: the replay itself
+        executor = executor_for("serial", [{"actor": actor, "ref": ref_engine,
+                                            "decode": ReplayDecodeEngine(recorder.recorded)}])
+        restart(None)
+        executor.run(graphs["serial"], 0, {f"prompt_p{p}": x for p, x in enumerate(make_prompts(cfg, config, 0))})
+        results["serial"].replayed_update = update_since_start()
+    return report(cfg, spec, results, out_dir, log)
 
 
-def sm_partitions(cfg: BenchConfig, decode) -> dict | None:
+def record_iteration(cfg: BenchConfig, spec, actor, res: PolicyResult, result, decode_steps: int, policy: str) -> None:
+    """Add one timed iteration to the policy's medians and per-iteration means."""
+    from rollplex.pipeline.trace import chrome_trace, overlap_seconds, seconds_by_kind
+
+    timed = cfg.iterations - 1
+    res.seconds.append(result.seconds)
+    res.peak_bytes = max(res.peak_bytes, result.peak_memory_bytes)
+    kinds = seconds_by_kind(result.events)
+    for k, v in kinds.items():
+        res.by_kind[k] = res.by_kind.get(k, 0.0) + v / timed
+    trace = chrome_trace(result.events, 0, policy)
+    prefix_time = sum(e["dur"] for e in trace["traceEvents"] if e.get("cat") in ("prefix", "vit_encode")) / 1e6
+    hidden = overlap_seconds(trace, {"prefix", "vit_encode"}, {"decode_chunk"})
+    res.hidden_share += (hidden / prefix_time if prefix_time else 0.0) / timed
+    res.decode_seconds += kinds.get("decode_chunk", 0.0) / timed
+    rows = result.output["report"]["rows"]
+    res.tokens = result.output["report"]["metrics"]["response_len_mean"] * cfg.prompts * cfg.samples
+    res.trace = trace
+    prompt_len = cfg.vision_tokens + cfg.text_tokens + 2
+    kv_reads = sum(prompt_len * len(r["response_token_ids"]) + len(r["response_token_ids"]) ** 2 / 2 for r in rows)
+    weights = sum(p.numel() * p.element_size() for n, p in actor.module.named_parameters() if "visual" not in n)
+    res.decode_bytes += (decode_steps * weights + kv_reads * spec.kv_bytes_per_token(2)) / timed
+
+
+def sm_partitions(cfg: BenchConfig, device_index: int = 0) -> dict | None:
     """Green-context streams for decode and compute while both run, or None where unsupported."""
     try:
         from torch.cuda.green_contexts import GreenContext
     except ImportError:
         return None
-    total = torch.cuda.get_device_properties(0).multi_processor_count
+    total = torch.cuda.get_device_properties(device_index).multi_processor_count
     decode_sms = cfg.decode_sms or 64  # ROLLPLEX.md: small-batch decode keeps its bandwidth on 32-64 SMs
     try:
         made = {}
         for name, sms in (("decode", decode_sms), ("compute", total - decode_sms)):
-            ctx = GreenContext.create(num_sms=sms, device_id=0)
+            ctx = GreenContext.create(num_sms=sms, device_id=device_index)
             if hasattr(ctx, "Stream"):
                 stream = ctx.Stream()
             else:  # torch 2.10/2.11: make the context current, create a stream in it, pop it
-                ctx.set_context()
-                stream = torch.cuda.Stream()
-                ctx.pop_context()
+                with torch.cuda.device(device_index):
+                    ctx.set_context()
+                    stream = torch.cuda.Stream()
+                    ctx.pop_context()
             made[name] = (ctx, stream, sms)
         return made
     except Exception as exc:  # noqa: BLE001 - a driver or build without green contexts: plain streams
@@ -306,53 +375,74 @@ def sm_partitions(cfg: BenchConfig, decode) -> dict | None:
         return None
 
 
-def lower_bound(cfg: BenchConfig, spec, res: PolicyResult, decode_bw: float = 4.3e12, peak: float = 788e12) -> float:
-    """max(decode at HBM bandwidth, all FLOPs at peak) for the iteration's actual token counts."""
+def lower_bound(cfg: BenchConfig, spec, res: PolicyResult, decode_bw: float = 4.3e12, peak: float = 788e12,
+                gpus: int = 1) -> float:
+    """max(decode at HBM bandwidth, all FLOPs at peak) for the iteration's actual token counts; over
+    ``gpus`` GPUs each reads the weights every step and a share of the KV, and does a share of the FLOPs."""
     rows, tokens = cfg.prompts * cfg.samples, res.tokens
     steps = cfg.max_new_tokens  # the longest response bounds the number of decode steps
     prompt = cfg.vision_tokens + cfg.text_tokens + 2
     weight_bytes = spec.lm_params * 2
     kv = spec.kv_bytes_per_token(2)
     mean_len = tokens / rows
-    decode_bytes = steps * weight_bytes + rows * (prompt + mean_len / 2) * kv * mean_len
+    decode_bytes = steps * weight_bytes + rows * (prompt + mean_len / 2) * kv * mean_len / gpus
     flops = 0.0
     flops += spec.vit_flops(cfg.vision_tokens * 4, cfg.vision_tokens * 4) * cfg.prompts
     flops += 2 * spec.prefill_flops(prompt) * cfg.prompts * 3  # ref forward + actor forward and backward (x2)
     flops += 2 * spec.lm_params * tokens * 4  # decode + ref suffix + actor suffix fwd/bwd
-    return max(decode_bytes / decode_bw, flops / peak)
+    return max(decode_bytes / decode_bw, flops / gpus / peak)
 
 
-def report(cfg, spec, results: dict[str, PolicyResult], out_dir: Path, decode, log) -> dict:
+def report(cfg, spec, results: dict[str, PolicyResult], out_dir: Path, log) -> dict:
     from rollplex.pipeline.fsio import atomic_write_text
 
+    results = {p: results[p] for p in cfg.policies if p in results}
     base = results.get("serial-noshare")
     rows = []
     log("")
     log(f"{'policy':16s} {'s/it':>7s} {'×noshare':>9s} {'peak GiB':>9s} {'hidden':>7s} {'tok/s':>8s} {'÷bound':>7s} "
         f"{'decode TB/s':>11s}")
     for name, res in results.items():
-        bound = lower_bound(cfg, spec, res)
+        gpus = 2 if name in TWO_GPU_POLICIES else 1
+        bound = lower_bound(cfg, spec, res, gpus=gpus)
         speedup = base.median / res.median if base else float("nan")
         row = {"policy": name, "median_s": res.median, "all_s": res.seconds, "speedup_vs_serial_noshare": speedup,
                "peak_hbm_bytes": res.peak_bytes, "prefix_hidden_share": res.hidden_share,
                "tokens_per_s": res.tokens / res.median, "lower_bound_s": bound, "ratio_to_bound": res.median / bound,
                "seconds_by_kind": res.by_kind, "decode_seconds": res.decode_seconds,
-               "decode_bytes_per_s": res.decode_bandwidth()}
+               "decode_bytes_per_s": res.decode_bandwidth(), "gpus": gpus,
+               "ranks_max_weight_difference": res.ranks_disagree}
         rows.append(row)
         log(f"{name:16s} {res.median:7.3f} {speedup:9.2f} {res.peak_bytes / 2**30:9.1f} {res.hidden_share:7.0%} "
             f"{row['tokens_per_s']:8.0f} {row['ratio_to_bound']:7.2f} {res.decode_bandwidth() / 1e12:11.2f}")
         if res.trace is not None:
             atomic_write_text(out_dir / f"trace_{name}.json", json.dumps(res.trace))
+    ratios = speedups(results)
+    for line in ratios:
+        log(line)
     updates = compare_updates(results)
     for line in update_lines(updates):
         log(line)
+    for name, res in results.items():
+        if name == "rollplex-dp2":
+            log(f"{name}: ranks' weights after the step differ by at most {res.ranks_disagree:.1e}")
     summary = {"config": cfg.__dict__ | {"policies": list(cfg.policies)}, "results": rows, "updates": updates,
+               "speedups": ratios,
                "update_checks": update_lines(updates),
                "device": torch.cuda.get_device_name() if cfg.device == "cuda" else "cpu",
                "date": time.strftime("%Y-%m-%d")}
     atomic_write_text(out_dir / "bench.json", json.dumps(summary, indent=1, default=str))
     _plot(results, out_dir)
     return summary
+
+
+def speedups(results: dict[str, PolicyResult]) -> list[str]:
+    """The ratios the issue asks for, each a gain on its own: prefix sharing (serial vs noshare), the
+    decode window with stage fusion (rollplex vs serial), and two GPUs as ranks vs split roles."""
+    pairs = [("serial", "serial-noshare"), ("rollplex", "serial-noshare"), ("rollplex", "serial"),
+             ("rollplex-dp2", "disaggregated"), ("rollplex-dp2", "rollplex"), ("disaggregated", "serial")]
+    return [f"{a} is {results[b].median / results[a].median:.2f}x {b}" for a, b in pairs
+            if a in results and b in results and results[a].seconds and results[b].seconds]
 
 
 def relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -399,7 +489,11 @@ def update_lines(rows: list[dict]) -> list[str]:
 
 
 def _plot(results: dict[str, PolicyResult], out_dir: Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # a bare GPU machine: the traces are written, the PNG is drawn elsewhere
+        print("bench: matplotlib is not installed; bench.png not drawn (the trace_*.json files are)")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -414,10 +508,10 @@ def _plot(results: dict[str, PolicyResult], out_dir: Path) -> None:
         for e in res.trace["traceEvents"]:
             if e.get("ph") != "X":
                 continue
-            y = tracks.setdefault(e["tid"], len(tracks))
+            y = tracks.setdefault((e["pid"], e["tid"]), len(tracks))
             ax.barh(y, e["dur"] / 1e6, left=e["ts"] / 1e6, color=colours.get(e["cat"], "#999999"), height=0.8)
         ax.set_yticks(list(tracks.values()))
-        ax.set_yticklabels([str(t) for t in tracks])
+        ax.set_yticklabels([f"{p}/{t}" if len({k[0] for k in tracks}) > 1 else str(t) for p, t in tracks])
         ax.set_title(f"{name}: {res.median:.2f} s/iteration", fontsize=9)
     axes[-1, 0].set_xlabel("seconds")
     fig.tight_layout()

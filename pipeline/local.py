@@ -6,6 +6,9 @@ ready node of highest priority, each value is dropped after its last consumer, a
 trace event. What it leaves out is the scheduler between nodes, so it serves benchmarks that compare
 policies side by side in one process (``rollplex bench``) and single-device jobs where the few
 milliseconds per Dask hop would matter.
+
+Given several hosts (one per GPU), a node runs on ``hosts[node.meta["rank"]]``: the data-parallel
+iteration of ``pipeline/ranks.py`` in one process, each rank's streams its own threads.
 """
 from __future__ import annotations
 
@@ -19,8 +22,9 @@ from rollplex.pipeline.worker import IterationResult, WorkerHost, execute_node
 
 
 class LocalExecutor:
-    def __init__(self, host: WorkerHost) -> None:
-        self.host = host
+    def __init__(self, host: WorkerHost | list[WorkerHost]) -> None:
+        self.hosts = list(host) if isinstance(host, (list, tuple)) else [host]
+        self.host = self.hosts[0]
 
     def run(self, graph: IterationGraph, iteration: int, inputs: dict[str, Any]) -> IterationResult:
         order = {name: i for i, name in enumerate(graph.topological_order())}
@@ -32,20 +36,24 @@ class LocalExecutor:
         done_queue: queue.Queue = queue.Queue()
         start = time.time()
 
+        def lane(node) -> tuple[int, str]:  # (rank, stream): one node at a time on each
+            return int(node.meta.get("rank", 0)), node.stream
+
         def push(name: str) -> None:
             node = graph.nodes[name]
-            heapq.heappush(ready.setdefault(node.stream, []), (-float(node.meta.get("priority", 0.0)),
-                                                               order[name], name))
+            heapq.heappush(ready.setdefault(lane(node), []), (-float(node.meta.get("priority", 0.0)),
+                                                              order[name], name))
 
         def dispatch() -> None:
-            for stream, heap in ready.items():
-                if stream in busy or not heap:
+            for (rank, stream), heap in ready.items():
+                if (rank, stream) in busy or not heap:
                     continue
                 _, _, name = heapq.heappop(heap)
                 node = graph.nodes[name]
                 node_inputs = {v: values[v] for v in node.inputs}
-                busy.add(stream)
-                future = self.host.submit(stream, execute_node, self.host, node, iteration, node_inputs)
+                busy.add((rank, stream))
+                host = self.hosts[rank]
+                future = host.submit(stream, execute_node, host, node, iteration, node_inputs)
                 future.add_done_callback(lambda f, name=name: done_queue.put((name, f)))
 
         for name in graph.nodes:
@@ -57,7 +65,7 @@ class LocalExecutor:
         while finished < len(graph.nodes):
             name, future = done_queue.get()
             node = graph.nodes[name]
-            busy.discard(node.stream)
+            busy.discard(lane(node))
             outputs = future.result()  # re-raises the node's failure, naming it
             finished += 1
             values.update(outputs)
@@ -73,5 +81,6 @@ class LocalExecutor:
                 output = outputs
             dispatch()
         seconds = time.time() - start
-        drained = self.host.drain()
-        return IterationResult(output, drained["events"], drained["peak_memory_bytes"], seconds)
+        drained = [host.drain() for host in self.hosts]
+        return IterationResult(output, [e for d in drained for e in d["events"]],
+                               max(d["peak_memory_bytes"] for d in drained), seconds)

@@ -66,12 +66,12 @@ def cmd_graph(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from rollplex.pipeline.bench import POLICIES, BenchConfig, run
+    from rollplex.pipeline.bench import ALL_POLICIES, POLICIES, BenchConfig, run
 
     policies = tuple(args.policies.split(",")) if args.policies else POLICIES
-    unknown = [p for p in policies if p not in POLICIES]
+    unknown = [p for p in policies if p not in ALL_POLICIES]
     if unknown:
-        raise RollplexError(f"--policies: {unknown} unknown; choose from {', '.join(POLICIES)}")
+        raise RollplexError(f"--policies: {unknown} unknown; choose from {', '.join(ALL_POLICIES)}")
     cfg = BenchConfig(model=args.model, prompts=args.prompts, samples=args.samples,
                       vision_tokens=args.vision_tokens, max_new_tokens=args.max_new_tokens,
                       mean_new_tokens=args.mean_new_tokens, chunk_tokens=args.chunk_tokens,
@@ -136,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--mean-new-tokens", type=int, default=96, help="centre of the long-tailed length spread")
     b.add_argument("--chunk-tokens", type=int, default=32)
     b.add_argument("--iterations", type=int, default=4, help="per policy; the first is a warm-up")
-    b.add_argument("--policies", help="comma-separated subset of serial-noshare,serial,rollplex")
+    b.add_argument("--policies", help="comma-separated, from serial-noshare,serial,rollplex (one GPU; the "
+                                      "default) and disaggregated,rollplex-dp2 (two GPUs)")
     b.add_argument("--train-engine", default="torch", choices=("torch", "deepspeed"))
     b.add_argument("--decode-sms", type=int, default=0, help="SMs for decode while prefix work runs (0: auto)")
     b.add_argument("--gate-rows", type=int, default=0,

@@ -87,9 +87,12 @@ def decode_chunk(ctx, node, inputs):
         # meta caps each sample's length (benchmarks' long-tail workloads) gets one request per
         # sample, seeded seed + g as sample g of the group would be.
         requests = []
+        # Request ids name prompts by their global index, so a rank's requests are the same as the
+        # single-rank run's (a replayed or recorded rollout is keyed by them).
+        global_index = node.args.get("prompts", range(len(prompts)))
         for p, (prompt, vis) in enumerate(zip(prompts, visions)):
             base = DecodeRequest(
-                request_id=request_id(ctx.iteration, p),
+                request_id=request_id(ctx.iteration, global_index[p]),
                 prompt_token_ids=prompt.input_ids.tolist(),
                 image_embeds=vis.image,
                 image_grid_thw=prompt.image_grid_thw,
@@ -126,7 +129,7 @@ def decode_chunk(ctx, node, inputs):
     fused = node.outputs[-1] == f"handoff_c{chunk}"
 
     def group(p: int) -> Responses | None:
-        keys = [(request_id(ctx.iteration, p), g) for g in range(s.samples)]
+        keys = [(request_id(ctx.iteration, index[p]), g) for g in range(s.samples)]
         return Responses(index[p], [finished[k] for k in keys]) if all(k in finished for k in keys) else None
 
     out: dict[str, Any] = {}

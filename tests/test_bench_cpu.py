@@ -38,3 +38,29 @@ def test_replay_returns_recorded_samples_and_names_a_missing_one():
     assert engine.has_unfinished() and engine.step(1) == [seq] and not engine.has_unfinished()
     with pytest.raises(EngineError, match="no recorded response for request 'it0-p1' sample 0"):
         engine.add_requests([DecodeRequest("it0-p1", [1], None, None, 4, seed=0)])
+
+
+@pytest.mark.slow
+def test_bench_two_gpu_policies_on_cpu_match_serial(tmp_path):
+    """disaggregated (rollout on its own copy, weights shipped back) and rollplex-dp2 (two ranks, an
+    in-process all-reduce) run on two CPU "devices"; on serial's replayed rollout both compute serial's
+    update, and the two ranks end the step with equal weights."""
+    config = resolve_model_path(load_config(None, [])) + "/config.json"
+    out = run(BenchConfig(model=config, device="cpu", dtype="float32", prompts=4, samples=2, vision_tokens=16,
+                          text_tokens=8, max_new_tokens=8, mean_new_tokens=4, chunk_tokens=4, iterations=2,
+                          policies=("serial", "disaggregated", "rollplex-dp2"), out=str(tmp_path)),
+              log=lambda *a: None)
+    rows = {r["policy"]: r for r in json.loads((tmp_path / "bench.json").read_text())["results"]}
+    assert rows["rollplex-dp2"]["gpus"] == 2 and rows["disaggregated"]["seconds_by_kind"]["weight_sync"] > 0
+    assert rows["rollplex-dp2"]["ranks_max_weight_difference"] == 0.0
+    updates = {u["policy"]: u for u in out["updates"]}
+    assert updates["disaggregated"]["replayed"] <= 1e-6
+    assert updates["disaggregated"]["identical_responses"] == updates["disaggregated"]["responses"]
+    # Two ranks sum their halves' gradients instead of accumulating all micro-batches in one order.
+    assert updates["rollplex-dp2"]["replayed"] <= 1e-4
+    assert any(line.startswith("rollplex-dp2 is") for line in out["speedups"])
+
+
+def test_bench_names_an_unknown_policy():
+    with pytest.raises(Exception, match="--policies: \\['fastest'\\] unknown"):
+        run(BenchConfig(device="cpu", policies=("fastest",)), log=lambda *a: None)
