@@ -59,6 +59,7 @@ class BenchConfig:
     prompts_per_node: int = 1  # prompts per vit/prefix/suffix node: batched forwards (ViT batching)
     stage_fusion: bool = True  # rollplex: the reference scores the groups each decode chunk finished
     second_device: str = ""  # the two-GPU policies' other device; default cuda:1 (cpu: cpu, for tests)
+    profile: tuple[str, ...] = ()  # policies to run once more under torch.profiler (untimed): profile_<policy>.txt
 
     def __post_init__(self) -> None:
         if not self.second_device:
@@ -305,6 +306,9 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
                 res.ranks_disagree = bench_multi.ranks_disagree(extra) if extra else 0.0
                 continue
             record_iteration(cfg, spec, actor, res, result, sum(d.steps_run for d in decodes) - steps_before, policy)
+        if policy in cfg.profile:
+            restart(extra)
+            profile_iteration(executor, graph, make_prompts(cfg, config, 1), out_dir / f"profile_{policy}.txt")
         if recorder.recorded and policy != "serial":  # iteration 0 again, on serial's recorded rollout
             replay = [dict(r, decode=ReplayDecodeEngine(recorder.recorded)) for r in ranks]
             restart(extra)
@@ -323,6 +327,24 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
         executor.run(graphs["serial"], 0, {f"prompt_p{p}": x for p, x in enumerate(make_prompts(cfg, config, 0))})
         results["serial"].replayed_update = update_since_start()
     return report(cfg, spec, results, out_dir, log)
+
+
+def profile_iteration(executor, graph, prompts: list, path: Path) -> None:
+    """One more iteration under torch.profiler; the top operators and kernels by device time, per
+    node kind (record_function ranges named after the node kinds) and overall."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from rollplex.pipeline.fsio import atomic_write_text
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    try:  # nodes run on the stream threads, not this one
+        config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    except TypeError:  # an older torch: device kernels are still captured, host operators only here
+        config = None
+    with profile(activities=activities, experimental_config=config) as prof:
+        executor.run(graph, 1, {f"prompt_p{p}": x for p, x in enumerate(prompts)})
+    key = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    atomic_write_text(path, prof.key_averages().table(sort_by=key, row_limit=40))
 
 
 def record_iteration(cfg: BenchConfig, spec, actor, res: PolicyResult, result, decode_steps: int, policy: str) -> None:

@@ -19,7 +19,7 @@ def test_bench_runs_every_policy_and_replayed_updates_agree(tmp_path):
     config = resolve_model_path(load_config(None, [])) + "/config.json"
     out = run(BenchConfig(model=config, device="cpu", dtype="float32", prompts=2, samples=2, vision_tokens=16,
                           text_tokens=8, max_new_tokens=8, mean_new_tokens=4, chunk_tokens=4, iterations=2,
-                          out=str(tmp_path)), log=lambda *a: None)
+                          profile=("rollplex",), out=str(tmp_path)), log=lambda *a: None)
     saved = json.loads((tmp_path / "bench.json").read_text())
     assert [r["policy"] for r in saved["results"]] == ["serial-noshare", "serial", "rollplex"]
     assert all(r["median_s"] > 0 and r["seconds_by_kind"]["decode_chunk"] > 0 for r in saved["results"])
@@ -28,6 +28,8 @@ def test_bench_runs_every_policy_and_replayed_updates_agree(tmp_path):
     assert updates["rollplex"]["replayed"] <= 1e-6  # same rollout, other schedule: the same update
     assert updates["serial-noshare"]["replayed"] <= 1e-3  # full-sequence scoring: fp32 rounding only
     assert (tmp_path / "bench.png").exists() and (tmp_path / "trace_rollplex.json").exists()
+    profiled = (tmp_path / "profile_rollplex.txt").read_text()  # operators of the stream threads, per kind
+    assert "node:suffix_score" in profiled and "node:loss" in profiled
 
 
 def test_replay_returns_recorded_samples_and_names_a_missing_one():
