@@ -16,11 +16,14 @@ class HFScoreEngine(ScoreEngine):
     def __init__(self, ctx: EngineContext):
         from transformers import Qwen2_5_VLForConditionalGeneration
 
+        from rollplex.engines.vision_attention import batch_vision_attention
+
         self.device = torch.device(ctx.device)
         self.dtype = ctx.dtype
         model = ctx.options.get("module")  # a model built by the caller (rollplex bench), used as is
         if model is None:
             model = Qwen2_5_VLForConditionalGeneration.from_pretrained(ctx.model_path, dtype=ctx.dtype)
+        batch_vision_attention(model)  # one SDPA call per run of equal vision windows, not one per window
         model.to(self.device).eval()
         model.requires_grad_(False)
         self.model = model

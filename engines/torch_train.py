@@ -40,15 +40,19 @@ def with_value_head(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def load_policy(ctx: EngineContext) -> torch.nn.Module:
-    """The HF model on ctx.device/dtype with its vision tower frozen (``options["module"]``: a model
-    built by the caller, used as is, e.g. by ``rollplex bench``); ``options["head"] == "value"``
-    gives it a scalar value head instead of the LM head (a critic)."""
+    """The HF model on ctx.device/dtype with its vision tower frozen and its window attention
+    batched (engines.vision_attention). ``options["module"]``: a model built by the caller, used as
+    is otherwise, e.g. by ``rollplex bench``; ``options["head"] == "value"`` gives it a scalar value
+    head instead of the LM head (a critic)."""
     from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from rollplex.engines.vision_attention import batch_vision_attention
 
     torch.manual_seed(ctx.seed)
     model = ctx.options.get("module")
     if model is None:
         model = Qwen2_5_VLForConditionalGeneration.from_pretrained(ctx.model_path, dtype=ctx.dtype)
+    batch_vision_attention(model)  # one SDPA call per run of equal vision windows, not one per window
     if ctx.options.get("head", "lm") == "value":
         with_value_head(model)
     model.to(ctx.device)
