@@ -111,6 +111,9 @@ def build_model(cfg: BenchConfig):
     with torch.device(cfg.device):
         model = Qwen2_5_VLForConditionalGeneration._from_config(config, dtype=dtype)
     model.eval()
+    from rollplex.engines.vision_attention import batch_vision_attention
+
+    batch_vision_attention(model)  # one attention call per run of equal windows, not one per window
     for name, p in model.named_parameters():
         p.requires_grad_("visual" not in name)
     return model, spec
@@ -267,8 +270,8 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
         if extra is not None:
             extra.reset()
 
-    def update_since_start() -> dict[str, torch.Tensor]:
-        return {k: (v.detach().float() - start_state[k].float()) for k, v in actor.module.state_dict().items()
+    def update_since_start() -> dict[str, torch.Tensor]:  # on the host: a policy's fp32 update is 4 bytes/param
+        return {k: (v.detach().float() - start_state[k].float()).cpu() for k, v in actor.module.state_dict().items()
                 if "visual" not in k}
 
     def replicas_for(policy: str) -> bench_multi.Replicas | None:
@@ -306,6 +309,8 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
                 res.ranks_disagree = bench_multi.ranks_disagree(extra) if extra else 0.0
                 continue
             record_iteration(cfg, spec, actor, res, result, sum(d.steps_run for d in decodes) - steps_before, policy)
+        if policy == "serial":
+            log(f"  serial's rollouts recorded for replay: {len(recorder.recorded)} sequences")
         if policy in cfg.profile:
             restart(extra)
             profile_iteration(executor, graph, make_prompts(cfg, config, 1), out_dir / f"profile_{policy}.txt")
