@@ -49,7 +49,7 @@ class BenchConfig:
     iterations: int = 4  # the first is a warm-up (graph capture, allocator) and is not timed
     policies: tuple[str, ...] = POLICIES
     train_engine: str = "torch"
-    decode_sms: int = 0  # SMs for decode while both streams are busy; 0: chosen from the batch
+    decode_sms: int = 0  # SMs for decode while both streams are busy; 0: re-chosen per chunk from the live batch
     gate_rows: int = 0  # rollplex: prefix work waits until decode has at most this many live rows
     seed: int = 0
     out: str = "bench"
@@ -376,30 +376,12 @@ def record_iteration(cfg: BenchConfig, spec, actor, res: PolicyResult, result, d
     res.decode_bytes += (decode_steps * weights + kv_reads * spec.kv_bytes_per_token(2)) / timed
 
 
-def sm_partitions(cfg: BenchConfig, device_index: int = 0) -> dict | None:
-    """Green-context streams for decode and compute while both run, or None where unsupported."""
-    try:
-        from torch.cuda.green_contexts import GreenContext
-    except ImportError:
-        return None
-    total = torch.cuda.get_device_properties(device_index).multi_processor_count
-    decode_sms = cfg.decode_sms or 64  # ROLLPLEX.md: small-batch decode keeps its bandwidth on 32-64 SMs
-    try:
-        made = {}
-        for name, sms in (("decode", decode_sms), ("compute", total - decode_sms)):
-            ctx = GreenContext.create(num_sms=sms, device_id=device_index)
-            if hasattr(ctx, "Stream"):
-                stream = ctx.Stream()
-            else:  # torch 2.10/2.11: make the context current, create a stream in it, pop it
-                with torch.cuda.device(device_index):
-                    ctx.set_context()
-                    stream = torch.cuda.Stream()
-                    ctx.pop_context()
-            made[name] = (ctx, stream, sms)
-        return made
-    except Exception as exc:  # noqa: BLE001 - a driver or build without green contexts: plain streams
-        print(f"bench: green contexts unavailable ({type(exc).__name__}: {exc}); plain streams")
-        return None
+def sm_partitions(cfg: BenchConfig, device_index: int = 0):
+    """Green-context streams for decode and compute while both run (pipeline/partitions.py): the one
+    split ``--decode-sms`` names, or with 0 one per row of the live-batch table, re-chosen per chunk."""
+    from rollplex.pipeline.partitions import AUTO_SPLITS, make
+
+    return make(device_index, [cfg.decode_sms] if cfg.decode_sms else [sms for _, sms in AUTO_SPLITS])
 
 
 def lower_bound(cfg: BenchConfig, spec, res: PolicyResult, decode_bw: float = 4.3e12, peak: float = 788e12,

@@ -134,9 +134,10 @@ class WorkerHost:
             self.refcache = RefPrefixCache(spec.ref_cache_bytes)
             for model in spec.frozen:
                 self.register_frozen(model)
-        # Optional SM partition: {stream: (green context, its stream, SMs)}. A GPU stream runs on its
-        # partition while the other GPU stream is busy, and on the whole GPU alone.
-        self.partitions: dict | None = None
+        # Optional SM partitions (pipeline/partitions.py), re-chosen from the live decode batch at each
+        # decode chunk. A GPU stream runs on its partition while the other GPU stream is busy, and on
+        # the whole GPU alone.
+        self.partitions = None
         self._busy = {"decode": 0, "compute": 0}
         # Prefix work joins the decode window only once decode is light (at most this many live
         # rows): heavy decode leaves little idle compute, and sharing SMs then slows it more than
@@ -248,8 +249,12 @@ class WorkerHost:
             return
         other = "compute" if stream == "decode" else "decode"
         with self._lock:
-            if self.partitions and stream in self.partitions and self._busy.get(other):
-                s = self.partitions[stream][1]
+            if self.partitions is not None and stream in ("decode", "compute"):
+                if stream == "decode":
+                    live = getattr(self.decode, "live_rows", None)
+                    self.partitions.choose(live() if live else None)
+                if self._busy.get(other):
+                    s = self.partitions.stream(stream)
             self._busy[stream] = self._busy.get(stream, 0) + 1
         try:
             with torch.cuda.stream(s):

@@ -140,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--policies", help="comma-separated, from serial-noshare,serial,rollplex (one GPU; the "
                                       "default) and disaggregated,rollplex-dp2 (two GPUs)")
     b.add_argument("--train-engine", default="torch", choices=("torch", "deepspeed"))
-    b.add_argument("--decode-sms", type=int, default=0, help="SMs for decode while prefix work runs (0: auto)")
+    b.add_argument("--decode-sms", type=int, default=0, help="SMs for decode while prefix work runs (0: re-chosen per decode chunk "
+                                                                 "from the live batch: ≤8 rows 32, ≤32 rows 64, else 96)")
     b.add_argument("--gate-rows", type=int, default=0,
                    help="rollplex: prefix work joins decode once at most this many rows decode (0: at once)")
     b.add_argument("--prompts-per-node", type=int, default=1,

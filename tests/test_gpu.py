@@ -61,12 +61,14 @@ def test_cuda_graph_steps_equal_eager_steps(cuda, tiny_model_dir, dtype):
 def test_green_contexts_give_partition_streams_or_none(cuda):
     from rollplex.pipeline.bench import BenchConfig, sm_partitions
 
-    parts = sm_partitions(BenchConfig(), decode=None)
+    parts = sm_partitions(BenchConfig())  # decode_sms 0: one split per row of the live-batch table
     if parts is not None:
         total = torch.cuda.get_device_properties(0).multi_processor_count
-        assert parts["decode"][2] + parts["compute"][2] == total
-        for _, stream, _ in parts.values():
-            with torch.cuda.stream(stream):
-                x = torch.ones(1024, device="cuda") * 2
-            stream.synchronize()
-            assert float(x.sum()) == 2048.0
+        assert sorted(parts.streams) == [32, 64, 96]
+        for split in parts.streams.values():
+            assert split["decode_sms"] + split["compute_sms"] == total
+            for name in ("decode", "compute"):
+                with torch.cuda.stream(split[name]):
+                    x = torch.ones(1024, device="cuda") * 2
+                split[name].synchronize()
+                assert float(x.sum()) == 2048.0

@@ -1,0 +1,85 @@
+"""SM partitions of one GPU for decode beside compute work, re-chosen at every decode chunk.
+
+ROLLPLEX.md's probe on an H200: a small-batch decode (B ≤ 32) keeps its HBM bandwidth on 32–64 of
+the 132 SMs, and up to 70% of a prefill then runs hidden beside it; at B = 128 nothing hides. So the
+split follows the live decode batch: the fewer rows decode, the fewer SMs it keeps and the more the
+compute stream gets. The split is chosen when a decode chunk starts (within a chunk the batch only
+shrinks), and compute work started during that chunk takes the complement.
+
+Each split is a pair of CUDA green contexts with a stream each (``make``); a decode engine captures
+its CUDA graphs per stream, so each split has graphs of its own. Alone, each stream still runs on
+the whole GPU (``WorkerHost.on_stream`` asks for a partition only while the other stream is busy).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# (live decode rows at most, SMs decode keeps); the last row (None) covers any batch.
+AUTO_SPLITS: tuple[tuple[int | None, int], ...] = ((8, 32), (32, 64), (None, 96))
+
+
+def decode_sms_for(live_rows: int | None, splits=AUTO_SPLITS) -> int:
+    """The split for a decode chunk starting with ``live_rows`` rows. None (nothing admitted yet, as
+    at the first chunk, whose prefill admits the whole batch) gets the widest decode share."""
+    if live_rows:
+        for rows, sms in splits:
+            if rows is None or live_rows <= rows:
+                return sms
+    return splits[-1][1]
+
+
+@dataclass
+class Partitions:
+    """``streams[decode_sms] = {"decode": stream, "compute": stream}``, one entry per split."""
+
+    streams: dict[int, dict[str, Any]]
+    splits: tuple[tuple[int | None, int], ...] = AUTO_SPLITS
+    current: int | None = None  # the decode SMs chosen at the last decode chunk's start
+
+    def choose(self, live_rows: int | None) -> int:
+        """Called as a decode chunk starts. With one split (a fixed ``--decode-sms``) it is that one."""
+        if len(self.streams) == 1:
+            self.current = next(iter(self.streams))
+        else:
+            self.current = decode_sms_for(live_rows, self.splits)
+        return self.current
+
+    def stream(self, name: str) -> Any:
+        if self.current is None:
+            self.choose(None)
+        return self.streams[self.current][name]
+
+    def sms(self) -> int | None:
+        return self.current
+
+
+def make(device_index: int, decode_sms: list[int]) -> Partitions | None:
+    """Green-context streams for each split, or None where the torch build or driver has none."""
+    import torch
+
+    try:
+        from torch.cuda.green_contexts import GreenContext
+    except ImportError:
+        return None
+    total = torch.cuda.get_device_properties(device_index).multi_processor_count
+    try:
+        streams: dict[int, dict[str, Any]] = {}
+        for sms in decode_sms:
+            pair = {}
+            for name, n in (("decode", sms), ("compute", total - sms)):
+                ctx = GreenContext.create(num_sms=n, device_id=device_index)
+                if hasattr(ctx, "Stream"):
+                    pair[name] = ctx.Stream()
+                else:  # torch 2.10/2.11: make the context current, create a stream in it, pop it
+                    with torch.cuda.device(device_index):
+                        ctx.set_context()
+                        pair[name] = torch.cuda.Stream()
+                        ctx.pop_context()
+                pair[f"{name}_context"] = ctx  # keep the context alive as long as its stream
+                pair[f"{name}_sms"] = n
+            streams[sms] = pair
+        return Partitions(streams, splits=tuple(s for s in AUTO_SPLITS if s[1] in streams) or AUTO_SPLITS)
+    except Exception as exc:  # noqa: BLE001 - a driver or build without green contexts: plain streams
+        print(f"green contexts unavailable ({type(exc).__name__}: {exc}); plain streams")
+        return None

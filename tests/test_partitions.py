@@ -1,0 +1,69 @@
+"""SM partitions follow the live decode batch, re-chosen as each decode chunk starts (pipeline/partitions.py)."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from rollplex.pipeline.bench import BenchConfig, _host, bench_reward
+from rollplex.pipeline.partitions import AUTO_SPLITS, Partitions, decode_sms_for
+
+
+def test_fewer_live_rows_leave_decode_fewer_sms():
+    assert [decode_sms_for(r) for r in (None, 0, 64, 33, 32, 9, 8, 1)] == [96, 96, 96, 96, 64, 64, 32, 32]
+    shares = [decode_sms_for(r) for r in range(1, 129)]
+    assert shares == sorted(shares)  # monotone: a lighter decode never keeps more SMs
+
+
+class FakeStream:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def synchronize(self) -> None:
+        pass
+
+
+class FakeDecode:
+    rows = 64
+
+    def live_rows(self) -> int:
+        return self.rows
+
+
+def _fake_partitions(sms_list) -> Partitions:
+    return Partitions({sms: {"decode": FakeStream(f"decode{sms}"), "compute": FakeStream(f"compute{sms}")}
+                       for sms in sms_list})
+
+
+def test_a_fixed_split_ignores_the_batch():
+    parts = _fake_partitions([96])
+    assert parts.choose(3) == 96 and parts.stream("compute").name == "compute96"
+
+
+def test_the_host_rechooses_the_split_per_decode_chunk_and_compute_takes_the_complement(monkeypatch):
+    from rollplex.tasks import rewards
+
+    monkeypatch.setitem(rewards._REWARDS, "bench_parity", bench_reward)
+    used = []
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: used.append(s.name) or contextlib.nullcontext())
+    decode = FakeDecode()
+    host = _host(BenchConfig(device="cpu"), None, None, decode, "rollplex",
+                 {"decode": FakeStream("decode-whole"), "compute": FakeStream("compute-whole")})
+    host.partitions = _fake_partitions([sms for _, sms in AUTO_SPLITS])
+
+    def run(stream: str, other_busy: bool) -> str:
+        other = "compute" if stream == "decode" else "decode"
+        host._busy[other] = int(other_busy)
+        with host.on_stream(stream):
+            pass
+        host._busy[other] = 0
+        return used[-1]
+
+    assert run("decode", other_busy=False) == "decode-whole"  # alone: the whole GPU
+    assert run("decode", other_busy=True) == "decode96"  # 64 rows: heavy, decode keeps most SMs
+    decode.rows = 20
+    assert run("decode", other_busy=True) == "decode64"
+    assert run("compute", other_busy=True) == "compute64"  # beside that chunk: the complement
+    decode.rows = 5
+    assert run("decode", other_busy=False) == "decode-whole"
+    assert run("compute", other_busy=True) == "compute32"  # the tail chunk chose 32 for decode
