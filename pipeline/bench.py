@@ -13,6 +13,9 @@ Policies:
 - ``rollplex``: no barriers. Vision and prefix work run on the compute stream inside the decode window;
   on CUDA, while both streams are busy each runs on its own green context (SM partition), and alone
   each gets the whole GPU.
+- ``rollplex-nofusion``: rollplex with every suffix scored after the last decode chunk (no stage
+  fusion). Each gain is then a ratio of neighbours: prefix sharing (serial ÷ serial-noshare), the
+  decode window (rollplex-nofusion ÷ serial) and stage fusion (rollplex ÷ rollplex-nofusion).
 - ``disaggregated`` and ``rollplex-dp2``, on two GPUs: see ``pipeline/bench_multi.py``.
 """
 from __future__ import annotations
@@ -32,8 +35,9 @@ from rollplex.errors import RollplexError
 
 from rollplex.pipeline.bench_multi import TWO_GPU_POLICIES
 
-POLICIES = ("serial-noshare", "serial", "rollplex")  # one GPU
-ALL_POLICIES = POLICIES + TWO_GPU_POLICIES  # the two-GPU ones are in pipeline/bench_multi.py
+POLICIES = ("serial-noshare", "serial", "rollplex")  # one GPU, the default
+# rollplex-nofusion: the decode window without stage fusion, so each gain shows on its own.
+ALL_POLICIES = POLICIES + ("rollplex-nofusion",) + TWO_GPU_POLICIES  # two-GPU ones: pipeline/bench_multi.py
 
 
 @dataclass
@@ -447,8 +451,10 @@ def report(cfg, spec, results: dict[str, PolicyResult], out_dir: Path, log) -> d
 
 def speedups(results: dict[str, PolicyResult]) -> list[str]:
     """The ratios the issue asks for, each a gain on its own: prefix sharing (serial vs noshare), the
-    decode window with stage fusion (rollplex vs serial), and two GPUs as ranks vs split roles."""
+    decode window (rollplex-nofusion vs serial), stage fusion (rollplex vs rollplex-nofusion), and two
+    GPUs as ranks vs split roles."""
     pairs = [("serial", "serial-noshare"), ("rollplex", "serial-noshare"), ("rollplex", "serial"),
+             ("rollplex-nofusion", "serial"), ("rollplex", "rollplex-nofusion"),
              ("rollplex-dp2", "disaggregated"), ("rollplex-dp2", "rollplex"), ("disaggregated", "serial")]
     return [f"{a} is {results[b].median / results[a].median:.2f}x {b}" for a, b in pairs
             if a in results and b in results and results[a].seconds and results[b].seconds]

@@ -138,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--chunk-tokens", type=int, default=32)
     b.add_argument("--iterations", type=int, default=4, help="per policy; the first is a warm-up")
     b.add_argument("--policies", help="comma-separated, from serial-noshare,serial,rollplex (one GPU; the "
-                                      "default) and disaggregated,rollplex-dp2 (two GPUs)")
+                                      "default), rollplex-nofusion (one GPU) and disaggregated,rollplex-dp2 "
+                                      "(two GPUs)")
     b.add_argument("--train-engine", default="torch", choices=("torch", "deepspeed"))
     b.add_argument("--decode-sms", type=int, default=0, help="SMs for decode while prefix work runs (0: re-chosen per decode chunk "
                                                                  "from the live batch: ≤8 rows 32, ≤32 rows 64, else 96)")

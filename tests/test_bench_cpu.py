@@ -50,13 +50,15 @@ def test_bench_two_gpu_policies_on_cpu_match_serial(tmp_path):
     config = resolve_model_path(load_config(None, [])) + "/config.json"
     out = run(BenchConfig(model=config, device="cpu", dtype="float32", prompts=4, samples=2, vision_tokens=16,
                           text_tokens=8, max_new_tokens=8, mean_new_tokens=4, chunk_tokens=4, iterations=2,
-                          policies=("serial", "disaggregated", "rollplex-dp2"), out=str(tmp_path)),
+                          policies=("serial", "rollplex-nofusion", "disaggregated", "rollplex-dp2"),
+                          out=str(tmp_path)),
               log=lambda *a: None)
     rows = {r["policy"]: r for r in json.loads((tmp_path / "bench.json").read_text())["results"]}
     assert rows["rollplex-dp2"]["gpus"] == 2 and rows["disaggregated"]["seconds_by_kind"]["weight_sync"] > 0
     assert rows["rollplex-dp2"]["ranks_max_weight_difference"] == 0.0
     updates = {u["policy"]: u for u in out["updates"]}
-    assert updates["disaggregated"]["replayed"] <= 1e-6
+    assert updates["disaggregated"]["replayed"] <= 1e-6 and updates["rollplex-nofusion"]["replayed"] <= 1e-6
+    assert "join" not in rows["rollplex-nofusion"]["seconds_by_kind"]  # no per-chunk scoring to join
     assert updates["disaggregated"]["identical_responses"] == updates["disaggregated"]["responses"]
     # Two ranks sum their halves' gradients instead of accumulating all micro-batches in one order.
     assert updates["rollplex-dp2"]["replayed"] <= 1e-4
@@ -66,3 +68,42 @@ def test_bench_two_gpu_policies_on_cpu_match_serial(tmp_path):
 def test_bench_names_an_unknown_policy():
     with pytest.raises(Exception, match="--policies: \\['fastest'\\] unknown"):
         run(BenchConfig(device="cpu", policies=("fastest",)), log=lambda *a: None)
+
+
+def test_in_process_all_reduce_steps_every_rank_on_the_mean_gradient():
+    import threading
+
+    import torch
+
+    from rollplex.pipeline.bench_multi import InProcessAllReduce
+
+    class Engine:
+        def __init__(self, grad):
+            p = torch.nn.Parameter(torch.zeros(3))
+            p.grad = torch.tensor(grad)
+            self._trainable = [("w", p)]
+            self.stepped_with = None
+
+        def step(self):
+            self.stepped_with = self._trainable[0][1].grad.clone()
+            return "stepped"
+
+    group = InProcessAllReduce(2)
+    engines = [Engine([1.0, 2.0, 3.0]), Engine([3.0, 2.0, -3.0])]
+    ranks = [group.wrap(e, r) for r, e in enumerate(engines)]
+    out = [None, None]
+    threads = [threading.Thread(target=lambda r=r: out.__setitem__(r, ranks[r].step())) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert out == ["stepped", "stepped"]
+    for e in engines:  # both ranks stepped on the mean, so their weights stay equal
+        assert e.stepped_with.tolist() == [2.0, 2.0, 0.0]
+
+    lone = InProcessAllReduce(2)
+    a, b = Engine([1.0, 1.0, 1.0]), Engine([1.0, 1.0, 1.0])
+    b._trainable[0][1].grad = None
+    lone.engines = [a, b]
+    with pytest.raises(EngineError, match="gradient on some ranks only"):
+        lone._average()
