@@ -17,6 +17,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=1090)
     ap.add_argument("--sizes", default="8,16,32,64")
     ap.add_argument("--bandwidth", type=float, default=4.3e12, help="measured device copy bandwidth, B/s")
+    ap.add_argument("--compile", default="off", choices=("off", "on", "both"),
+                    help="the decoder layer through torch.compile; both: eager and compiled side by side")
     args = ap.parse_args()
 
     from rollplex.engines.base import DecodeRequest, EngineContext
@@ -28,9 +30,10 @@ def main() -> None:
     sizes = [int(x) for x in args.sizes.split(",")]
     weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "visual" not in n)
     kv_per_token = spec.kv_bytes_per_token(2)
-    for n in sizes:
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
+    for n, compiled in ((n, c) for n in sizes for c in modes):
         engine = GraphDecodeEngine(EngineContext("", device, torch.bfloat16, 0, {
-            "share_model": model, "max_num_seqs": n, "max_model_len": args.prompt_len + 300}))
+            "share_model": model, "max_num_seqs": n, "max_model_len": args.prompt_len + 300, "compile": compiled}))
         ids = torch.randint(100, 100000, (args.prompt_len,)).tolist()
         engine.add_requests([DecodeRequest(f"r{i}", ids, None, None, max_tokens=256, seed=i, n=1) for i in range(n)])
         engine.step(4)  # prefill, capture
@@ -41,10 +44,10 @@ def main() -> None:
         torch.cuda.synchronize()
         per_step = (time.perf_counter() - t) / steps
         need = weights + n * (args.prompt_len + 36) * kv_per_token
-        print(f"B={n:3d}: {per_step * 1e3:6.2f} ms/step, {need / per_step / 1e12:5.2f} TB/s = "
+        print(f"B={n:3d}{' compiled' if compiled else ''}: {per_step * 1e3:6.2f} ms/step, {need / per_step / 1e12:5.2f} TB/s = "
               f"{need / per_step / args.bandwidth:5.1%} of {args.bandwidth / 1e12:.1f} TB/s; "
               f"{n / per_step:8.0f} tok/s")
-        if n == sizes[-1]:
+        if n == sizes[-1] and compiled == modes[-1]:
             engine.use_graphs = False
             from torch.profiler import ProfilerActivity, profile
 

@@ -101,6 +101,37 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + rotated * sin
 
 
+def _decoder_layer(x, cos, sin, mask, where, k_cache, v_cache, layer_weights, eps: tuple[float, float],
+                   heads: int, kv_heads: int, head_dim: int, scale: float) -> torch.Tensor:
+    """One decoder layer for one token per row: writes this step's K/V into the row's slot and
+    returns the new hidden state. A function of tensors, so that ``torch.compile`` makes one kernel
+    set for every layer (same shapes) instead of tracing the 36-layer loop."""
+    ln1, q_w, q_b, k_w, k_b, v_w, v_b, o_w, ln2, gate_w, up_w, down_w = layer_weights
+    n = x.shape[0]
+    group = heads // kv_heads
+    h = _rms(x, ln1, eps[0])
+    q = F.linear(h, q_w, q_b).view(n, kv_heads, group, head_dim)
+    k = F.linear(h, k_w, k_b).view(n, kv_heads, 1, head_dim)
+    v = F.linear(h, v_w, v_b).view(n, kv_heads, head_dim)
+    q, k = _rope(q, cos, sin), _rope(k, cos, sin).view(n, kv_heads, head_dim)
+    k_cache.index_put_(where, k)  # this row's slot, every kv head
+    v_cache.index_put_(where, v)
+    # One query per row against its kv head's keys: SDPA's grouped-query mode reads each K/V head
+    # once for its `group` query heads (no repeat), under the additive length mask.
+    out = F.scaled_dot_product_attention(q.reshape(n, heads, 1, head_dim), k_cache[:n], v_cache[:n],
+                                         attn_mask=mask, scale=scale, enable_gqa=True)
+    x = x + F.linear(out.reshape(n, heads * head_dim), o_w)
+    h = _rms(x, ln2, eps[1])
+    return x + F.linear(F.silu(F.linear(h, gate_w)) * F.linear(h, up_w), down_w)
+
+
+def _layer_weights(layer) -> tuple:
+    a, m = layer.self_attn, layer.mlp
+    return (layer.input_layernorm.weight, a.q_proj.weight, a.q_proj.bias, a.k_proj.weight, a.k_proj.bias,
+            a.v_proj.weight, a.v_proj.bias, a.o_proj.weight, layer.post_attention_layernorm.weight,
+            m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight)
+
+
 class _Batch:
     """Static device buffers of the live rows: everything a step reads and writes."""
 
@@ -123,8 +154,9 @@ class _Batch:
 
 class GraphDecodeEngine(DecodeEngine):
     """Options: max_num_seqs (rows), max_model_len (KV slots per row), graph_batch_sizes (captured;
-    default powers of two up to max_num_seqs), cuda_graphs (default True on CUDA), share_model (an
-    HF model whose weights the engine uses in place: no second copy)."""
+    default powers of two up to max_num_seqs), cuda_graphs (default True on CUDA), compile (the
+    decoder layer through torch.compile; default off), share_model (an HF model whose weights the
+    engine uses in place: no second copy)."""
 
     def __init__(self, ctx: EngineContext) -> None:
         opts = dict(ctx.options)
@@ -146,6 +178,9 @@ class GraphDecodeEngine(DecodeEngine):
         self.rows = int(opts.get("max_num_seqs") or 64)
         self.max_len = int(opts.get("max_model_len") or 2048)
         self.use_graphs = bool(opts.get("cuda_graphs", self.device.type == "cuda"))
+        # compile: the decoder layer through torch.compile (fused norm/rope/residual kernels), compiled
+        # once per batch size on first use (warm-up), then captured into the CUDA graphs as usual.
+        self._layer = torch.compile(_decoder_layer, dynamic=False) if opts.get("compile") else _decoder_layer
         sizes = opts.get("graph_batch_sizes") or [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b < self.rows]
         self.sizes = sorted({int(b) for b in sizes if b <= self.rows} | {self.rows})
         self.batch = _Batch(self.w, self.rows, self.max_len, len(self.w.layers), self.vocab, self.dtype, self.device)
@@ -303,27 +338,11 @@ class GraphDecodeEngine(DecodeEngine):
         valid = (torch.arange(b.max_len, device=x.device).view(1, -1) <= slot.view(-1, 1))  # [n, L]
         mask = torch.zeros(valid.shape, dtype=x.dtype, device=x.device).masked_fill(~valid, float("-inf"))
         mask = mask.view(n, 1, 1, -1)
-        group = w.heads // w.kv_heads
         where = (rows.view(-1, 1), torch.arange(w.kv_heads, device=x.device).view(1, -1), slot.view(-1, 1))
         for i, layer in enumerate(w.layers):
-            attn = layer.self_attn
-            h = _rms(x, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
-            q = F.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(n, w.kv_heads, group, w.head_dim)
-            k = F.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(n, w.kv_heads, 1, w.head_dim)
-            v = F.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(n, w.kv_heads, w.head_dim)
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin).view(n, w.kv_heads, w.head_dim)
-            b.k[i].index_put_(where, k)  # this row's slot, every kv head
-            b.v[i].index_put_(where, v)
-            # One query per row against its kv head's keys: SDPA's grouped-query mode reads each K/V
-            # head once for its `group` query heads (no repeat), under the additive length mask.
-            out = F.scaled_dot_product_attention(q.reshape(n, w.heads, 1, w.head_dim), b.k[i][:n], b.v[i][:n],
-                                                 attn_mask=mask, scale=w.attn_scale, enable_gqa=True)
-            out = out.reshape(n, w.heads * w.head_dim)
-            x = x + F.linear(out, attn.o_proj.weight)
-            h = _rms(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
-            mlp = layer.mlp
-            x = x + F.linear(F.silu(F.linear(h, mlp.gate_proj.weight)) * F.linear(h, mlp.up_proj.weight),
-                             mlp.down_proj.weight)
+            eps = (layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon)
+            x = self._layer(x, cos, sin, mask, where, b.k[i], b.v[i], _layer_weights(layer), eps,
+                            w.heads, w.kv_heads, w.head_dim, w.attn_scale)
         b.logits[:n].copy_(F.linear(_rms(x, w.norm_w, w.eps), w.lm_head).float())
         b.length[:n].add_(1)
         b.rope_pos[:n].add_(1)

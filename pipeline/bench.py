@@ -63,6 +63,7 @@ class BenchConfig:
     prompts_per_node: int = 1  # prompts per vit/prefix/suffix node: batched forwards (ViT batching)
     stage_fusion: bool = True  # rollplex: the reference scores the groups each decode chunk finished
     second_device: str = ""  # the two-GPU policies' other device; default cuda:1 (cpu: cpu, for tests)
+    compile_decode: bool = False  # the decode engine's layer through torch.compile (compiled in warm-up)
     profile: tuple[str, ...] = ()  # policies to run once more under torch.profiler (untimed): profile_<policy>.txt
 
     def __post_init__(self) -> None:
@@ -239,7 +240,7 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
     longest = cfg.vision_tokens + cfg.text_tokens + 2 + cfg.max_new_tokens + 8
     decode = get_engine("torch-graph", "decode").factory(EngineContext(
         "", device, dtype, cfg.seed, {"share_model": actor.module, "max_num_seqs": cfg.prompts * cfg.samples,
-                                      "max_model_len": longest}))
+                                      "max_model_len": longest, "compile": cfg.compile_decode}))
     start_state = {k: v.detach().clone() for k, v in actor.module.state_dict().items()}
     start_optim = copy.deepcopy(actor.optimizer.state_dict())
     log(f"bench: {cfg.model} ({sum(p.numel() for p in model.parameters()) / 1e9:.2f}B params, {cfg.dtype}) on "

@@ -89,17 +89,18 @@ class Replicas:
             torch.cuda.empty_cache()
 
 
-def _decode_engine(device, dtype, seed: int, module, rows: int, longest: int):
+def _decode_engine(cfg, device, dtype, module, rows: int, longest: int):
     from rollplex.engines.base import EngineContext, get_engine
 
     return get_engine("torch-graph", "decode").factory(EngineContext(
-        "", torch.device(device), dtype, seed, {"share_model": module, "max_num_seqs": rows, "max_model_len": longest}))
+        "", torch.device(device), dtype, cfg.seed, {"share_model": module, "max_num_seqs": rows,
+                                                    "max_model_len": longest, "compile": cfg.compile_decode}))
 
 
 def disaggregated(cfg, actor, ref_engine, start_state: dict, dtype, longest: int) -> Replicas:
     """The rollout GPU: a copy of the actor (weights shipped by ``weight_sync``) and its decode engine."""
     rollout = copy.deepcopy(actor.module).to(cfg.second_device).requires_grad_(False)
-    decode = _decode_engine(cfg.second_device, dtype, cfg.seed, rollout, cfg.prompts * cfg.samples, longest)
+    decode = _decode_engine(cfg, cfg.second_device, dtype, rollout, cfg.prompts * cfg.samples, longest)
     return Replicas([{"actor": actor, "ref": ref_engine, "decode": decode}],
                     resets=[lambda: rollout.load_state_dict(start_state)], modules=[rollout])
 
@@ -119,7 +120,7 @@ def data_parallel(cfg, actor, ref_engine, decode, start_state: dict, start_optim
     ref1 = copy.deepcopy(ref_engine.model).to(device)
     ref1_engine = get_engine("transformers", "score").factory(EngineContext("", device, dtype, cfg.seed,
                                                                            {"module": ref1}))
-    decode1 = _decode_engine(device, dtype, cfg.seed, actor1.module, cfg.prompts * cfg.samples // 2, longest)
+    decode1 = _decode_engine(cfg, device, dtype, actor1.module, cfg.prompts * cfg.samples // 2, longest)
     group = InProcessAllReduce(2)
 
     def reset() -> None:

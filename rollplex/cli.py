@@ -79,7 +79,8 @@ def cmd_bench(args) -> int:
                       decode_sms=args.decode_sms, gate_rows=args.gate_rows, out=args.out, device=args.device,
                       dtype=args.dtype, layers=args.layers, prompts_per_node=args.prompts_per_node,
                       stage_fusion=not args.no_stage_fusion,
-                      profile=tuple(args.profile.split(",")) if args.profile else ())
+                      profile=tuple(args.profile.split(",")) if args.profile else (),
+                      compile_decode=args.compile_decode)
     run(cfg)
     return 0
 
@@ -149,6 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompts per vision, prefix and suffix node (batched forwards; ViT batching)")
     b.add_argument("--no-stage-fusion", action="store_true",
                    help="rollplex: score the reference after the last decode chunk, not per chunk")
+    b.add_argument("--compile-decode", action="store_true",
+                   help="the decode engine's layer through torch.compile (compiled during the warm-up iteration)")
     b.add_argument("--profile", metavar="POLICIES", help="run these policies once more under torch.profiler "
                                                           "(untimed) and write profile_<policy>.txt")
     b.add_argument("--device", default="cuda", choices=("cuda", "cpu"))

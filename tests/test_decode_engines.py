@@ -300,3 +300,24 @@ def test_graph_engine_long_tail_packs_rows_without_changing_tokens(model_dir, pr
     for r in reqs:
         alone = run(get_engine("torch-graph").factory(ctx(model_dir, max_num_seqs=8)), [r])
         assert together[r.request_id].token_ids == alone[r.request_id].token_ids
+
+
+@pytest.mark.slow
+def test_graph_engine_compiled_layer_samples_what_the_eager_one_does(model_dir, prompts):
+    """``compile``: the decoder layer through torch.compile (one compile per batch size, reused by
+    every layer). Sampled with temperature, so the per-row noise and the long tail's repacking run."""
+    reqs = [dataclasses.replace(r, max_tokens=3 + 3 * i) for i, r in enumerate(requests(prompts, group=2,
+                                                                                         temperature=1.0))]
+    eager = run(get_engine("torch-graph").factory(ctx(model_dir, max_num_seqs=8)), reqs, chunk=4)
+    compiled = get_engine("torch-graph").factory(ctx(model_dir, max_num_seqs=8, compile=True))
+    got = run(compiled, reqs, chunk=4)
+    for rid, seq in eager.items():
+        assert got[rid].token_ids == seq.token_ids
+        assert got[rid].logprobs == pytest.approx(seq.logprobs, abs=1e-4)
+    assert compiled._layer is not eager_layer_of(compiled)
+
+
+def eager_layer_of(engine):
+    from rollplex.engines.graph_decode import _decoder_layer
+
+    return _decoder_layer
