@@ -239,4 +239,6 @@ class Session:
             algorithm=cfg.algorithm, reward=cfg.task.reward, settings=settings,
             trainable=tuple(alg.trainable), frozen=tuple(m for m in alg.models if m not in alg.trainable),
             ref_cache_bytes=int(cfg.train.ref_cache_gib * 2**30), world_size=self.world,
-            weight_sharing=cfg.engines.weight_sharing)
+            weight_sharing=cfg.engines.weight_sharing,
+            # Partitions serve work beside decode, which only the rollplex schedule runs.
+            sm_partitions=cfg.cluster.sm_partitions and cfg.schedule == "rollplex")

@@ -77,6 +77,7 @@ class HostSpec:
     ref_cache_bytes: int = 0  # cross-iteration cache of frozen models' prefixes; 0 disables it
     world_size: int = 1  # data-parallel ranks; >1: engines are built by cluster.form_ranks, not the plugin
     weight_sharing: str = "off"  # auto: the decode engine runs on the policy trainer's storage (engines/sharing.py)
+    sm_partitions: bool = False  # green-context SM partitions on CUDA (pipeline/partitions.py)
 
 
 class WorkerHost:
@@ -138,6 +139,10 @@ class WorkerHost:
         # decode chunk. A GPU stream runs on its partition while the other GPU stream is busy, and on
         # the whole GPU alone.
         self.partitions = None
+        if spec.sm_partitions and self.device.type == "cuda" and self.streams:
+            from rollplex.pipeline.partitions import AUTO_SPLITS, make
+
+            self.partitions = make(self.device.index or 0, [sms for _, sms in AUTO_SPLITS])
         self._busy = {"decode": 0, "compute": 0}
         # Prefix work joins the decode window only once decode is light (at most this many live
         # rows): heavy decode leaves little idle compute, and sharing SMs then slows it more than

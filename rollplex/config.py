@@ -122,6 +122,9 @@ class ClusterConfig:
     dashboard: bool = f(False, doc="serve the Dask dashboard")
     memory_budget_gib: float | None = f(None, lo=0.0, doc="memory per device the engines may hold; checked "
                                         "before they start (null: no check)")
+    sm_partitions: bool = f(True, doc="rollplex schedule on CUDA: while decode and compute-stream work run "
+                            "together each gets its own SMs (green contexts), the split re-chosen per decode "
+                            "chunk from the live batch; false: plain streams")
     memory_plan: bool = f(False, doc="plan residency so each device fits memory_budget_gib: what the engines "
                           "can move (optimizer state, frozen weights, device values) leaves between its uses")
     tls_ca_file: str | None = f(None, doc="CA bundle for TLS to a tls:// scheduler (with tls_cert and tls_key)")

@@ -67,3 +67,19 @@ def test_the_host_rechooses_the_split_per_decode_chunk_and_compute_takes_the_com
     decode.rows = 5
     assert run("decode", other_busy=False) == "decode-whole"
     assert run("compute", other_busy=True) == "compute32"  # the tail chunk chose 32 for decode
+
+
+def test_the_runtime_asks_for_partitions_under_the_rollplex_schedule_only(tmp_path):
+    from rollplex.config import load_config
+    from rollplex.pipeline.session import Session
+    from rollplex.pipeline.worker import WorkerHost
+
+    specs = {s: Session(load_config(None, [f"schedule={s}"]), tmp_path / s).host_spec() for s in ("serial", "rollplex")}
+    assert specs["rollplex"].sm_partitions is True and specs["serial"].sm_partitions is False
+    off = Session(load_config(None, ["schedule=rollplex", "cluster.sm_partitions=false"]), tmp_path / "off")
+    assert off.host_spec().sm_partitions is False
+    host = WorkerHost(specs["rollplex"], name="cpu")  # no CUDA streams on a CPU: plain threads, no partitions
+    try:
+        assert host.partitions is None
+    finally:
+        host.close()
