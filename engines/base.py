@@ -149,6 +149,13 @@ class TrainEngine(ABC):
     def step(self) -> StepStats:
         """Clip, apply and zero the accumulated gradients."""
 
+    def scale_gradients(self, factor: float) -> None:
+        """Multiply the accumulated gradients by ``factor`` before ``step``: training fused into the
+        decode window (compiler.train_fusable) learns the batch's normaliser only at the end. Engines
+        that keep gradients in buffers of their own do not offer it."""
+        raise EngineError(f"train engine {type(self).__name__} cannot rescale accumulated gradients; "
+                          f"train.train_fusion needs engines.train: torch")
+
     def set_lr(self, lr: float) -> None:
         """Set the learning rate of every parameter group (warm-up uses its own rate)."""
         for group in self.optimizer.param_groups:

@@ -162,6 +162,12 @@ class TorchTrainEngine(TrainEngine):
         # The caller normalised the loss to the whole batch, so the M calls simply add up.
         loss.backward()
 
+    def scale_gradients(self, factor: float) -> None:
+        with torch.no_grad():
+            for _, p in self._trainable:
+                if p.grad is not None:
+                    p.grad.mul_(factor)
+
     def step(self) -> StepStats:
         grads = [p.grad for _, p in self._trainable if p.grad is not None]
         lr = float(self.optimizer.param_groups[0]["lr"])

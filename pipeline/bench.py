@@ -62,6 +62,7 @@ class BenchConfig:
     layers: int | None = None  # override the preset's depth (smoke tests on small machines)
     prompts_per_node: int = 1  # prompts per vit/prefix/suffix node: batched forwards (ViT batching)
     stage_fusion: bool = True  # rollplex: the reference scores the groups each decode chunk finished
+    train_fusion: bool = False  # rollplex: and the policy trains on them (compiler.train_fusable)
     second_device: str = ""  # the two-GPU policies' other device; default cuda:1 (cpu: cpu, for tests)
     compile_decode: bool = False  # the decode engine's layer through torch.compile (compiled in warm-up)
     profile: tuple[str, ...] = ()  # policies to run once more under torch.profiler (untimed): profile_<policy>.txt
@@ -197,7 +198,8 @@ def compile_for(cfg: BenchConfig, policy: str, config):
                        prompt_tokens=cfg.vision_tokens + cfg.text_tokens + 2, vision_tokens=cfg.vision_tokens,
                        prefix_sharing=policy != "serial-noshare",
                        prompts_per_node=fit_prompts_per_node(cfg.prompts_per_node, cfg.prompts // ranks),
-                       stage_fusion=cfg.stage_fusion and policy == "rollplex")
+                       stage_fusion=cfg.stage_fusion and policy == "rollplex",
+                       train_fusion=cfg.train_fusion and policy == "rollplex")
     engines = EngineChoice({"decode": "torch-graph", "train": cfg.train_engine, "score": "transformers"})
     graph = distribute(compile_iteration(grpo, shape, engines, ModelDims.from_hf_config(config, 2)), ranks)
     return schedule(graph, "rollplex" if policy.startswith("rollplex") else "serial")

@@ -64,6 +64,10 @@ class BatchShape:
     # Frozen models score the groups that finished in each decode chunk right after it (stage fusion),
     # instead of every group after the last chunk; needs prefix sharing and two chunks or more.
     stage_fusion: bool = False
+    # With stage fusion, the policy also trains on those groups per chunk (reward, advantage, suffix
+    # with grad, loss and backward), its loss normalised at the optimizer step once the batch's
+    # token count is known. Needs an algorithm whose every step is per group (``train_fusable``).
+    train_fusion: bool = False
 
     @property
     def fused(self) -> bool:
@@ -116,6 +120,28 @@ class EngineChoice:
             raise EngineError(f"no engine configured for role {role!r} (node kind {kind!r}); "
                               f"set engines.{role}")
         return self.by_role[role]
+
+
+def train_fusable(alg: Algorithm, shape: BatchShape) -> bool:
+    """Whether a group's whole update (reward, advantage, the policy's suffix with grad, loss and
+    backward) can run as soon as its responses are done: stage fusion on; one trained model, the
+    policy, scoring an lm head; every frozen score fused; advantages per group from rewards alone; no
+    node of the algorithm's own; and each grad prefix over one prompt, so that one group's backward
+    frees exactly its own graph."""
+    if not (shape.train_fusion and shape.fused) or alg.custom:
+        return False
+    policy, advantage = alg.rollout_model, alg.advantage_fn
+    if alg.trainable != [policy] or list(alg.losses()) != [policy] or alg.models[policy].head != "lm":
+        return False
+    if [s.model for s in alg.scores if s.grad] != [policy]:
+        return False
+    if any(alg.models[s.model].head != "lm" for s in alg.scores):
+        return False
+    if advantage.options["scope"] != "group" or set(advantage.reads) - {"rewards", "responses", "mask"}:
+        return False
+    if set(alg.loss_fn.reads) - {"responses", "rewards", "advantages", "mask", *alg.scored_values()}:
+        return False
+    return all(len(ps) == 1 for ps in shape.node_groups(grad=True))
 
 
 def loss_name(policy: str, model: str, micro_batch: int) -> str:
@@ -189,6 +215,8 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
     early = {r for d in (alg.advantage_fn, *alg.custom) for r in d.reads}
     early_models = {s.model for s in alg.scores if {s.as_, f"old_{s.as_}"} & early}
 
+    train_fused = train_fusable(alg, shape)
+
     def fused(score) -> bool:  # frozen log-prob scores go per decode chunk (stage fusion)
         return shape.fused and not score.grad and alg.models[score.model].head == "lm"
 
@@ -223,8 +251,8 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
                 add(f"prefix_{s.model}_{span(ps)}", "prefix", [f"prompt_p{p}" for p in ps] + [f"vis_p{p}" for p in ps],
                     kvs, model=s.model, role=role, args={"prompts": list(ps), "grad": s.grad, **early_arg},
                     **{kv: dev(kv_bytes + held, "kv") for kv in kvs})
-            if fused(s):
-                continue  # scored per decode chunk below
+            if fused(s) or (s.grad and train_fused):
+                continue  # scored per decode chunk below (the policy's inside its chunk's training node)
             add(f"suffix_{s.as_}_{span(ps)}", "suffix_score", kvs + responses, outs,
                 model=s.model, role=role, args=args, **score_info)
             if s.grad:
@@ -245,6 +273,8 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
             add(f"join_{s.as_}", "join", chunk_outs, [f"{s.as_}_p{p}" for p in range(P)],
                 args={"prompts": list(range(P))}, **{f"{s.as_}_p{p}": dev(logprob_bytes, "logprobs") for p in range(P)})
 
+    if train_fused:
+        return _compile_train_fusion(g, alg, shape, add, host, dev, logprob_bytes)
     for p in range(P):
         add(f"reward_p{p}", "reward", [f"prompt_p{p}", f"responses_p{p}"], [f"rewards_p{p}"],
             args={"prompt": p}, **{f"rewards_p{p}": host(G * 4, "scalars")})
@@ -345,4 +375,47 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
         for before, after in zip(chain, chain[1:]):
             if before in g.nodes and after in g.nodes:
                 g.add_order(before, after, reason="accumulation order")
+    return g.lint()
+
+
+def _compile_train_fusion(g: IterationGraph, alg: Algorithm, shape: BatchShape, add, host, dev,
+                          logprob_bytes: int) -> IterationGraph:
+    """The update per decode chunk (``train_fusable``): ``train_c{c}`` takes the groups chunk c
+    finished, with their frozen scores of that chunk, and runs reward, advantage, the policy's suffix
+    with grad, the loss and its backward, one group after another. Joins hand rewards, advantages and
+    old log-probs on under their per-prompt names; the optimizer step divides the summed gradient by
+    the batch's tokens (or responses), which the last chunk knows."""
+    P, G = shape.prompts, shape.samples
+    policy = alg.rollout_model
+    (score,) = [s for s in alg.scores if s.grad]
+    frozen = [s for s in alg.scores if not s.grad]
+    per_chunk = {"rewards": host(G * 4 * P / shape.chunks, "scalars"),
+                 "advantages": host(G * 4 * P / shape.chunks, "scalars"),
+                 f"old_{score.as_}": host(logprob_bytes * P / shape.chunks, "logprobs")}
+    losses = []
+    for c in range(shape.chunks):
+        outs = [f"{name}_c{c}" for name in per_chunk] + [loss_name(policy, policy, c)]
+        inputs = ([f"prompt_p{p}" for p in range(P)] + [f"prefix_{policy}_p{p}" for p in range(P)]
+                  + [f"{s.as_}_c{c}" for s in frozen] + [f"handoff_c{c}"])
+        add(f"train_c{c}", "loss", inputs, outs, model=policy,
+            args={"prompts": list(range(P)), "handoff_chunk": c, "as": score.as_,
+                  "frozen": [s.as_ for s in frozen], "agg": alg.loss_fn.options["agg"]},
+            **{f"{name}_c{c}": info for name, info in per_chunk.items()},
+            **{loss_name(policy, policy, c): host(64, "scalars")})
+        losses.append(loss_name(policy, policy, c))
+    for name, info in per_chunk.items():
+        add(f"join_{name}", "join", [f"{name}_c{c}" for c in range(shape.chunks)], [f"{name}_p{p}" for p in range(P)],
+            args={"prompts": list(range(P))}, **{f"{name}_p{p}": info for p in range(P)})
+    add("optimizer_step", "optimizer_step", ["rollout_stats", *losses], ["step"], model=policy,
+        args={"deferred_normaliser": "tokens" if alg.loss_fn.options["agg"] == "token-mean" else "sequences"},
+        step=host(64, "scalars"))
+    add("weight_sync", "weight_sync", ["step"], ["synced"], model=policy, synced=host(64, "scalars"))
+    report_inputs = ["rollout_stats", "step", "synced", *losses]
+    for p in range(P):
+        report_inputs += [f"prompt_p{p}", f"responses_p{p}", f"rewards_p{p}", f"advantages_p{p}"]
+        report_inputs += [f"old_{s.as_}_p{p}" if s.grad else f"{s.as_}_p{p}" for s in alg.scores]
+    add("report", "report", list(dict.fromkeys(report_inputs)), ["report"], report=host(P * G * 256, "records"))
+    g.connect()
+    for c in range(1, shape.chunks):  # gradients accumulate in chunk order, the same bits under any schedule
+        g.add_order(f"train_c{c - 1}", f"train_c{c}", reason="accumulation order")
     return g.lint()

@@ -135,7 +135,11 @@ class Session:
             # The serial schedule scores after the rollout by definition; data-parallel ranks split
             # decode per rank (pipeline/ranks.py), which hands groups on only after the last chunk.
             stage_fusion=cfg.train.stage_fusion and cfg.schedule == "rollplex" and cfg.cluster.workers == 1,
+            train_fusion=cfg.train.train_fusion,
         )
+        if cfg.train.train_fusion and self.train_engine != "torch":
+            raise ConfigError(f"train.train_fusion: the {self.train_engine} train engine cannot rescale its "
+                              "accumulated gradients at the step; set engines.train: torch or train.train_fusion: false")
         # cluster.workers > 1: data-parallel ranks, one per worker, each with a share of the batch.
         self.world = cfg.cluster.workers
         if self.world > 1:

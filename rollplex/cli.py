@@ -80,7 +80,7 @@ def cmd_bench(args) -> int:
                       dtype=args.dtype, layers=args.layers, prompts_per_node=args.prompts_per_node,
                       stage_fusion=not args.no_stage_fusion,
                       profile=tuple(args.profile.split(",")) if args.profile else (),
-                      compile_decode=args.compile_decode)
+                      compile_decode=args.compile_decode, train_fusion=args.train_fusion)
     run(cfg)
     return 0
 
@@ -150,6 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompts per vision, prefix and suffix node (batched forwards; ViT batching)")
     b.add_argument("--no-stage-fusion", action="store_true",
                    help="rollplex: score the reference after the last decode chunk, not per chunk")
+    b.add_argument("--train-fusion", action="store_true",
+                   help="rollplex: the policy also trains on each chunk's finished groups inside the decode window")
     b.add_argument("--compile-decode", action="store_true",
                    help="the decode engine's layer through torch.compile (compiled during the warm-up iteration)")
     b.add_argument("--profile", metavar="POLICIES", help="run these policies once more under torch.profiler "

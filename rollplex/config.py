@@ -89,6 +89,9 @@ class TrainConfig:
     prefix_sharing: bool = f(True, doc="score the prompt prefix once per group (else full sequences)")
     stage_fusion: bool = f(True, doc="rollplex schedule: frozen models score the groups each decode chunk "
                            "finished while decode goes on (one worker)")
+    train_fusion: bool = f(False, doc="with stage fusion, the policy also trains on each chunk's finished groups "
+                           "in the decode window, its gradient normalised at the step (needs engines.train: "
+                           "torch and a per-group algorithm; otherwise the graph trains after decode)")
     ref_cache_gib: float = f(1.0, lo=0.0, doc="host memory for frozen models' prefixes, reused across "
                              "epochs (0 disables)")
 

@@ -283,6 +283,10 @@ def loss(ctx, node, inputs):
     token-mean divides by the batch's total response tokens, the seq-mean modes by its number of
     responses, so the M micro-batch backwards add up to exactly the full-batch gradient.
     """
+    if "handoff_chunk" in node.args:  # train fusion: the groups one decode chunk finished
+        from rollplex.tasks.fused_train import train_handoff
+
+        return train_handoff(ctx, node, inputs)
     decl, engine = ctx.algorithm.losses()[node.model], ctx.train_engine(node.model)
     stats = inputs["rollout_stats"]
     bound = bound_values(inputs, node.args["bind"])
@@ -316,7 +320,13 @@ def loss(ctx, node, inputs):
 
 @register_task("optimizer_step")
 def optimizer_step(ctx, node, inputs):
-    stats = ctx.train_engine(node.model).step()
+    engine = ctx.train_engine(node.model)
+    if "deferred_normaliser" in node.args:  # train fusion summed the losses: divide by the batch's count now
+        from rollplex.tasks.fused_train import normaliser
+
+        agg = "token-mean" if node.args["deferred_normaliser"] == "tokens" else "sequences"
+        engine.scale_gradients(1.0 / normaliser(inputs["rollout_stats"], agg))
+    stats = engine.step()
     return {node.outputs[0]: {"grad_norm": stats.grad_norm, "lr": stats.lr}}
 
 
@@ -339,8 +349,13 @@ def report(ctx, node, inputs):
     trained = {alg.rollout_model: "loss_m", **{m: f"loss_{m}_m" for m in alg.model_losses}}
     extra_losses = {}
     for model, prefix in trained.items():
-        micro_batches = [v for k, v in inputs.items() if k.startswith(prefix) and k[len(prefix):].isdigit()]
+        micro_batches = [v for k, v in inputs.items() if k.startswith(prefix) and k[len(prefix):].isdigit()
+                         and not (v.get("deferred") and not v["tokens"])]  # a fused chunk that trained no group
         for value in micro_batches:
+            if value.get("deferred"):  # train fusion: a sum, divided by the batch's count only now
+                from rollplex.tasks.fused_train import normaliser
+
+                value = dict(value, loss=value["loss"] / normaliser(stats, value["deferred"]))
             if model == alg.rollout_model:
                 losses += value["loss"]
             else:

@@ -1,0 +1,108 @@
+"""Train fusion: the policy trains on each decode chunk's finished groups inside the decode window.
+
+The graph: one ``train_c`` node per chunk (reward, advantage, the policy's suffix with grad, loss and
+backward for the groups that chunk handed on), joins for the per-prompt values the report reads, and
+an optimizer step that divides the summed gradient by the batch's token count. Only algorithms whose
+every step is per group qualify; the others compile as before. End to end, the update equals the
+serial one up to float rounding (the gradients are summed in another order and scaled once).
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from rollplex.config import load_config
+from rollplex.dags.grpo import grpo
+from rollplex.dags.ppo import ppo
+from rollplex.errors import ConfigError
+from rollplex.pipeline.compiler import BatchShape, EngineChoice, ModelDims, compile_iteration, train_fusable
+from rollplex.pipeline.runner import train
+from rollplex.pipeline.schedule import schedule
+from rollplex.pipeline.session import Session
+
+ENGINES = EngineChoice({"decode": "hf", "train": "torch", "score": "transformers"})
+DIMS = ModelDims(64, 2, 2, 16, 1000, 10**6, 2)
+
+
+def _shape(**kw) -> BatchShape:
+    base = dict(prompts=4, samples=2, max_new_tokens=12, chunk_tokens=4, micro_batch_groups=1,
+                stage_fusion=True, train_fusion=True)
+    return BatchShape(**{**base, **kw})
+
+
+def test_each_chunk_trains_the_groups_it_finished_and_the_step_normalises():
+    g = compile_iteration(grpo, _shape(), ENGINES, DIMS)
+    assert sorted(n.name for n in g.of_kind("loss")) == ["train_c0", "train_c1", "train_c2"]
+    assert not g.of_kind("reward") and not g.of_kind("advantage")
+    assert not [n for n in g.of_kind("suffix_score") if n.model == "actor"]  # inside train_c
+    assert "decode_c2" not in g.g.predecessors("train_c0")  # chunk 0's groups train before decode ends
+    assert "suffix_ref_logprobs_c1" in g.g.predecessors("train_c1")  # with that chunk's KL reference
+    assert g.values["rewards_p3"].producer == "join_rewards"
+    assert g.nodes["optimizer_step"].args["deferred_normaliser"] == "tokens"
+    assert g.g.has_edge("train_c0", "train_c1")  # gradients accumulate in chunk order
+    schedule(g, "rollplex").lint()
+
+
+@pytest.mark.parametrize("alg, kw", [(ppo, {}), (grpo, dict(train_fusion=False)), (grpo, dict(stage_fusion=False)),
+                                     (grpo, dict(micro_batch_groups=2, prompts_per_node=2))])
+def test_algorithms_or_shapes_that_are_not_per_group_train_after_decode(alg, kw):
+    shape = _shape(**kw)
+    assert not train_fusable(alg, shape)
+    g = compile_iteration(alg, shape, ENGINES, DIMS)
+    assert "train_c0" not in g.nodes and g.of_kind("reward")
+
+
+OVERRIDES = ["iterations=2", "seed=4", "warmup.steps=0", "stop_at_reward=null", "checkpoint.every=1",
+             "engines.train=torch", "engines.decode=hf", "rollout.max_new_tokens=8", "rollout.chunk_tokens=2",
+             "train.micro_batch_groups=1"]
+
+
+@pytest.mark.slow
+def test_the_fused_update_equals_the_serial_one_on_the_same_rollout(tmp_path):
+    """The bench's parity reward has real variance, so the gradient is not rounding noise (the
+    embedded task's reward is 0 before the format is learned, and Adam's first step turns a noise
+    gradient into ±lr everywhere)."""
+    from rollplex.pipeline.bench import BenchConfig, run
+    from rollplex.pipeline.session import resolve_model_path
+
+    config = resolve_model_path(load_config(None, [])) + "/config.json"
+    out = run(BenchConfig(model=config, device="cpu", dtype="float32", prompts=4, samples=2, vision_tokens=16,
+                          text_tokens=8, max_new_tokens=8, mean_new_tokens=4, chunk_tokens=2, iterations=2,
+                          train_fusion=True, policies=("serial", "rollplex"), out=str(tmp_path)), log=lambda *a: None)
+    rollplex = {u["policy"]: u for u in out["updates"]}["rollplex"]
+    assert rollplex["identical_responses"] == rollplex["responses"]
+    assert 0 < rollplex["replayed"] <= 1e-4  # summed in chunk order and scaled once: rounding, not zero
+    kinds = {r["policy"]: r["seconds_by_kind"] for r in out["results"]}
+    assert "reward" not in kinds["rollplex"] and "reward" in kinds["serial"]  # rewards inside train_c
+
+
+@pytest.mark.slow
+def test_a_fused_run_trains_and_logs_like_any_run(tmp_path):
+    cfg = load_config(None, [*OVERRIDES, "schedule=rollplex", "train.train_fusion=true"])
+    train(cfg, tmp_path, progress=False, log=lambda *a: None)
+    trace = json.loads((tmp_path / "traces" / "iter_000001.json").read_text())
+    names = {e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"}
+    assert {"train_c0", "train_c3", "join_rewards"} <= names and "reward_p0" not in names
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [0, 1]
+    assert all(torch.isfinite(torch.tensor([r["loss"], r["kl"], r["grad_norm"]])).all() for r in rows)
+    assert (tmp_path / "checkpoints" / "iter_000001" / "model.safetensors").exists()
+
+
+def test_train_fusion_names_the_engine_that_cannot_do_it(tmp_path):
+    cfg = load_config(None, [*OVERRIDES, "engines.train=deepspeed", "train.train_fusion=true"])
+    with pytest.raises(ConfigError, match="train.train_fusion: the deepspeed train engine"):
+        Session(cfg, tmp_path / "run")
+
+
+def test_torch_engine_scales_accumulated_gradients():
+    from rollplex.engines.base import EngineContext, get_engine
+
+    module = torch.nn.Linear(2, 1)
+    engine = get_engine("torch", "train").factory(EngineContext("", torch.device("cpu"), torch.float32, 0,
+                                                                {"module": module}))
+    engine.backward(engine.module(torch.ones(1, 2)).sum() * 4)
+    engine.scale_gradients(0.25)
+    assert engine.module.weight.grad.tolist() == [[1.0, 1.0]]
