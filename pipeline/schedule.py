@@ -372,17 +372,18 @@ class Plan:
 
 
 def plan(graph: IterationGraph, cluster: Cluster, costs, policy: str = "rollplex", layout: Layout | None = None,
-         *, release: Mapping[int, int] | None = None) -> Plan:
+         *, release: Mapping[int, int] | None = None, train_fusion: bool = False) -> Plan:
     """Place and time every node of ``graph`` under ``policy``. Pure: the input is not modified.
 
     ``costs`` is ``(node, gang size) -> NodeCost | seconds`` or a mapping node name → seconds.
-    ``release`` (prompt → decode chunk in which its group finishes) enables stage fusion.
+    ``release`` (prompt → decode chunk in which its group finishes) enables stage fusion;
+    ``train_fusion`` lets a released group's loss run then too (``defer_normalisation``).
     """
     with gc_paused():
-        return _plan(graph, cluster, costs, policy, layout, release)
+        return _plan(graph, cluster, costs, policy, layout, release, train_fusion)
 
 
-def _plan(graph, cluster, costs, policy, layout, release) -> Plan:
+def _plan(graph, cluster, costs, policy, layout, release, train_fusion=False) -> Plan:
     spec = policy_spec(policy)
     if layout is None:
         layout = Layout.colocate(cluster) if spec.colocated else Layout.split(cluster, max(1, cluster.gpus // 2))
@@ -393,6 +394,8 @@ def _plan(graph, cluster, costs, policy, layout, release) -> Plan:
     planned = copy_graph(graph)
     if spec.stage_fusion and release:
         planned = release_finished_groups(planned, release)
+        if train_fusion:
+            planned = defer_normalisation(planned)
     if not nx.is_directed_acyclic_graph(planned.g):
         planned.lint()  # names the cycle of the input
     if spec.barriers:
@@ -513,4 +516,28 @@ def release_finished_groups(graph: IterationGraph, finish_chunk: Mapping[int, in
                 edge["reason"] = "value"
             else:
                 graph.g.add_edge(src, v, values=(x,), reason="value")
+    return graph
+
+
+def defer_normalisation(graph: IterationGraph) -> IterationGraph:
+    """Train fusion in a plan: a loss no longer waits for ``rollout_stats`` (the batch's token count,
+    known after the last decode chunk), since its summed gradient is divided at the optimizer step,
+    which waits for the count instead; and losses accumulate in the order their groups finish, not in
+    prompt order. Edits ``graph`` (a copy the caller owns) in place and returns it."""
+    stats = graph.values.get("rollout_stats")
+    if stats is None:
+        return graph
+    losses = {n.name for n in graph.of_kind("loss")}
+    for u, v, data in list(graph.g.edges(data=True)):
+        if data.get("reason") == "accumulation order" and u in losses:  # into the next loss or its suffix
+            graph.g.remove_edge(u, v)
+        elif v in losses and u == stats.producer and "rollout_stats" in data.get("values", ()):
+            keep = tuple(x for x in data["values"] if x != "rollout_stats")
+            if keep:
+                data["values"] = keep
+            else:
+                graph.g.remove_edge(u, v)
+    for step in graph.of_kind("optimizer_step"):
+        if not graph.g.has_edge(stats.producer, step.name):
+            graph.g.add_edge(stats.producer, step.name, values=(), reason="normaliser")
     return graph

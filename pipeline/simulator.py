@@ -43,6 +43,7 @@ class Scenario:
     memory: bool = True
     budget: float | None = None  # bytes per GPU; None: the cluster's
     stage_fusion: bool = True  # rollplex hands finished groups on before the last decode chunk
+    train_fusion: bool = False  # and trains on them then (the loss's normaliser deferred to the step)
 
 
 @dataclass
@@ -116,7 +117,8 @@ def run_variant(scn: Scenario, name: str, rollout_gpus: int | None = None) -> Re
     if rollplex and scn.workload.ref_cache_hit > 0:
         h = scn.workload.ref_cache_hit
         graph = footprint.copy_with_cache_hits(graph, cm, lambda p: (p * 0.6180339887) % 1.0 < h)
-    first = plan(graph, scn.cluster, cm, policy, layout, release=cm.profile.finish_chunk if scn.stage_fusion else None)
+    first = plan(graph, scn.cluster, cm, policy, layout, release=cm.profile.finish_chunk if scn.stage_fusion else None,
+                 train_fusion=scn.train_fusion)
     rs = footprint.residents(first.graph, cm)
     measured = memory.plan_memory(first, rs, scn.budget, enabled=False)
     g = max(measured.naive_peak, key=lambda k: (measured.naive_peak[k], -k))

@@ -53,6 +53,8 @@ def add_parser(sub) -> None:
     x.add_argument("--budget-gib", type=float, help="HBM budget per GPU (default: HBM minus 3 GiB)")
     x.add_argument("--no-memory-plan", action="store_true", help="only measure memory, plan no offloads")
     x.add_argument("--no-partition", action="store_true", help="no SM partitioning: plain-stream overlap")
+    x.add_argument("--train-fusion", action="store_true",
+                   help="rollplex also trains on each chunk's finished groups in the decode window")
     x.add_argument("--calibrate", metavar="TRACE", help="a run's traces/iter_N.json: per-kind factors")
     o = s.add_argument_group("output")
     o.add_argument("--json", metavar="PATH")
@@ -96,7 +98,7 @@ def cmd_simulate(args) -> int:
     model = load_model(model_name)
     cluster = hardware(hw, gpus, partitioned=not args.no_partition)
     scn = S.Scenario(model, cluster, workload, rollout_gpus=args.rollout_gpus, memory=not args.no_memory_plan,
-                     budget=args.budget_gib * GiB if args.budget_gib else None)
+                     budget=args.budget_gib * GiB if args.budget_gib else None, train_fusion=args.train_fusion)
     if args.calibrate:
         scn = replace(scn, calibration=_calibration(scn, names, Path(args.calibrate), Calibration))
     results = S.run(scn, names)

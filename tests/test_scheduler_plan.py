@@ -164,9 +164,10 @@ def test_serial_runs_phases_apart_and_rollplex_overlaps_them():
 
 
 # -- the compiled GRPO iteration ------------------------------------------------------------------------
-def grpo_graph(prompts=4, samples=2, max_new_tokens=8, chunk_tokens=4, prefix_sharing=True) -> IterationGraph:
+def grpo_graph(prompts=4, samples=2, max_new_tokens=8, chunk_tokens=4, prefix_sharing=True,
+               micro_batch_groups=2) -> IterationGraph:
     shape = BatchShape(prompts=prompts, samples=samples, max_new_tokens=max_new_tokens, chunk_tokens=chunk_tokens,
-                       micro_batch_groups=2, prefix_sharing=prefix_sharing)
+                       micro_batch_groups=micro_batch_groups, prefix_sharing=prefix_sharing)
     return compile_iteration(grpo, shape, ENGINES, DIMS)
 
 
@@ -225,6 +226,23 @@ def test_stage_fusion_hands_finished_groups_on_early():
     assert p.graph.values["responses_p0"].producer == "decode_c0"
     assert p.slots["reward_p0"].start < p.slots["decode_c1"].finish
     assert g.values["responses_p0"].producer == "decode_c1"  # the input graph is untouched
+
+
+def test_train_fusion_lets_an_early_group_train_before_decode_ends_and_the_step_wait_for_the_count():
+    """With the normaliser deferred to the optimizer step, prompt 0's loss no longer waits for the
+    last chunk's token count, nor for prompt 1's loss; the step does wait for the count."""
+    g = grpo_graph(prompts=2, max_new_tokens=8, chunk_tokens=4, micro_batch_groups=1)
+    costs = {**unit_costs(g), "decode_c1": NodeCost(5.0, 8)}  # a long tail: prompt 1 decodes on
+    fused = plan(g, hardware("h200", 2), costs, "rollplex", release={0: 0, 1: 1}, train_fusion=True)
+    check_plan(fused)
+    loss_p0 = next(n.name for n in fused.graph.of_kind("loss") if n.args["prompts"] == [0])
+    assert "decode_c1" not in fused.graph.g.predecessors(loss_p0)
+    assert fused.slots[loss_p0].start < fused.slots["decode_c1"].finish
+    assert fused.graph.g.has_edge("decode_c1", "optimizer_step")
+    assert fused.slots["optimizer_step"].start >= fused.slots["decode_c1"].finish
+    plain = plan(g, hardware("h200", 2), costs, "rollplex", release={0: 0, 1: 1})
+    assert plain.slots[loss_p0].start >= plain.slots["decode_c1"].finish  # without it: after the count
+    assert fused.makespan < plain.makespan
 
 
 def test_schedule_with_a_cluster_writes_the_plan_into_meta_and_keeps_streams():
