@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 
@@ -78,8 +79,7 @@ def test_the_runtime_asks_for_partitions_under_the_rollplex_schedule_only(tmp_pa
     assert specs["rollplex"].sm_partitions is True and specs["serial"].sm_partitions is False
     off = Session(load_config(None, ["schedule=rollplex", "cluster.sm_partitions=false"]), tmp_path / "off")
     assert off.host_spec().sm_partitions is False
-    host = WorkerHost(specs["rollplex"], name="cpu")  # no CUDA streams on a CPU: plain threads, no partitions
-    try:
-        assert host.partitions is None
-    finally:
-        host.close()
+    # Engines given, so that none is built (a DeepSpeed engine would start a process group here).
+    spec = dataclasses.replace(specs["rollplex"], ref_cache_bytes=0)
+    host = WorkerHost(spec, name="cpu", engines={"actor": None, "ref": None}, decode=FakeDecode())
+    assert host.streams == {} and host.partitions is None  # a CPU: plain threads, no partitions
