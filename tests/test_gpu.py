@@ -72,3 +72,53 @@ def test_green_contexts_give_partition_streams_or_none(cuda):
                     x = torch.ones(1024, device="cuda") * 2
                 split[name].synchronize()
                 assert float(x.sum()) == 2048.0
+
+
+def test_compiled_layer_under_cuda_graphs_samples_what_the_eager_layer_does(cuda, tiny_model_dir):
+    """``compile``: torch.compile of the decoder layer, then captured into the graphs as usual."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from rollplex.engines.base import EngineContext, get_engine
+
+    import rollplex.engines  # noqa: F401
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_model_dir, dtype=torch.float32).to(cuda).eval()
+    outs = {}
+    for compiled in (False, True):
+        engine = get_engine("torch-graph").factory(EngineContext(
+            str(tiny_model_dir), cuda, torch.float32, 0, {"share_model": model, "max_num_seqs": 16,
+                                                          "max_model_len": 128, "compile": compiled}))
+        engine.add_requests(_requests(model, tiny_model_dir, temperature=1.0))
+        done = []
+        while engine.has_unfinished():
+            done += engine.step(3)
+        outs[compiled] = {(d.request_id, d.index): d for d in done}
+    for key, seq in outs[False].items():
+        assert outs[True][key].token_ids == seq.token_ids
+
+
+def _tiny_bench(tiny_model_dir, tmp_path, policies, **kw):
+    from rollplex.pipeline.bench import BenchConfig, run
+
+    return run(BenchConfig(model=str(tiny_model_dir / "config.json"), device="cuda", dtype="float32", prompts=4,
+                           samples=2, vision_tokens=16, text_tokens=8, max_new_tokens=8, mean_new_tokens=4,
+                           chunk_tokens=2, iterations=2, policies=policies, out=str(tmp_path), **kw),
+               log=print)
+
+
+def test_bench_on_cuda_replays_serial_rollout_under_every_policy(cuda, tiny_model_dir, tmp_path):
+    """On 2026-11-30 the H200 bench left every ``replayed`` entry empty while the CPU run filled them;
+    this runs the same path on CUDA with the tiny model (fp32), with auto partitions and train fusion."""
+    out = _tiny_bench(tiny_model_dir, tmp_path, ("serial", "rollplex-nofusion", "rollplex"), train_fusion=True)
+    updates = {u["policy"]: u for u in out["updates"]}
+    assert updates["serial"]["replayed"] is not None, "serial's rollout was not recorded on CUDA"
+    assert updates["rollplex-nofusion"]["replayed"] <= 1e-4 and updates["rollplex"]["replayed"] <= 1e-3
+
+
+def test_bench_two_gpu_policies_on_cuda(cuda, tiny_model_dir, tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.fail(f"needs 2 CUDA devices, found {torch.cuda.device_count()}; run it on the 2-GPU machine")
+    out = _tiny_bench(tiny_model_dir, tmp_path, ("serial", "disaggregated", "rollplex-dp2"))
+    rows = {r["policy"]: r for r in out["results"]}
+    assert rows["rollplex-dp2"]["ranks_max_weight_difference"] <= 1e-6
+    assert rows["disaggregated"]["seconds_by_kind"]["weight_sync"] > 0
