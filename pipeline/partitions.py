@@ -50,8 +50,10 @@ class Partitions:
             self.choose(None)
         return self.streams[self.current][name]
 
-    def sms(self) -> int | None:
-        return self.current
+    def sms_of(self, name: str) -> int | None:
+        """SMs of the named stream's partition in the current split (a trace records it per node)."""
+        split = self.streams.get(self.current) if self.current is not None else None
+        return split.get(f"{name}_sms", self.current if name == "decode" else None) if split else None
 
 
 def make(device_index: int, decode_sms: list[int]) -> Partitions | None:

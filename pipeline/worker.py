@@ -248,11 +248,14 @@ class WorkerHost:
 
     @contextmanager
     def on_stream(self, stream: str):
+        """Run the body on the stream (its thread's CUDA stream); yields the SMs of the partition it
+        got, or None for the whole GPU (or no GPU)."""
         s = self.streams.get(stream)
         if s is None:
-            yield
+            yield None
             return
         other = "compute" if stream == "decode" else "decode"
+        sms = None
         with self._lock:
             if self.partitions is not None and stream in ("decode", "compute"):
                 if stream == "decode":
@@ -260,10 +263,11 @@ class WorkerHost:
                     self.partitions.choose(live() if live else None)
                 if self._busy.get(other):
                     s = self.partitions.stream(stream)
+                    sms = self.partitions.sms_of(stream)
             self._busy[stream] = self._busy.get(stream, 0) + 1
         try:
             with torch.cuda.stream(s):
-                yield
+                yield sms
             s.synchronize()  # consumers on the other stream may read these outputs next
         finally:
             with self._lock:
@@ -347,7 +351,7 @@ def execute_node(host: WorkerHost, node: Node, iteration: int, inputs: dict[str,
     start = time.time()
     try:
         # Named after the kind so that a profile (rollplex bench --profile) sums device time per kind.
-        with host.on_stream(node.stream), torch.profiler.record_function(f"node:{node.kind}"):
+        with host.on_stream(node.stream) as sms, torch.profiler.record_function(f"node:{node.kind}"):
             outputs = task_for(node.kind)(NodeContext(host, iteration), node, inputs)
     except (RollplexError, NodeFailure):
         raise
@@ -355,7 +359,8 @@ def execute_node(host: WorkerHost, node: Node, iteration: int, inputs: dict[str,
         raise NodeFailure(node.name, node.kind, exc) from exc
     end = time.time()
     host.record({"name": node.name, "cat": node.kind, "ph": "X", "ts": start * 1e6, "dur": (end - start) * 1e6,
-                 "pid": host.name, "tid": node.stream, "args": {"model": node.model, "engine": node.engine}})
+                 "pid": host.name, "tid": node.stream, "args": {"model": node.model, "engine": node.engine,
+                                                                 **({"sms": sms} if sms else {})}})
     return outputs
 
 

@@ -32,8 +32,8 @@ class FakeDecode:
 
 
 def _fake_partitions(sms_list) -> Partitions:
-    return Partitions({sms: {"decode": FakeStream(f"decode{sms}"), "compute": FakeStream(f"compute{sms}")}
-                       for sms in sms_list})
+    return Partitions({sms: {"decode": FakeStream(f"decode{sms}"), "compute": FakeStream(f"compute{sms}"),
+                             "decode_sms": sms, "compute_sms": 132 - sms} for sms in sms_list})
 
 
 def test_a_fixed_split_ignores_the_batch():
@@ -52,11 +52,13 @@ def test_the_host_rechooses_the_split_per_decode_chunk_and_compute_takes_the_com
                  {"decode": FakeStream("decode-whole"), "compute": FakeStream("compute-whole")})
     host.partitions = _fake_partitions([sms for _, sms in AUTO_SPLITS])
 
+    got = []
+
     def run(stream: str, other_busy: bool) -> str:
         other = "compute" if stream == "decode" else "decode"
         host._busy[other] = int(other_busy)
-        with host.on_stream(stream):
-            pass
+        with host.on_stream(stream) as sms:
+            got.append(sms)
         host._busy[other] = 0
         return used[-1]
 
@@ -68,6 +70,7 @@ def test_the_host_rechooses_the_split_per_decode_chunk_and_compute_takes_the_com
     decode.rows = 5
     assert run("decode", other_busy=False) == "decode-whole"
     assert run("compute", other_busy=True) == "compute32"  # the tail chunk chose 32 for decode
+    assert got == [None, 96, 64, 68, None, 100]  # what a trace event records: the SMs of a shared stream
 
 
 def test_the_runtime_asks_for_partitions_under_the_rollplex_schedule_only(tmp_path):
