@@ -215,9 +215,48 @@ def join(ctx, node, inputs):
 @register_task("reward")
 def reward(ctx, node, inputs):
     prompt, responses = (inputs[v] for v in node.inputs)
+    return {node.outputs[0]: group_rewards(ctx, prompt, responses)}
+
+
+def group_rewards(ctx, prompt, responses: Responses) -> torch.Tensor:
+    """[G]: the reward function on each decoded response of one prompt."""
     texts = [ctx.decode_text(ids) for ids in responses.token_ids]
-    scores = [float(ctx.reward_fn(text, prompt.answer)) for text in texts]
-    return {node.outputs[0]: torch.tensor(scores, dtype=torch.float32)}
+    return torch.tensor([float(ctx.reward_fn(text, prompt.answer)) for text in texts], dtype=torch.float32)
+
+
+def group_advantages(ctx, values: dict[str, Any], width: int) -> torch.Tensor:
+    """A group-scoped advantage function on one group's values: [G], or [G, R] cut to the group's
+    own response width R."""
+    adv = torch.as_tensor(ctx.algorithm.advantage_fn.call(values, ctx.params), dtype=torch.float32).detach()
+    return adv[..., :width] if adv.dim() == 2 else adv
+
+
+def count_of(agg: str) -> str:
+    """What a loss aggregation averages over: the batch's response tokens or its responses."""
+    return "tokens" if agg == "token-mean" else "sequences"
+
+
+def normaliser(stats: dict, count: str) -> int:
+    """The batch's ``count`` (``count_of``) from its rollout stats, at least 1."""
+    return max(stats[count], 1)
+
+
+def summed_loss(per_token: torch.Tensor, mask: torch.Tensor, agg: str) -> torch.Tensor:
+    """The loss summed over the batch's tokens (token-mean) or responses (the seq-mean modes): divided
+    by ``normaliser`` it is the batch's mean, so micro-batches (or groups) add up."""
+    if agg == "token-mean":
+        return (per_token * mask).sum()
+    per_seq = (per_token * mask).sum(-1)
+    if agg == "seq-mean-token-mean":
+        per_seq = per_seq / mask.sum(-1).clamp(min=1)
+    return per_seq.sum()
+
+
+def loss_metrics(metrics: dict, mask: torch.Tensor) -> tuple[dict[str, float], dict[str, float]]:
+    """Per-token metrics [B, R] summed over the mask (token means over the batch in report) and
+    scalar metrics (means over micro-batches in report)."""
+    sums = {k: float((v.detach() * mask).sum()) for k, v in metrics.items() if torch.is_tensor(v) and v.dim() == 2}
+    return sums, {k: float(v) for k, v in metrics.items() if k not in sums}
 
 
 def bound_values(inputs: dict[str, Any], binding: dict) -> dict[str, list]:
@@ -268,9 +307,7 @@ def advantage(ctx, node, inputs):
     # (batch-scope inputs are padded to the batch's longest response).
     widths = [r.mask().shape[-1] for r in values["responses"]]
     if decl.options["scope"] == "group":
-        adv = decl.call({k: v[0] for k, v in values.items()}, ctx.params)
-        adv = torch.as_tensor(adv, dtype=torch.float32).detach()
-        return {node.outputs[0]: adv[..., : widths[0]] if adv.dim() == 2 else adv}
+        return {node.outputs[0]: group_advantages(ctx, {k: v[0] for k, v in values.items()}, widths[0])}
     adv = torch.as_tensor(decl.call({k: join_groups(v, "stack") for k, v in values.items()}, ctx.params))
     return {node.outputs[0]: {p: (adv[i][..., : widths[i]] if adv.dim() == 3 else adv[i]).detach().float()
                               for i, p in enumerate(node.args["prompts"])}}
@@ -297,23 +334,14 @@ def loss(ctx, node, inputs):
     result = decl.call(values, ctx.params)
     per_token, metrics = result if isinstance(result, tuple) else (result, {})
     agg = decl.options["agg"]
-    if agg == "token-mean":
-        contribution = (per_token * mask).sum() / max(stats["tokens"], 1)
-    else:
-        seq_len = mask.sum(-1).clamp(min=1)
-        per_seq = (per_token * mask).sum(-1)
-        per_seq = per_seq / seq_len if agg == "seq-mean-token-mean" else per_seq
-        contribution = per_seq.sum() / max(stats["sequences"], 1)
+    contribution = summed_loss(per_token, mask, agg) / normaliser(stats, count_of(agg))
     if not torch.isfinite(contribution):
         raise FloatingPointError(f"non-finite loss {contribution.item()} in micro-batch {node.name}")
     # With R data-parallel ranks DeepSpeed averages the ranks' gradients; each rank's share of the
     # global-batch loss is scaled by R so that the all-reduce yields their sum.
     world = int(node.args.get("world", 1))
     engine.backward(contribution * world if world != 1 else contribution)
-    # Per-token metrics [B, R] are summed here and become token means over the batch in report;
-    # scalar metrics become means over micro-batches.
-    sums = {k: float((v.detach() * mask).sum()) for k, v in metrics.items() if torch.is_tensor(v) and v.dim() == 2}
-    scalars = {k: float(v) for k, v in metrics.items() if k not in sums}
+    sums, scalars = loss_metrics(metrics, mask)
     return {node.outputs[0]: {"loss": float(contribution.detach()), "tokens": float(mask.sum()),
                               "sums": sums, "scalars": scalars}}
 
@@ -322,10 +350,7 @@ def loss(ctx, node, inputs):
 def optimizer_step(ctx, node, inputs):
     engine = ctx.train_engine(node.model)
     if "deferred_normaliser" in node.args:  # train fusion summed the losses: divide by the batch's count now
-        from rollplex.tasks.fused_train import normaliser
-
-        agg = "token-mean" if node.args["deferred_normaliser"] == "tokens" else "sequences"
-        engine.scale_gradients(1.0 / normaliser(inputs["rollout_stats"], agg))
+        engine.scale_gradients(1.0 / normaliser(inputs["rollout_stats"], node.args["deferred_normaliser"]))
     stats = engine.step()
     return {node.outputs[0]: {"grad_norm": stats.grad_norm, "lr": stats.lr}}
 
@@ -353,8 +378,6 @@ def report(ctx, node, inputs):
                          and not (v.get("deferred") and not v["tokens"])]  # a fused chunk that trained no group
         for value in micro_batches:
             if value.get("deferred"):  # train fusion: a sum, divided by the batch's count only now
-                from rollplex.tasks.fused_train import normaliser
-
                 value = dict(value, loss=value["loss"] / normaliser(stats, value["deferred"]))
             if model == alg.rollout_model:
                 losses += value["loss"]
