@@ -83,6 +83,10 @@ class _Weights:
         self.norm_w, self.eps = lm.norm.weight, lm.norm.variance_epsilon
         self.lm_head = model.lm_head.weight
         self.layers = lm.layers
+        # Per layer, the decoder layer's tensors and its two norms' eps, looked up once, not per step.
+        self.layer_args = [(_layer_weights(layer), (layer.input_layernorm.variance_epsilon,
+                                                    layer.post_attention_layernorm.variance_epsilon))
+                           for layer in lm.layers]
         self.heads = cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -339,9 +343,8 @@ class GraphDecodeEngine(DecodeEngine):
         mask = torch.zeros(valid.shape, dtype=x.dtype, device=x.device).masked_fill(~valid, float("-inf"))
         mask = mask.view(n, 1, 1, -1)
         where = (rows.view(-1, 1), torch.arange(w.kv_heads, device=x.device).view(1, -1), slot.view(-1, 1))
-        for i, layer in enumerate(w.layers):
-            eps = (layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon)
-            x = self._layer(x, cos, sin, mask, where, b.k[i], b.v[i], _layer_weights(layer), eps,
+        for i, (weights, eps) in enumerate(w.layer_args):
+            x = self._layer(x, cos, sin, mask, where, b.k[i], b.v[i], weights, eps,
                             w.heads, w.kv_heads, w.head_dim, w.attn_scale)
         b.logits[:n].copy_(F.linear(_rms(x, w.norm_w, w.eps), w.lm_head).float())
         b.length[:n].add_(1)
