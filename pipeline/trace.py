@@ -32,23 +32,20 @@ def seconds_by_kind(events: list[dict]) -> dict[str, float]:
     return {k: round(v, 5) for k, v in sorted(total.items())}
 
 
-def intervals(trace: dict, kinds: set[str]) -> list[tuple[float, float, str]]:
-    """(start, end, name) in µs of the trace's events of the given kinds."""
+def intervals(trace: dict, kinds: set[str], worker=None) -> list[tuple[float, float, str]]:
+    """(start, end, name) in µs of the trace's events of the given kinds (on one worker's ``pid``)."""
     return [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in trace["traceEvents"]
-            if e.get("ph") == "X" and e.get("cat") in kinds]
+            if e.get("ph") == "X" and e.get("cat") in kinds and worker in (None, e.get("pid"))]
 
 
 def overlap_seconds(trace: dict, a: set[str], b: set[str]) -> float:
     """Total time during which an event of kinds ``a`` and one of kinds ``b`` ran at once on the same
     worker (another worker's decode hides nothing of this one's work)."""
-    def spans(kinds):
-        return [(e["pid"], e["ts"], e["ts"] + e["dur"]) for e in trace["traceEvents"]
-                if e.get("ph") == "X" and e.get("cat") in kinds]
-
     total = 0.0
-    for w1, s1, e1 in spans(a):
-        for w2, s2, e2 in spans(b):
-            if w1 == w2:
+    for worker in {e.get("pid") for e in trace["traceEvents"] if e.get("ph") == "X"}:
+        ys = intervals(trace, b, worker)
+        for s1, e1, _ in intervals(trace, a, worker):
+            for s2, e2, _ in ys:
                 total += max(0.0, min(e1, e2) - max(s1, s2))
     return total / 1e6
 
