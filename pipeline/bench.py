@@ -162,6 +162,7 @@ class PolicyResult:
     decode_bytes: float = 0.0  # weights + KV bytes the decode steps had to read, per iteration
     responses: list | None = None
     ranks_disagree: float = 0.0  # two data-parallel ranks: largest weight difference after a step
+    comparison: dict | None = None  # its update against serial's (compare_update)
 
     def decode_bandwidth(self) -> float:
         return self.decode_bytes / self.decode_seconds if self.decode_seconds else 0.0
@@ -294,10 +295,12 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
                 torch.cuda.synchronize(d)
                 torch.cuda.reset_peak_memory_stats(d)
 
-    # Serial first: its recorded rollout is what the others replay right after their timed runs.
-    graphs = {policy: compile_for(cfg, policy, config) for policy in sorted(cfg.policies, key=lambda p: p != "serial")}
-    for policy, graph in graphs.items():
-        extra = replicas_for(policy)
+    def inputs_for(iteration: int) -> dict[str, Any]:
+        return {f"prompt_p{p}": x for p, x in enumerate(make_prompts(cfg, config, iteration))}
+
+    def run_policy(policy: str, graph, extra: bench_multi.Replicas | None) -> PolicyResult:
+        """Timed iterations, then iteration 0 again on serial's recorded rollout. Its own scope, so
+        that its hosts and executors are gone when the caller releases the second GPU's copies."""
         ranks = extra.hosts_engines if extra else [{"actor": actor, "ref": ref_engine, "decode": decode}]
         if policy == "serial":
             ranks = [dict(ranks[0], decode=recorder)]
@@ -306,10 +309,9 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
         res = PolicyResult(policy)
         for iteration in range(cfg.iterations):
             restart(extra)
-            prompts = make_prompts(cfg, config, iteration)
             synchronize()
             steps_before = sum(d.steps_run for d in decodes)
-            result = executor.run(graph, iteration, {f"prompt_p{p}": x for p, x in enumerate(prompts)})
+            result = executor.run(graph, iteration, inputs_for(iteration))
             if iteration == 0:  # the update from the common start, compared across policies
                 res.update = update_since_start()
                 res.responses = [r["response_token_ids"] for r in result.output["report"]["rows"]]
@@ -320,28 +322,32 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
             log(f"  serial's rollouts recorded for replay: {len(recorder.recorded)} sequences")
         if policy in cfg.profile:
             restart(extra)
-            profile_iteration(executor, graph, make_prompts(cfg, config, 1), out_dir / f"profile_{policy}.txt")
-        if recorder.recorded and policy != "serial":  # iteration 0 again, on serial's recorded rollout
+            profile_iteration(executor, graph, inputs_for(1), out_dir / f"profile_{policy}.txt")
+        if recorder.recorded:  # iteration 0 again on serial's recorded rollout (serial's own: the replay itself)
             replay = [dict(r, decode=ReplayDecodeEngine(recorder.recorded)) for r in ranks]
             restart(extra)
-            executor_for(policy, replay).run(graph, 0, {f"prompt_p{p}": x for p, x in
-                                                        enumerate(make_prompts(cfg, config, 0))})
+            executor_for(policy, replay).run(graph, 0, inputs_for(0))
             res.replayed_update = update_since_start()
+        return res
+
+    # Serial first: its recorded rollout is what the others replay right after their timed runs, and
+    # its update is what theirs are compared with, once, as each policy ends.
+    graphs = {policy: compile_for(cfg, policy, config) for policy in sorted(cfg.policies, key=lambda p: p != "serial")}
+    for policy, graph in graphs.items():
+        extra = replicas_for(policy)
+        res = run_policy(policy, graph, extra)
         if extra is not None:
             extra.release()
+        res.comparison = compare_update(res, res if policy == "serial" else results.get("serial"))
+        if policy != "serial":  # compared: the fp32 update (4 bytes per parameter) need not stay on the host
+            res.update = res.replayed_update = None
         results[policy] = res
         log(f"  {policy:15s} {res.median:7.3f} s/it   " + "  ".join(f"{k} {v:.2f}" for k, v in sorted(res.by_kind.items())))
         report(cfg, spec, results, out_dir, lambda *a: None)  # partial results survive a later failure
-    if "serial" in results and recorder.recorded:  # serial replaying its own rollout: the replay itself
-        executor = executor_for("serial", [{"actor": actor, "ref": ref_engine,
-                                            "decode": ReplayDecodeEngine(recorder.recorded)}])
-        restart(None)
-        executor.run(graphs["serial"], 0, {f"prompt_p{p}": x for p, x in enumerate(make_prompts(cfg, config, 0))})
-        results["serial"].replayed_update = update_since_start()
     return report(cfg, spec, results, out_dir, log)
 
 
-def profile_iteration(executor, graph, prompts: list, path: Path) -> None:
+def profile_iteration(executor, graph, inputs: dict[str, Any], path: Path) -> None:
     """One more iteration under torch.profiler; the top operators and kernels by device time, per
     node kind (record_function ranges named after the node kinds) and overall."""
     from torch.profiler import ProfilerActivity, profile
@@ -354,7 +360,7 @@ def profile_iteration(executor, graph, prompts: list, path: Path) -> None:
     except TypeError:  # an older torch: device kernels are still captured, host operators only here
         config = None
     with profile(activities=activities, experimental_config=config) as prof:
-        executor.run(graph, 1, {f"prompt_p{p}": x for p, x in enumerate(prompts)})
+        executor.run(graph, 1, inputs)
     key = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
     atomic_write_text(path, prof.key_averages().table(sort_by=key, row_limit=40))
 
@@ -386,9 +392,9 @@ def record_iteration(cfg: BenchConfig, spec, actor, res: PolicyResult, result, d
 def sm_partitions(cfg: BenchConfig, device_index: int = 0):
     """Green-context streams for decode and compute while both run (pipeline/partitions.py): the one
     split ``--decode-sms`` names, or with 0 one per row of the live-batch table, re-chosen per chunk."""
-    from rollplex.pipeline.partitions import AUTO_SPLITS, make
+    from rollplex.pipeline.partitions import make
 
-    return make(device_index, [cfg.decode_sms] if cfg.decode_sms else [sms for _, sms in AUTO_SPLITS])
+    return make(device_index, [cfg.decode_sms] if cfg.decode_sms else None)
 
 
 def lower_bound(cfg: BenchConfig, spec, res: PolicyResult, decode_bw: float = 4.3e12, peak: float = 788e12,
@@ -436,15 +442,16 @@ def report(cfg, spec, results: dict[str, PolicyResult], out_dir: Path, log) -> d
     ratios = speedups(results)
     for line in ratios:
         log(line)
-    updates = compare_updates(results)
-    for line in update_lines(updates):
+    updates = [res.comparison for res in results.values() if res.comparison is not None]
+    checks = update_lines(updates)
+    for line in checks:
         log(line)
     for name, res in results.items():
         if name == "rollplex-dp2":
             log(f"{name}: ranks' weights after the step differ by at most {res.ranks_disagree:.1e}")
     summary = {"config": cfg.__dict__ | {"policies": list(cfg.policies)}, "results": rows, "updates": updates,
                "speedups": ratios,
-               "update_checks": update_lines(updates),
+               "update_checks": checks,
                "device": torch.cuda.get_device_name() if cfg.device == "cuda" else "cpu",
                "date": time.strftime("%Y-%m-%d")}
     atomic_write_text(out_dir / "bench.json", json.dumps(summary, indent=1, default=str))
@@ -470,27 +477,21 @@ def relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
     return math.sqrt(num / max(den, 1e-30))
 
 
-def compare_updates(results: dict[str, PolicyResult]) -> list[dict]:
-    """The first iteration's update (new − start weights) from the same start, against serial's.
-    ``sampled``: each policy's own rollout (bf16 kernels on another SM partition may round
+def compare_update(res: PolicyResult, ref: PolicyResult | None) -> dict | None:
+    """The first iteration's update (new − start weights) from the same start, against serial's
+    (``ref``). ``sampled``: each policy's own rollout (bf16 kernels on another SM partition may round
     differently and flip a sample, and then everything downstream differs). ``replayed``: serial's
     recorded rollout under every policy, so only the scoring, the loss and the update are compared;
     serial's own row compares its replayed update with its sampled one (the replay itself)."""
-    rows = []
-    ref = results.get("serial")
-    if ref is None or ref.update is None:
-        return rows
-    for name, res in results.items():
-        if res.update is None:
-            continue
-        replayed = ref.update if res is ref else ref.replayed_update
-        rows.append({"policy": name,
-                     "sampled": relative_difference(res.update, ref.update),
-                     "identical_responses": sum(a == b for a, b in zip(res.responses or [], ref.responses or [])),
-                     "responses": len(ref.responses or []),
-                     "replayed": (relative_difference(res.replayed_update, replayed)
-                                  if res.replayed_update is not None and replayed is not None else None)})
-    return rows
+    if ref is None or ref.update is None or res.update is None:
+        return None
+    replayed = ref.update if res is ref else ref.replayed_update
+    return {"policy": res.policy,
+            "sampled": relative_difference(res.update, ref.update),
+            "identical_responses": sum(a == b for a, b in zip(res.responses or [], ref.responses or [])),
+            "responses": len(ref.responses or []),
+            "replayed": (relative_difference(res.replayed_update, replayed)
+                         if res.replayed_update is not None and replayed is not None else None)}
 
 
 def update_lines(rows: list[dict]) -> list[str]:

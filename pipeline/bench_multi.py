@@ -74,17 +74,16 @@ class Replicas:
 
     hosts_engines: list[dict]  # per rank: {"actor": train engine, "ref": score engine, "decode": engine}
     resets: list[Callable[[], None]] = field(default_factory=list)
-    modules: list[torch.nn.Module] = field(default_factory=list)
 
     def reset(self) -> None:
         for fn in self.resets:
             fn()
 
     def release(self) -> None:
-        """Drop the second GPU's copies, so the next policy's peak memory is its own."""
+        """Drop the second GPU's copies (the engines hold them), so the next policy's peak memory is
+        its own. The caller holds no host or executor of the policy any more."""
         self.hosts_engines.clear()
         self.resets.clear()
-        self.modules.clear()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
@@ -102,7 +101,7 @@ def disaggregated(cfg, actor, ref_engine, start_state: dict, dtype, longest: int
     rollout = copy.deepcopy(actor.module).to(cfg.second_device).requires_grad_(False)
     decode = _decode_engine(cfg, cfg.second_device, dtype, rollout, cfg.prompts * cfg.samples, longest)
     return Replicas([{"actor": actor, "ref": ref_engine, "decode": decode}],
-                    resets=[lambda: rollout.load_state_dict(start_state)], modules=[rollout])
+                    resets=[lambda: rollout.load_state_dict(start_state)])
 
 
 def data_parallel(cfg, actor, ref_engine, decode, start_state: dict, start_optim: dict, dtype,
@@ -129,7 +128,7 @@ def data_parallel(cfg, actor, ref_engine, decode, start_state: dict, start_optim
 
     return Replicas([{"actor": group.wrap(actor, 0), "ref": ref_engine, "decode": decode},
                      {"actor": group.wrap(actor1, 1), "ref": ref1_engine, "decode": decode1}],
-                    resets=[reset], modules=[module, ref1])
+                    resets=[reset])
 
 
 def ranks_disagree(replicas: Replicas) -> float:

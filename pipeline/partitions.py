@@ -56,8 +56,9 @@ class Partitions:
         return split.get(f"{name}_sms", self.current if name == "decode" else None) if split else None
 
 
-def make(device_index: int, decode_sms: list[int]) -> Partitions | None:
-    """Green-context streams for each split, or None where the torch build or driver has none."""
+def make(device_index: int, decode_sms: list[int] | None = None) -> Partitions | None:
+    """Green-context streams for each split (default: one per row of ``AUTO_SPLITS``), or None where
+    the torch build or driver has none."""
     import torch
 
     try:
@@ -67,7 +68,7 @@ def make(device_index: int, decode_sms: list[int]) -> Partitions | None:
     total = torch.cuda.get_device_properties(device_index).multi_processor_count
     try:
         streams: dict[int, dict[str, Any]] = {}
-        for sms in decode_sms:
+        for sms in decode_sms or [sms for _, sms in AUTO_SPLITS]:
             pair = {}
             for name, n in (("decode", sms), ("compute", total - sms)):
                 ctx = GreenContext.create(num_sms=n, device_id=device_index)
@@ -81,7 +82,7 @@ def make(device_index: int, decode_sms: list[int]) -> Partitions | None:
                 pair[f"{name}_context"] = ctx  # keep the context alive as long as its stream
                 pair[f"{name}_sms"] = n
             streams[sms] = pair
-        return Partitions(streams, splits=tuple(s for s in AUTO_SPLITS if s[1] in streams) or AUTO_SPLITS)
+        return Partitions(streams)
     except Exception as exc:  # noqa: BLE001 - a driver or build without green contexts: plain streams
         print(f"green contexts unavailable ({type(exc).__name__}: {exc}); plain streams")
         return None

@@ -140,9 +140,9 @@ class WorkerHost:
         # the whole GPU alone.
         self.partitions = None
         if spec.sm_partitions and self.device.type == "cuda" and self.streams:
-            from rollplex.pipeline.partitions import AUTO_SPLITS, make
+            from rollplex.pipeline.partitions import make
 
-            self.partitions = make(self.device.index or 0, [sms for _, sms in AUTO_SPLITS])
+            self.partitions = make(self.device.index or 0)
         self._busy = {"decode": 0, "compute": 0}
         # Prefix work joins the decode window only once decode is light (at most this many live
         # rows): heavy decode leaves little idle compute, and sharing SMs then slows it more than
