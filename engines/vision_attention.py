@@ -8,10 +8,11 @@ consecutive windows of one length is a view [n, heads, L, head_dim] and one
 edge windows add a few). The lengths are read to the host once per ``cu_seqlens`` tensor, i.e. twice
 per tower forward (full and window layers) instead of once per layer.
 
-Measured: the 3B model's tower (random bf16 weights, SDPA) on an H200, 8 images of 64x64 patches:
-677 -> 252 ms, output bit-identical. On CPU (fp32, 2 threads, a 4-layer hidden-64 tower): a 64x64
-plus a 40x52-patch image 92 -> 88 ms, eight 64x64 images 602 -> 550 ms, identical output; so it is
-applied on every device. Models configured for flash attention are left alone (HF runs varlen
+Measured with ``benchmarks/vit_attention.py`` (both variants side by side, one process): the 3B
+tower on an H200, 8 images of 4096 patches, bf16: 899.9 -> 253.1 ms, identical output (BENCHMARKS.md).
+On the 2-core CPU, the tiny model's tower, 8 images of 1024 patches, fp32 (``--device cpu --images 8
+--merged 256 --model <tiny config.json>``): 61.4 -> 47.5 and 66.3 -> 59.3 ms in two runs, identical
+output; so it is applied on every device. Models configured for flash attention are left alone (HF runs varlen
 kernels there).
 """
 from __future__ import annotations
