@@ -241,6 +241,17 @@ class GraphDecodeEngine(DecodeEngine):
             self._graphs.clear()
             self.batch = None
 
+    def capture_graphs(self, stream, top_p: bool = False) -> None:
+        """Capture the step for every batch size on ``stream`` now (an SM partition's stream, before
+        its decode window), not on first use: each capture synchronizes the whole device."""
+        if not self.use_graphs:
+            return
+        with self._lock, torch.no_grad():
+            for n in self.sizes:
+                key = (n, top_p, stream.cuda_stream)
+                if key not in self._graphs:
+                    self._graphs[key] = self._capture(n, top_p, stream)
+
     def live_rows(self) -> int:
         """Rows decoding now (read without the lock: a scheduling hint, not bookkeeping)."""
         return sum(r is not None for r in self._live) + sum(r.n for r in self._pending)

@@ -38,6 +38,32 @@ from rollplex.pipeline.bench_multi import TWO_GPU_POLICIES
 POLICIES = ("serial-noshare", "serial", "rollplex")  # one GPU, the default
 # rollplex-nofusion: the decode window without stage fusion, so each gain shows on its own.
 ALL_POLICIES = POLICIES + ("rollplex-nofusion",) + TWO_GPU_POLICIES  # two-GPU ones: pipeline/bench_multi.py
+VARIANT_KEYS = {"gate": "prefix work waits until decode has at most this many live rows",
+                "sms": "decode's SMs while both streams are busy (0: re-chosen per chunk)",
+                "target": "1 (default): matmuls on a partition target its SMs through cuBLASLt; 0: plain cuBLAS"}
+
+
+def file_stem(policy: str) -> str:
+    """rollplex:gate=32 -> rollplex_gate32: a file name without the separators some copiers refuse."""
+    return policy.replace(":", "_").replace("=", "")
+
+
+def parse_policy(name: str) -> tuple[str, dict[str, int]]:
+    """``rollplex:gate=32:sms=64`` -> ("rollplex", {"gate": 32, "sms": 64}): a rollplex-family policy
+    with its own knobs, so variants run side by side in one bench against the same serial run."""
+    base, *options = name.split(":")
+    if base not in ALL_POLICIES:
+        raise RollplexError(f"--policies: {base!r} unknown; choose from {', '.join(ALL_POLICIES)}")
+    parsed: dict[str, int] = {}
+    for option in options:
+        key, _, value = option.partition("=")
+        if key not in VARIANT_KEYS or not value.isdigit():
+            raise RollplexError(f"--policies: {name!r}: option {option!r} is not KEY=N with KEY one of "
+                                + ", ".join(f"{k} ({v})" for k, v in VARIANT_KEYS.items()))
+        parsed[key] = int(value)
+    if parsed and not base.startswith("rollplex"):
+        raise RollplexError(f"--policies: {name!r}: options apply to the rollplex policies only")
+    return base, parsed
 
 
 @dataclass
@@ -156,8 +182,12 @@ class PolicyResult:
     hidden_share: float = 0.0
     decode_seconds: float = 0.0
     tokens: int = 0
-    update: dict[str, torch.Tensor] | None = None
-    replayed_update: dict[str, torch.Tensor] | None = None  # the same update on serial's recorded rollout
+    # Serial only: its weights after the first step, on the host, sampled and on its own replayed
+    # rollout. Every other policy is compared with these on the device as it ends (update_difference).
+    weights: dict[str, torch.Tensor] | None = None
+    replayed_weights: dict[str, torch.Tensor] | None = None
+    sampled_difference: float | None = None
+    replayed_difference: float | None = None
     trace: dict | None = None
     decode_bytes: float = 0.0  # weights + KV bytes the decode steps had to read, per iteration
     responses: list | None = None
@@ -193,6 +223,7 @@ def compile_for(cfg: BenchConfig, policy: str, config):
     from rollplex.pipeline.ranks import distribute, fit_prompts_per_node
     from rollplex.pipeline.schedule import schedule
 
+    policy, _ = parse_policy(policy)
     ranks = 2 if policy == "rollplex-dp2" else 1
     shape = BatchShape(prompts=cfg.prompts, samples=cfg.samples, max_new_tokens=cfg.max_new_tokens,
                        chunk_tokens=cfg.chunk_tokens, micro_batch_groups=1,
@@ -217,10 +248,8 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
 
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise RollplexError("rollplex bench: no CUDA device (use --device cpu with a small --model for a smoke run)")
-    unknown = [p for p in cfg.policies if p not in ALL_POLICIES]
-    if unknown:
-        raise RollplexError(f"--policies: {unknown} unknown; choose from {', '.join(ALL_POLICIES)}")
-    if (set(cfg.policies) & set(TWO_GPU_POLICIES) and cfg.device == "cuda"
+    bases = {parse_policy(p)[0] for p in cfg.policies}  # names the first bad one
+    if (bases & set(TWO_GPU_POLICIES) and cfg.device == "cuda"
             and torch.cuda.device_count() < 2 and cfg.second_device.startswith("cuda:")):
         raise RollplexError(f"--policies: {', '.join(TWO_GPU_POLICIES)} need two GPUs; this machine has "
                             f"{torch.cuda.device_count()}")
@@ -248,7 +277,7 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
     start_optim = copy.deepcopy(actor.optimizer.state_dict())
     log(f"bench: {cfg.model} ({sum(p.numel() for p in model.parameters()) / 1e9:.2f}B params, {cfg.dtype}) on "
         f"{torch.cuda.get_device_name() if cfg.device == 'cuda' else 'cpu'}; built in {time.time() - t0:.1f}s")
-    partitions: dict[str, dict | None] = {}
+    partitions: dict[tuple[str, int], Any] = {}  # (device, decode SMs or 0) -> pipeline.partitions.Partitions
     results: dict[str, PolicyResult] = {}
     recorder = Recorder(decode)  # serial's rollouts, replayed below so updates compare on one rollout
 
@@ -264,11 +293,14 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
                            if hasattr(engines["decode"], "device") else torch.cuda.Stream(home),
                            "compute": torch.cuda.Stream(home)}
             host = _host(cfg, engines["actor"], engines["ref"], engines["decode"], policy, streams, home)
-            if policy.startswith("rollplex"):
-                if cfg.device == "cuda" and home not in partitions:
-                    partitions[home] = sm_partitions(cfg, torch.device(home).index or 0)
-                host.partitions = partitions.get(home)
-                host.gate_rows = cfg.gate_rows
+            base, options = parse_policy(policy)
+            if base.startswith("rollplex"):
+                key = (home, options.get("sms", cfg.decode_sms))
+                if cfg.device == "cuda" and key not in partitions:
+                    partitions[key] = sm_partitions(key[1], torch.device(home).index or 0)
+                host.sm_target = bool(options.get("target", 1))
+                host.use_partitions(partitions.get(key))
+                host.gate_rows = options.get("gate", cfg.gate_rows)
             hosts.append(host)
         return LocalExecutor(hosts)
 
@@ -278,11 +310,14 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
         if extra is not None:
             extra.reset()
 
-    def update_since_start() -> dict[str, torch.Tensor]:  # on the host: a policy's fp32 update is 4 bytes/param
-        return {k: (v.detach().float() - start_state[k].float()).cpu() for k, v in actor.module.state_dict().items()
-                if "visual" not in k}
+    def trained_weights() -> dict[str, torch.Tensor]:  # the vision tower is frozen
+        return {k: v.detach() for k, v in actor.module.state_dict().items() if "visual" not in k}
+
+    def host_copy(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:  # in their dtype: 2 bytes/param
+        return {k: v.to("cpu", copy=True) for k, v in weights.items()}
 
     def replicas_for(policy: str) -> bench_multi.Replicas | None:
+        policy, _ = parse_policy(policy)
         if policy == "disaggregated":
             return bench_multi.disaggregated(cfg, actor, ref_engine, start_state, dtype, longest)
         if policy == "rollplex-dp2":
@@ -313,7 +348,11 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
             steps_before = sum(d.steps_run for d in decodes)
             result = executor.run(graph, iteration, inputs_for(iteration))
             if iteration == 0:  # the update from the common start, compared across policies
-                res.update = update_since_start()
+                if policy == "serial":
+                    res.weights = host_copy(trained_weights())
+                elif "serial" in results:
+                    res.sampled_difference = update_difference(trained_weights(), results["serial"].weights,
+                                                               start_state)
                 res.responses = [r["response_token_ids"] for r in result.output["report"]["rows"]]
                 res.ranks_disagree = bench_multi.ranks_disagree(extra) if extra else 0.0
                 continue
@@ -322,12 +361,17 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
             log(f"  serial's rollouts recorded for replay: {len(recorder.recorded)} sequences")
         if policy in cfg.profile:
             restart(extra)
-            profile_iteration(executor, graph, inputs_for(1), out_dir / f"profile_{policy}.txt")
+            profile_iteration(executor, graph, inputs_for(1), out_dir / f"profile_{file_stem(policy)}.txt")
         if recorder.recorded:  # iteration 0 again on serial's recorded rollout (serial's own: the replay itself)
             replay = [dict(r, decode=ReplayDecodeEngine(recorder.recorded)) for r in ranks]
             restart(extra)
             executor_for(policy, replay).run(graph, 0, inputs_for(0))
-            res.replayed_update = update_since_start()
+            if policy == "serial":  # the replay against its own sampled run: the replay itself
+                res.replayed_weights = host_copy(trained_weights())
+                res.replayed_difference = update_difference(trained_weights(), res.weights, start_state)
+            elif "serial" in results and results["serial"].replayed_weights is not None:
+                res.replayed_difference = update_difference(trained_weights(), results["serial"].replayed_weights,
+                                                            start_state)
         return res
 
     # Serial first: its recorded rollout is what the others replay right after their timed runs, and
@@ -339,8 +383,6 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
         if extra is not None:
             extra.release()
         res.comparison = compare_update(res, res if policy == "serial" else results.get("serial"))
-        if policy != "serial":  # compared: the fp32 update (4 bytes per parameter) need not stay on the host
-            res.update = res.replayed_update = None
         results[policy] = res
         log(f"  {policy:15s} {res.median:7.3f} s/it   " + "  ".join(f"{k} {v:.2f}" for k, v in sorted(res.by_kind.items())))
         report(cfg, spec, results, out_dir, lambda *a: None)  # partial results survive a later failure
@@ -362,7 +404,24 @@ def profile_iteration(executor, graph, inputs: dict[str, Any], path: Path) -> No
     with profile(activities=activities, experimental_config=config) as prof:
         executor.run(graph, 1, inputs)
     key = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
-    atomic_write_text(path, prof.key_averages().table(sort_by=key, row_limit=40))
+    atomic_write_text(path, prof.key_averages().table(sort_by=key, row_limit=40) + "\n" + long_host_calls(prof))
+
+
+def long_host_calls(prof, min_ms: float = 20.0, limit: int = 200) -> str:
+    """Host calls of at least ``min_ms``, in time order, per thread: where a stream thread blocks
+    (a synchronize, an allocation, a lock) rather than launches. Leaves and runtime calls only, so
+    each stall is listed once, not again under every enclosing operator."""
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
+    if not events:
+        return ""
+    t0 = min(e.time_range.start for e in events)
+    rows = [e for e in events if e.time_range.elapsed_us() >= min_ms * 1e3
+            and (e.name.startswith(("cuda", "cu", "node:")) or not e.cpu_children)]
+    rows.sort(key=lambda e: e.time_range.start)
+    lines = [f"host calls of at least {min_ms:.0f} ms (start and duration in ms, thread):"]
+    lines += [f"{(e.time_range.start - t0) / 1e3:9.1f} {e.time_range.elapsed_us() / 1e3:9.1f}  {e.thread:>8}  {e.name}"
+              for e in rows[:limit]]
+    return "\n".join(lines) + "\n"
 
 
 def record_iteration(cfg: BenchConfig, spec, actor, res: PolicyResult, result, decode_steps: int, policy: str) -> None:
@@ -389,12 +448,12 @@ def record_iteration(cfg: BenchConfig, spec, actor, res: PolicyResult, result, d
     res.decode_bytes += (decode_steps * weights + kv_reads * spec.kv_bytes_per_token(2)) / timed
 
 
-def sm_partitions(cfg: BenchConfig, device_index: int = 0):
+def sm_partitions(decode_sms: int, device_index: int = 0):
     """Green-context streams for decode and compute while both run (pipeline/partitions.py): the one
-    split ``--decode-sms`` names, or with 0 one per row of the live-batch table, re-chosen per chunk."""
+    split ``decode_sms`` names, or with 0 one per row of the live-batch table, re-chosen per chunk."""
     from rollplex.pipeline.partitions import make
 
-    return make(device_index, [cfg.decode_sms] if cfg.decode_sms else None)
+    return make(device_index, [decode_sms] if decode_sms else None)
 
 
 def lower_bound(cfg: BenchConfig, spec, res: PolicyResult, decode_bw: float = 4.3e12, peak: float = 788e12,
@@ -422,10 +481,11 @@ def report(cfg, spec, results: dict[str, PolicyResult], out_dir: Path, log) -> d
     base = results.get("serial-noshare")
     rows = []
     log("")
-    log(f"{'policy':16s} {'s/it':>7s} {'×noshare':>9s} {'peak GiB':>9s} {'hidden':>7s} {'tok/s':>8s} {'÷bound':>7s} "
+    width = max([16, *(len(n) for n in results)])
+    log(f"{'policy':{width}s} {'s/it':>7s} {'×noshare':>9s} {'peak GiB':>9s} {'hidden':>7s} {'tok/s':>8s} {'÷bound':>7s} "
         f"{'decode TB/s':>11s}")
     for name, res in results.items():
-        gpus = 2 if name in TWO_GPU_POLICIES else 1
+        gpus = 2 if parse_policy(name)[0] in TWO_GPU_POLICIES else 1
         bound = lower_bound(cfg, spec, res, gpus=gpus)
         speedup = base.median / res.median if base else float("nan")
         row = {"policy": name, "median_s": res.median, "all_s": res.seconds, "speedup_vs_serial_noshare": speedup,
@@ -435,10 +495,10 @@ def report(cfg, spec, results: dict[str, PolicyResult], out_dir: Path, log) -> d
                "decode_bytes_per_s": res.decode_bandwidth(), "gpus": gpus,
                "ranks_max_weight_difference": res.ranks_disagree}
         rows.append(row)
-        log(f"{name:16s} {res.median:7.3f} {speedup:9.2f} {res.peak_bytes / 2**30:9.1f} {res.hidden_share:7.0%} "
+        log(f"{name:{width}s} {res.median:7.3f} {speedup:9.2f} {res.peak_bytes / 2**30:9.1f} {res.hidden_share:7.0%} "
             f"{row['tokens_per_s']:8.0f} {row['ratio_to_bound']:7.2f} {res.decode_bandwidth() / 1e12:11.2f}")
         if res.trace is not None:
-            atomic_write_text(out_dir / f"trace_{name}.json", json.dumps(res.trace))
+            atomic_write_text(out_dir / f"trace_{file_stem(name)}.json", json.dumps(res.trace))
     ratios = speedups(results)
     for line in ratios:
         log(line)
@@ -466,15 +526,23 @@ def speedups(results: dict[str, PolicyResult]) -> list[str]:
     pairs = [("serial", "serial-noshare"), ("rollplex", "serial-noshare"), ("rollplex", "serial"),
              ("rollplex-nofusion", "serial"), ("rollplex", "rollplex-nofusion"),
              ("rollplex-dp2", "disaggregated"), ("rollplex-dp2", "rollplex"), ("disaggregated", "serial")]
+    pairs += [(v, "serial") for v in results if ":" in v]  # variants: each against serial
     return [f"{a} is {results[b].median / results[a].median:.2f}x {b}" for a, b in pairs
             if a in results and b in results and results[a].seconds and results[b].seconds]
 
 
-def relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """‖a − b‖ / ‖b‖ over all tensors."""
-    num = sum(float((a[k] - b[k]).double().pow(2).sum()) for k in b)
-    den = sum(float(b[k].double().pow(2).sum()) for k in b)
-    return math.sqrt(num / max(den, 1e-30))
+def update_difference(weights: dict[str, torch.Tensor], reference: dict[str, torch.Tensor],
+                      start: dict[str, torch.Tensor]) -> float:
+    """‖u − r‖ / ‖r‖, u and r the updates (weights − start) in fp32, summed in fp64 on ``start``'s
+    device one tensor at a time: no fp32 copy of a whole model is ever made, on the host or the GPU."""
+    num = den = None
+    for k, ref in reference.items():
+        base = start[k].float()
+        r = ref.to(base.device).float() - base
+        u = weights[k].to(base.device).float() - base
+        d, n = (u - r).double().pow(2).sum(), r.double().pow(2).sum()
+        num, den = (d, n) if num is None else (num + d, den + n)
+    return 0.0 if num is None else math.sqrt(float(num) / max(float(den), 1e-30))
 
 
 def compare_update(res: PolicyResult, ref: PolicyResult | None) -> dict | None:
@@ -482,16 +550,14 @@ def compare_update(res: PolicyResult, ref: PolicyResult | None) -> dict | None:
     (``ref``). ``sampled``: each policy's own rollout (bf16 kernels on another SM partition may round
     differently and flip a sample, and then everything downstream differs). ``replayed``: serial's
     recorded rollout under every policy, so only the scoring, the loss and the update are compared;
-    serial's own row compares its replayed update with its sampled one (the replay itself)."""
-    if ref is None or ref.update is None or res.update is None:
+    serial's own row compares its replayed update with its sampled one: the run-to-run floor."""
+    if ref is None or ref.weights is None:
         return None
-    replayed = ref.update if res is ref else ref.replayed_update
     return {"policy": res.policy,
-            "sampled": relative_difference(res.update, ref.update),
+            "sampled": 0.0 if res is ref else res.sampled_difference,
             "identical_responses": sum(a == b for a, b in zip(res.responses or [], ref.responses or [])),
             "responses": len(ref.responses or []),
-            "replayed": (relative_difference(res.replayed_update, replayed)
-                         if res.replayed_update is not None and replayed is not None else None)}
+            "replayed": res.replayed_difference}
 
 
 def update_lines(rows: list[dict]) -> list[str]:

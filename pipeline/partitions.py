@@ -12,6 +12,8 @@ the whole GPU (``WorkerHost.on_stream`` asks for a partition only while the othe
 """
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +38,7 @@ class Partitions:
     streams: dict[int, dict[str, Any]]
     splits: tuple[tuple[int | None, int], ...] = AUTO_SPLITS
     current: int | None = None  # the decode SMs chosen at the last decode chunk's start
+    total_sms: int = 0  # the GPU's; a partition's matmuls target their share of it (sm_target)
 
     def choose(self, live_rows: int | None) -> int:
         """Called as a decode chunk starts. With one split (a fixed ``--decode-sms``) it is that one."""
@@ -49,6 +52,10 @@ class Partitions:
         if self.current is None:
             self.choose(None)
         return self.streams[self.current][name]
+
+    def decode_streams(self) -> list[tuple[Any, int]]:
+        """(decode stream, its SMs) of every split: a decode engine captures its graphs on each."""
+        return [(pair["decode"], pair.get("decode_sms", sms)) for sms, pair in self.streams.items()]
 
     def sms_of(self, name: str) -> int | None:
         """SMs of the named stream's partition in the current split (a trace records it per node)."""
@@ -82,7 +89,44 @@ def make(device_index: int, decode_sms: list[int] | None = None) -> Partitions |
                 pair[f"{name}_context"] = ctx  # keep the context alive as long as its stream
                 pair[f"{name}_sms"] = n
             streams[sms] = pair
-        return Partitions(streams)
+        return Partitions(streams, total_sms=total)
     except Exception as exc:  # noqa: BLE001 - a driver or build without green contexts: plain streams
         print(f"green contexts unavailable ({type(exc).__name__}: {exc}); plain streams")
         return None
+
+
+# cuBLAS sizes a matmul's grid for the whole GPU. On a green context with a third of the SMs, such a
+# kernel runs in several waves, and a stream-K kernel's CTAs may wait on CTAs that cannot be resident.
+# ROLLPLEX.md's probe therefore ran matmuls through cuBLASLt with an SM-count target. Both settings
+# are process-wide in torch, so they are counted: set while any partitioned node runs, restored after.
+_target_lock = threading.Lock()
+_target_users = 0
+_target_saved: tuple[Any, Any] | None = None
+
+
+@contextmanager
+def sm_target(sms: int | None, total: int):
+    """Matmuls launched in the body target ``sms`` of the GPU's ``total`` SMs (None: no change)."""
+    global _target_users, _target_saved
+    if not sms or sms >= total:
+        yield
+        return
+    import torch
+
+    with _target_lock:
+        if _target_users == 0:
+            _target_saved = (torch.backends.cuda.preferred_blas_library(), torch._C._get_sm_carveout_experimental())
+            if torch.cuda.is_available():  # a CPU build has no cuBLASLt to prefer
+                torch.backends.cuda.preferred_blas_library("cublaslt")
+        torch._C._set_sm_carveout_experimental(total - sms)
+        _target_users += 1
+    try:
+        yield
+    finally:
+        with _target_lock:
+            _target_users -= 1
+            if _target_users == 0 and _target_saved is not None:
+                library, carveout = _target_saved
+                if torch.cuda.is_available():
+                    torch.backends.cuda.preferred_blas_library(library)
+                torch._C._set_sm_carveout_experimental(carveout)

@@ -139,11 +139,13 @@ class WorkerHost:
         # decode chunk. A GPU stream runs on its partition while the other GPU stream is busy, and on
         # the whole GPU alone.
         self.partitions = None
+        self.sm_target = True  # a partition's matmuls target its SMs (partitions.sm_target)
         if spec.sm_partitions and self.device.type == "cuda" and self.streams:
             from rollplex.pipeline.partitions import make
 
-            self.partitions = make(self.device.index or 0)
+            self.use_partitions(make(self.device.index or 0))
         self._busy = {"decode": 0, "compute": 0}
+        self._stream_wait = threading.local()  # per stream thread: its last node's wait for the device
         # Prefix work joins the decode window only once decode is light (at most this many live
         # rows): heavy decode leaves little idle compute, and sharing SMs then slows it more than
         # the hidden prefix saves. 0 disables the gate.
@@ -234,6 +236,27 @@ class WorkerHost:
         while self._busy.get("decode") and live() > self.gate_rows:
             time.sleep(poll)
 
+    def use_partitions(self, partitions) -> None:
+        """Attach SM partitions (or None). The decode engine captures its graphs on every split's
+        stream now: a capture synchronizes the device and empties the allocator's cache, which in
+        the middle of a decode window would stall the compute stream."""
+        from rollplex.pipeline.partitions import sm_target
+
+        self.partitions = partitions
+        capture = getattr(self.decode, "capture_graphs", None)
+        if partitions is None or capture is None:
+            return
+        for stream, sms in partitions.decode_streams():
+            with sm_target(sms if self.sm_target else None, partitions.total_sms):
+                capture(stream)
+
+    def last_stream_wait(self) -> float | None:
+        """Seconds the calling stream thread's last node waited for its kernels (None off CUDA), then
+        forgotten, so a node without a stream does not report its predecessor's."""
+        waited = getattr(self._stream_wait, "seconds", None)
+        self._stream_wait.seconds = None
+        return waited
+
     def submit(self, stream: str, fn: Callable[..., Any], *args: Any) -> Future:
         """Run ``fn(*args)`` on the stream's own thread; a Future of its result."""
         return self._stream_threads[stream].submit(fn, *args)
@@ -265,10 +288,17 @@ class WorkerHost:
                     s = self.partitions.stream(stream)
                     sms = self.partitions.sms_of(stream)
             self._busy[stream] = self._busy.get(stream, 0) + 1
+        from rollplex.pipeline.partitions import sm_target
+
+        total = self.partitions.total_sms if self.partitions is not None else 0
         try:
-            with torch.cuda.stream(s):
+            # Decode replays graphs captured with their own target; compute's eager matmuls need one.
+            with torch.cuda.stream(s), sm_target(sms if stream == "compute" and self.sm_target else None, total):
                 yield sms
+            waited = time.time()
             s.synchronize()  # consumers on the other stream may read these outputs next
+            # A node's time splits into launching (host) and this wait for its queued kernels (device).
+            self._stream_wait.seconds = time.time() - waited
         finally:
             with self._lock:
                 self._busy[stream] -= 1
@@ -358,9 +388,12 @@ def execute_node(host: WorkerHost, node: Node, iteration: int, inputs: dict[str,
     except Exception as exc:  # FloatingPointError from a non-finite loss or gradient included
         raise NodeFailure(node.name, node.kind, exc) from exc
     end = time.time()
+    waited = host.last_stream_wait()
     host.record({"name": node.name, "cat": node.kind, "ph": "X", "ts": start * 1e6, "dur": (end - start) * 1e6,
                  "pid": host.name, "tid": node.stream, "args": {"model": node.model, "engine": node.engine,
-                                                                 **({"sms": sms} if sms else {})}})
+                                                                 **({"sms": sms} if sms else {}),
+                                                                 **({"device_wait_s": round(waited, 6)}
+                                                                    if waited is not None else {})}})
     return outputs
 
 

@@ -9,7 +9,7 @@ import pytest
 from rollplex.config import load_config
 from rollplex.engines.base import DecodeRequest, FinishedSequence
 from rollplex.engines.replay_decode import ReplayDecodeEngine
-from rollplex.errors import EngineError
+from rollplex.errors import EngineError, RollplexError
 from rollplex.pipeline.bench import BenchConfig, run
 from rollplex.pipeline.session import resolve_model_path
 
@@ -50,7 +50,8 @@ def test_bench_two_gpu_policies_on_cpu_match_serial(tmp_path):
     config = resolve_model_path(load_config(None, [])) + "/config.json"
     out = run(BenchConfig(model=config, device="cpu", dtype="float32", prompts=4, samples=2, vision_tokens=16,
                           text_tokens=8, max_new_tokens=8, mean_new_tokens=4, chunk_tokens=4, iterations=2,
-                          policies=("serial", "rollplex-nofusion", "disaggregated", "rollplex-dp2"),
+                          policies=("serial", "rollplex-nofusion", "disaggregated", "rollplex-dp2",
+                                    "rollplex-nofusion:gate=4"),
                           out=str(tmp_path)),
               log=lambda *a: None)
     rows = {r["policy"]: r for r in json.loads((tmp_path / "bench.json").read_text())["results"]}
@@ -63,11 +64,18 @@ def test_bench_two_gpu_policies_on_cpu_match_serial(tmp_path):
     # Two ranks sum their halves' gradients instead of accumulating all micro-batches in one order.
     assert updates["rollplex-dp2"]["replayed"] <= 1e-4
     assert any(line.startswith("rollplex-dp2 is") for line in out["speedups"])
+    # A variant (prefix work gated until at most 4 of the 8 rows decode) is its own row, compared with serial.
+    assert updates["rollplex-nofusion:gate=4"]["replayed"] <= 1e-6
+    assert any(line.startswith("rollplex-nofusion:gate=4 is") for line in out["speedups"])
 
 
-def test_bench_names_an_unknown_policy():
-    with pytest.raises(Exception, match="--policies: \\['fastest'\\] unknown"):
+def test_bench_names_an_unknown_policy_or_option():
+    with pytest.raises(RollplexError, match="--policies: 'fastest' unknown"):
         run(BenchConfig(device="cpu", policies=("fastest",)), log=lambda *a: None)
+    with pytest.raises(RollplexError, match="'rollplex:gates=4': option 'gates=4'"):
+        run(BenchConfig(device="cpu", policies=("rollplex:gates=4",)), log=lambda *a: None)
+    with pytest.raises(RollplexError, match="'serial:gate=4': options apply to the rollplex policies only"):
+        run(BenchConfig(device="cpu", policies=("serial:gate=4",)), log=lambda *a: None)
 
 
 def test_in_process_all_reduce_steps_every_rank_on_the_mean_gradient():

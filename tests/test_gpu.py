@@ -59,9 +59,9 @@ def test_cuda_graph_steps_equal_eager_steps(cuda, tiny_model_dir, dtype):
 
 
 def test_green_contexts_give_partition_streams_or_none(cuda):
-    from rollplex.pipeline.bench import BenchConfig, sm_partitions
+    from rollplex.pipeline.bench import sm_partitions
 
-    parts = sm_partitions(BenchConfig())  # decode_sms 0: one split per row of the live-batch table
+    parts = sm_partitions(0)  # decode_sms 0: one split per row of the live-batch table
     if parts is not None:
         total = torch.cuda.get_device_properties(0).multi_processor_count
         assert sorted(parts.streams) == [32, 64, 96]
@@ -122,3 +122,23 @@ def test_bench_two_gpu_policies_on_cuda(cuda, tiny_model_dir, tmp_path):
     rows = {r["policy"]: r for r in out["results"]}
     assert rows["rollplex-dp2"]["ranks_max_weight_difference"] <= 1e-6
     assert rows["disaggregated"]["seconds_by_kind"]["weight_sync"] > 0
+
+
+def test_partition_streams_get_every_graph_before_the_window(cuda, tiny_model_dir):
+    """``WorkerHost.use_partitions`` captures the decode step for every batch size on every split's
+    stream up front: a capture in the decode window would synchronize the device under the compute
+    stream."""
+    from rollplex.engines.base import EngineContext
+    from rollplex.engines.graph_decode import GraphDecodeEngine
+    from rollplex.pipeline.bench import sm_partitions
+
+    parts = sm_partitions(0)
+    if parts is None:
+        pytest.skip("no green contexts in this torch build or driver: nothing is partitioned")
+    engine = GraphDecodeEngine(EngineContext(str(tiny_model_dir), cuda, torch.float32, 0, {"max_num_seqs": 16}))
+    for stream, _ in parts.decode_streams():
+        engine.capture_graphs(stream)
+    assert len(engine._graphs) == len(engine.sizes) * len(parts.streams)
+    for stream, _ in parts.decode_streams():
+        engine.capture_graphs(stream)  # already there: nothing captured again
+    assert len(engine._graphs) == len(engine.sizes) * len(parts.streams)

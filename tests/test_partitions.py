@@ -86,3 +86,41 @@ def test_the_runtime_asks_for_partitions_under_the_rollplex_schedule_only(tmp_pa
     spec = dataclasses.replace(specs["rollplex"], ref_cache_bytes=0)
     host = WorkerHost(spec, name="cpu", engines={"actor": None, "ref": None}, decode=FakeDecode())
     assert host.streams == {} and host.partitions is None  # a CPU: plain threads, no partitions
+
+
+def test_a_partitioned_compute_node_targets_its_sms_and_the_setting_is_restored(monkeypatch):
+    """cuBLAS would size its matmuls for all 132 SMs; on a partition they target its share, and
+    the process-wide setting is back to none once no partitioned node runs."""
+    from rollplex.tasks import rewards
+
+    monkeypatch.setitem(rewards._REWARDS, "bench_parity", bench_reward)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    host = _host(BenchConfig(device="cpu"), None, None, FakeDecode(), "rollplex",
+                 {"decode": FakeStream("decode-whole"), "compute": FakeStream("compute-whole")})
+    host.partitions = dataclasses.replace(_fake_partitions([96]), total_sms=132)
+    host._busy["decode"] = 1
+    with host.on_stream("compute") as sms:
+        inside = torch._C._get_sm_carveout_experimental()
+    assert sms == 36 and inside == 132 - 36
+    assert torch._C._get_sm_carveout_experimental() is None
+    with host.on_stream("decode"):  # decode replays graphs captured with their own target
+        assert torch._C._get_sm_carveout_experimental() is None
+    host.sm_target = False
+    with host.on_stream("compute"):
+        assert torch._C._get_sm_carveout_experimental() is None
+
+
+def test_attaching_partitions_captures_decode_graphs_on_every_split_with_its_target(monkeypatch):
+    from rollplex.tasks import rewards
+
+    monkeypatch.setitem(rewards._REWARDS, "bench_parity", bench_reward)
+    captured = []
+
+    class CapturingDecode(FakeDecode):
+        def capture_graphs(self, stream) -> None:
+            captured.append((stream.name, torch._C._get_sm_carveout_experimental()))
+
+    host = _host(BenchConfig(device="cpu"), None, None, CapturingDecode(), "rollplex", {})
+    host.use_partitions(dataclasses.replace(_fake_partitions([32, 96]), total_sms=132))
+    assert captured == [("decode32", 100), ("decode96", 36)]
+    assert torch._C._get_sm_carveout_experimental() is None
