@@ -156,6 +156,11 @@ class _Batch:
         self.max_len = max_len
 
 
+def _prompt_key(req: DecodeRequest) -> tuple:
+    """Requests with equal keys have the same prompt: the same tokens and the same embedding tensors."""
+    return tuple(req.prompt_token_ids), id(req.image_embeds), id(req.video_embeds)
+
+
 class GraphDecodeEngine(DecodeEngine):
     """Options: max_num_seqs (rows), max_model_len (KV slots per row), graph_batch_sizes (captured;
     default powers of two up to max_num_seqs), cuda_graphs (default True on CUDA), compile (the
@@ -193,6 +198,7 @@ class GraphDecodeEngine(DecodeEngine):
         self._pending: list[DecodeRequest] = []
         self._live: list[_Row | None] = [None] * self.rows  # row slot -> what it decodes
         self._children: dict[str, list[FinishedSequence]] = {}
+        self._admitting = 0  # rows whose prefill runs now (live_rows counts them)
         self.steps_run = 0
 
     # -- the interface -----------------------------------------------------------------------------
@@ -254,7 +260,7 @@ class GraphDecodeEngine(DecodeEngine):
 
     def live_rows(self) -> int:
         """Rows decoding now (read without the lock: a scheduling hint, not bookkeeping)."""
-        return sum(r is not None for r in self._live) + sum(r.n for r in self._pending)
+        return sum(r is not None for r in self._live) + sum(r.n for r in self._pending) + self._admitting
 
     # -- admission: prefill queued prompts into free rows ----------------------------------------
     def _live_count(self) -> int:
@@ -272,34 +278,58 @@ class GraphDecodeEngine(DecodeEngine):
                 raise EngineError(f"engine 'torch-graph': a request needs {self._pending[0].n} rows; "
                                   f"max_num_seqs is {self.rows}")
             return
-        prompts = [PromptInputs(r.request_id, torch.tensor(r.prompt_token_ids, dtype=torch.long),
-                                image_grid_thw=None if r.image_grid_thw is None else r.image_grid_thw.reshape(-1, 3),
-                                video_grid_thw=None if r.video_grid_thw is None else r.video_grid_thw.reshape(-1, 3),
-                                second_per_grid_ts=r.second_per_grid_ts)
-                   for r in take]
-        visions = [VisionEmbeds(image=r.image_embeds, video=r.video_embeds) for r in take]
-        states = prefix_forward_batch(self.model, prompts, visions, grad=False)
-        b = self.batch
-        for req, state in zip(take, states):
-            stops = sorted(set(req.stop_token_ids) | set(self.eos_token_ids))[: b.stop.shape[1]]
-            for sample in range(req.n):
-                row = free.pop(0)
-                self._live[row] = _Row(req.request_id, sample, req.n, req)
+        self._admitting = sum(r.n for r in take)  # neither pending nor live while the prefill runs
+        try:
+            # Requests for the same prompt (per-sample caps split a group into n=1 requests) share
+            # one prefill, as vLLM's prefix cache would: the prompt is the same tokens and embeddings.
+            first: dict[tuple, int] = {}
+            unique: list[DecodeRequest] = []
+            for r in take:
+                if _prompt_key(r) not in first:
+                    first[_prompt_key(r)] = len(unique)
+                    unique.append(r)
+            prompts = [PromptInputs(r.request_id, torch.tensor(r.prompt_token_ids, dtype=torch.long),
+                                    image_grid_thw=None if r.image_grid_thw is None else r.image_grid_thw.reshape(-1, 3),
+                                    video_grid_thw=None if r.video_grid_thw is None else r.video_grid_thw.reshape(-1, 3),
+                                    second_per_grid_ts=r.second_per_grid_ts)
+                       for r in unique]
+            visions = [VisionEmbeds(image=r.image_embeds, video=r.video_embeds) for r in unique]
+            states = prefix_forward_batch(self.model, prompts, visions, grad=False)
+            rows_of: dict[int, list[int]] = {}
+            for req in take:
+                rows = [free.pop(0) for _ in range(req.n)]
+                u = first[_prompt_key(req)]
+                rows_of.setdefault(u, []).extend(rows)
+                self._fill_rows(req, rows, states[u])
+            b = self.batch
+            for u, rows in rows_of.items():  # one KV copy per prompt and layer, broadcast over its rows
+                state, index = states[u], torch.tensor(rows, device=self.device)
                 for layer, (k, v) in enumerate(state.kv):
-                    b.k[layer][row, :, : state.length] = k[0]
-                    b.v[layer][row, :, : state.length] = v[0]
-                b.logits[row] = state.last_logits
-                b.length[row] = state.length
-                b.rope_pos[row] = state.length + state.rope_delta
-                b.seed[row] = req.seed + sample
-                b.n_gen[row] = 0
-                b.max_new[row] = req.max_tokens
-                b.temp[row] = req.temperature
-                b.top_p[row] = req.top_p
-                b.done[row] = False
-                b.stop[row] = -1
-                b.stop[row, : len(stops)] = torch.tensor(stops, dtype=torch.long)
+                    b.k[layer][index, :, : state.length] = k
+                    b.v[layer][index, :, : state.length] = v
+        finally:
+            self._admitting = 0
         self._pack()
+
+    def _fill_rows(self, req: DecodeRequest, rows: list[int], state) -> None:
+        """Per-row state of a request's n samples (the KV is copied per prompt, in ``_admit``)."""
+        b = self.batch
+        stops = sorted(set(req.stop_token_ids) | set(self.eos_token_ids))[: b.stop.shape[1]]
+        index = torch.tensor(rows, device=self.device)
+        for sample, row in enumerate(rows):
+            self._live[row] = _Row(req.request_id, sample, req.n, req)
+        b.logits[index] = state.last_logits
+        b.length[index] = state.length
+        b.rope_pos[index] = state.length + state.rope_delta
+        b.seed[index] = torch.arange(req.seed, req.seed + req.n, device=self.device, dtype=b.seed.dtype)
+        b.n_gen[index] = 0
+        b.max_new[index] = req.max_tokens
+        b.temp[index] = req.temperature
+        b.top_p[index] = req.top_p
+        b.done[index] = False
+        stop = torch.full((b.stop.shape[1],), -1, dtype=torch.long)
+        stop[: len(stops)] = torch.tensor(stops, dtype=torch.long)
+        b.stop[index] = stop.to(self.device)
 
     def _pack(self) -> None:
         """Move the live rows to the front, so a small graph covers them all."""

@@ -321,3 +321,33 @@ def eager_layer_of(engine):
     from rollplex.engines.graph_decode import _decoder_layer
 
     return _decoder_layer
+
+
+def test_graph_engine_prefills_a_shared_prompt_once_and_counts_its_rows_meanwhile(graph_engine, prompts,
+                                                                                  monkeypatch):
+    """Per-sample requests of one prompt (as a per-sample length cap makes them) share one prefill,
+    like vLLM's prefix cache; while it runs, ``live_rows`` counts their rows (the scheduler's gate
+    reads it), and the samples are those of the one n-sample request."""
+    from rollplex.tasks import lm
+
+    p, vis, _ = prompts[0]
+    base = dict(prompt_token_ids=p.input_ids.tolist(), image_embeds=vis.image, image_grid_thw=p.image_grid_thw,
+                temperature=1.0)
+    seen = []
+    real = lm.prefix_forward_batch
+
+    def spy(model, batch, visions, *, grad):
+        seen.append((len(batch), graph_engine.live_rows()))
+        return real(model, batch, visions, grad=grad)
+
+    monkeypatch.setattr(lm, "prefix_forward_batch", spy)
+    singles = run(graph_engine, [DecodeRequest(f"s{i}", seed=5 + i, max_tokens=3 + i, **base) for i in range(4)])
+    assert seen == [(1, 4)]
+    monkeypatch.setattr(lm, "prefix_forward_batch", real)
+    graph_engine.add_requests([DecodeRequest("g", seed=5, n=4, max_tokens=6, **base)])
+    grouped = []
+    while graph_engine.has_unfinished():
+        grouped += graph_engine.step(2)
+    assert graph_engine.live_rows() == 0
+    for s in grouped:  # the same noise per (seed, token index): each single is its sample's start
+        assert singles[f"s{s.index}"].token_ids == s.token_ids[: 3 + s.index]
