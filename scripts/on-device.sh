@@ -29,9 +29,15 @@ if [[ ! -x "$bin/rollplex" ]]; then
   printf '#!/bin/sh\nexec %s -m rollplex.cli "$@"\n' "$bin/python3" > "$bin/rollplex" && chmod +x "$bin/rollplex"
 fi
 mkdir -p /tmp/rollplex-work && cd /tmp/rollplex-work
-# Paths in the command are relative to the repository root, as the caller wrote them.
+# Paths in the command are relative to the repository root, as the caller wrote them. Only words
+# that look like paths (a slash or a suffix) are mapped: `--profile rollplex` names a policy, not
+# the rollplex/ folder.
 args=("$1")
 for a in "${@:2}"; do
-  if [[ "$a" != /* && "$a" != -* && -e "$repo/$a" ]]; then args+=("$repo/$a"); else args+=("$a"); fi
+  if [[ "$a" != /* && "$a" != -* && ( "$a" == */* || "$a" == *.* ) && -e "$repo/$a" ]]; then
+    args+=("$repo/$a")
+  else
+    args+=("$a")
+  fi
 done
 exec "${args[@]}"
