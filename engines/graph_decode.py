@@ -199,6 +199,7 @@ class GraphDecodeEngine(DecodeEngine):
         self._live: list[_Row | None] = [None] * self.rows  # row slot -> what it decodes
         self._children: dict[str, list[FinishedSequence]] = {}
         self._admitting = 0  # rows whose prefill runs now (live_rows counts them)
+        self._pinned: dict[str, torch.Tensor] | None = None  # host buffers for finished rows (CUDA)
         self.steps_run = 0
 
     # -- the interface -----------------------------------------------------------------------------
@@ -431,14 +432,27 @@ class GraphDecodeEngine(DecodeEngine):
         return graph
 
     # -- finished rows ---------------------------------------------------------------------------------
+    def _read_rows(self) -> tuple[list, list, list, list]:
+        """done, n_gen, tokens and log-probs of every row, on the host. On CUDA they go to pinned
+        buffers by async copies and one wait on this stream: a pageable copy blocks inside the
+        driver, and the profile showed the compute thread's allocations waiting behind it."""
+        b = self.batch
+        names = ("done", "n_gen", "tokens", "logps")
+        if self.device.type != "cuda":
+            return tuple(getattr(b, n).cpu().tolist() for n in names)
+        if self._pinned is None:
+            self._pinned = {n: torch.empty_like(getattr(b, n), device="cpu").pin_memory() for n in names}
+        for n in names:
+            self._pinned[n].copy_(getattr(b, n), non_blocking=True)
+        torch.cuda.current_stream(self.device).synchronize()
+        return tuple(self._pinned[n].tolist() for n in names)
+
     def _collect(self) -> list[FinishedSequence]:
         b = self.batch
-        done = b.done.cpu().tolist()
+        done, n_gen, tokens, logps = self._read_rows()
         finished = [i for i, r in enumerate(self._live) if r is not None and done[i]]
         if not finished:
             return []
-        n_gen = b.n_gen.cpu().tolist()
-        tokens, logps = b.tokens.cpu().tolist(), b.logps.cpu().tolist()
         out = []
         for i in finished:
             row = self._live[i]

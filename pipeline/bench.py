@@ -276,7 +276,8 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
     start_state = {k: v.detach().clone() for k, v in actor.module.state_dict().items()}
     start_optim = copy.deepcopy(actor.optimizer.state_dict())
     log(f"bench: {cfg.model} ({sum(p.numel() for p in model.parameters()) / 1e9:.2f}B params, {cfg.dtype}) on "
-        f"{torch.cuda.get_device_name() if cfg.device == 'cuda' else 'cpu'}; built in {time.time() - t0:.1f}s")
+        f"{torch.cuda.get_device_name() if cfg.device == 'cuda' else 'cpu'}; built in {time.time() - t0:.1f}s"
+        + (f"; CUDA allocator {allocator_backend()} (PYTORCH_CUDA_ALLOC_CONF)" if cfg.device == "cuda" else ""))
     partitions: dict[tuple[str, int], Any] = {}  # (device, decode SMs or 0) -> pipeline.partitions.Partitions
     results: dict[str, PolicyResult] = {}
     recorder = Recorder(decode)  # serial's rollouts, replayed below so updates compare on one rollout
@@ -448,6 +449,13 @@ def record_iteration(cfg: BenchConfig, spec, actor, res: PolicyResult, result, d
     res.decode_bytes += (decode_steps * weights + kv_reads * spec.kv_bytes_per_token(2)) / timed
 
 
+def allocator_backend() -> str:
+    """"native" (the caching allocator: blocks cached per stream) or "cudaMallocAsync" (one
+    stream-ordered pool for every stream). Chosen by PYTORCH_CUDA_ALLOC_CONF=backend:... before
+    torch loads, so the bench records it rather than sets it."""
+    return torch.cuda.get_allocator_backend()
+
+
 def sm_partitions(decode_sms: int, device_index: int = 0):
     """Green-context streams for decode and compute while both run (pipeline/partitions.py): the one
     split ``decode_sms`` names, or with 0 one per row of the live-batch table, re-chosen per chunk."""
@@ -513,6 +521,7 @@ def report(cfg, spec, results: dict[str, PolicyResult], out_dir: Path, log) -> d
                "speedups": ratios,
                "update_checks": checks,
                "device": torch.cuda.get_device_name() if cfg.device == "cuda" else "cpu",
+               "cuda_allocator": allocator_backend() if cfg.device == "cuda" else None,
                "date": time.strftime("%Y-%m-%d")}
     atomic_write_text(out_dir / "bench.json", json.dumps(summary, indent=1, default=str))
     _plot(results, out_dir)
