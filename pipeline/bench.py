@@ -87,7 +87,7 @@ class BenchConfig:
     dtype: str = "bfloat16"
     layers: int | None = None  # override the preset's depth (smoke tests on small machines)
     prompts_per_node: int = 1  # prompts per vit/prefix/suffix node: batched forwards (ViT batching)
-    stage_fusion: bool = True  # rollplex: the reference scores the groups each decode chunk finished
+    stage_fusion: bool = True  # rollplex: the reference scores the samples each decode chunk finished
     train_fusion: bool = False  # rollplex: and the policy trains on them (compiler.train_fusable)
     second_device: str = ""  # the two-GPU policies' other device; default cuda:1 (cpu: cpu, for tests)
     compile_decode: bool = False  # the decode engine's layer through torch.compile (compiled in warm-up)

@@ -192,7 +192,8 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
             **{f"vis_p{p}": dev(shape.vision_tokens * dims.hidden * dims.dtype_bytes, "embeddings") for p in ps})
 
     # Decode: chunk 0 prefills every prompt from its vision embeddings; each chunk advances ≤ K tokens.
-    # With stage fusion each chunk also hands on the groups that finished in it (``handoff_c``).
+    # With stage fusion each chunk also hands on the groups that finished in it (``handoff_c``) and
+    # the single samples (``finished_c``): a frozen model scores a sample without its group.
     state = None
     for c in range(shape.chunks):
         last = c == shape.chunks - 1
@@ -203,9 +204,10 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
             outputs += [f"responses_p{p}" for p in range(P)] + ["rollout_stats"]
             info.update({f"responses_p{p}": host(resp_tokens * 12, "sequences") for p in range(P)})
             info["rollout_stats"] = host(64, "scalars")
-        if shape.fused:
-            outputs.append(f"handoff_c{c}")
+        if shape.fused:  # the groups it finished (for training) and the samples (for frozen scores)
+            outputs += [f"handoff_c{c}", f"finished_c{c}"]
             info[f"handoff_c{c}"] = host(P * resp_tokens * 12 / shape.chunks, "sequences")
+            info[f"finished_c{c}"] = host(P * resp_tokens * 12 / shape.chunks, "sequences")
         add(f"decode_c{c}", "decode_chunk", inputs, outputs, model=policy,
             args={"chunk": c, "chunks": shape.chunks, "tokens": K}, **info)
         state = f"decode_state_c{c}"
@@ -260,18 +262,19 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
                 grad_nodes.setdefault(("suffix", s.as_), []).append(f"suffix_{s.as_}_{span(ps)}")
 
         if fused(s):
-            # Stage fusion: after each decode chunk, the groups it finished are scored on the compute
+            # Stage fusion: after each decode chunk, the samples it finished are scored on the compute
             # stream while decode goes on; a join hands each prompt's scores on under its usual name.
             kvs = [f"prefix_{s.model}_p{p}" for p in range(P)]
             chunk_outs = [f"{s.as_}_c{c}" for c in range(shape.chunks)]
             for c, out in enumerate(chunk_outs):
-                add(f"suffix_{s.as_}_c{c}", "suffix_score", kvs + [f"handoff_c{c}"], [out], model=s.model, role=role,
+                add(f"suffix_{s.as_}_c{c}", "suffix_score", kvs + [f"finished_c{c}"], [out], model=s.model, role=role,
                     args={"prompts": list(range(P)), "as": s.as_, "grad": False,
                           "head": alg.models[s.model].head, "handoff_chunk": c,
                           "prompts_per_batch": shape.prompts_per_node},
                     **{out: dev(logprob_bytes * P / shape.chunks, "logprobs")})
             add(f"join_{s.as_}", "join", chunk_outs, [f"{s.as_}_p{p}" for p in range(P)],
-                args={"prompts": list(range(P))}, **{f"{s.as_}_p{p}": dev(logprob_bytes, "logprobs") for p in range(P)})
+                args={"prompts": list(range(P)), "samples": G},
+                **{f"{s.as_}_p{p}": dev(logprob_bytes, "logprobs") for p in range(P)})
 
     if train_fused:
         return _compile_train_fusion(g, alg, shape, add, host, dev, logprob_bytes)
@@ -395,8 +398,9 @@ def _compile_train_fusion(g: IterationGraph, alg: Algorithm, shape: BatchShape, 
     losses = []
     for c in range(shape.chunks):
         outs = [f"{name}_c{c}" for name in per_chunk] + [loss_name(policy, policy, c)]
+        # A group's samples were scored by the frozen models in this chunk or earlier ones.
         inputs = ([f"prompt_p{p}" for p in range(P)] + [f"prefix_{policy}_p{p}" for p in range(P)]
-                  + [f"{s.as_}_c{c}" for s in frozen] + [f"handoff_c{c}"])
+                  + [f"{s.as_}_c{k}" for s in frozen for k in range(c + 1)] + [f"handoff_c{c}"])
         add(f"train_c{c}", "loss", inputs, outs, model=policy,
             args={"prompts": list(range(P)), "handoff_chunk": c, "as": score.as_,
                   "frozen": [s.as_ for s in frozen], "agg": alg.loss_fn.options["agg"]},

@@ -14,7 +14,17 @@ from __future__ import annotations
 import torch
 
 from rollplex.tasks import lm
-from rollplex.tasks.nodes import count_of, group_advantages, group_rewards, loss_metrics, summed_loss
+from rollplex.tasks.nodes import count_of, group_advantages, group_rewards, join_samples, loss_metrics, \
+    summed_loss
+
+
+def frozen_scores(inputs: dict, name: str, p: int, chunk: int, width: int) -> torch.Tensor:
+    """Group p's [G, width] scores of a frozen model: its samples were scored one chunk at a time
+    (``{name}_c{k}`` for every chunk k up to this one)."""
+    rows: dict[int, torch.Tensor] = {}
+    for k in range(chunk + 1):
+        rows.update(inputs[f"{name}_c{k}"].get(p, {}))
+    return join_samples(rows, width)
 
 
 def train_handoff(ctx, node, inputs) -> dict:
@@ -36,7 +46,7 @@ def train_handoff(ctx, node, inputs) -> dict:
                                                      temperature=s.score_temperature, grad=True)
         values = {"responses": [responses], "rewards": rewards, "advantages": adv, "mask": mask,
                   as_: logprobs, f"old_{as_}": logprobs.detach(),
-                  **{name: inputs[f"{name}_c{c}"][p] for name in node.args["frozen"]}}
+                  **{name: frozen_scores(inputs, name, p, c, mask.shape[-1]) for name in node.args["frozen"]}}
         values = {k: v.to(engine.device) if torch.is_tensor(v) else v for k, v in values.items()}
         mask = values["mask"]
         result = decl.call(values, ctx.params)

@@ -116,29 +116,48 @@ def decode_chunk(ctx, node, inputs):
         finished: dict[tuple[str, int], FinishedSequence] = {}
         expected = sum(r.n for r in requests)
         handed: frozenset[int] = frozenset()
+        handed_samples: frozenset[tuple[str, int]] = frozenset()
     else:
         previous = inputs[node.inputs[0]]
         finished, expected = dict(previous["finished"]), previous["expected"]
         handed = previous.get("handed", frozenset())
+        handed_samples = previous.get("handed_samples", frozenset())
     for seq in engine.step(node.args["tokens"]):
         finished[_sample_key(seq)] = seq
     num_prompts = expected // s.samples
     # A rank's decode (pipeline/ranks.py) holds a slice of the batch: outputs by position, and the
     # prompts' global indices from args.
     index = node.args.get("prompts", range(num_prompts))
-    fused = node.outputs[-1] == f"handoff_c{chunk}"
+    groups_out, samples_out = f"handoff_c{chunk}", f"finished_c{chunk}"
+    fused = groups_out in node.outputs
 
     def group(p: int) -> Responses | None:
         keys = [(request_id(ctx.iteration, index[p]), g) for g in range(s.samples)]
         return Responses(index[p], [finished[k] for k in keys]) if all(k in finished for k in keys) else None
+
+    def new_samples() -> dict[int, dict[int, FinishedSequence]]:
+        """{prompt: {sample: sequence}} finished since the last chunk (each handed on exactly once):
+        frozen models score single samples, which need no group."""
+        by_prompt: dict[int, dict[int, FinishedSequence]] = {}
+        for p in range(num_prompts):
+            for g in range(s.samples):
+                key = (request_id(ctx.iteration, index[p]), g)
+                if key in finished and key not in handed_samples:
+                    by_prompt.setdefault(index[p], {})[g] = finished[key]
+        return by_prompt
 
     out: dict[str, Any] = {}
     if chunk < chunks - 1:
         if fused:  # stage fusion: groups whose every sample finished in this chunk go on now
             done = {p: r for p in range(num_prompts) if p not in handed and (r := group(p)) is not None}
             handed = handed | done.keys()
-            out[node.outputs[1]] = {index[p]: r for p, r in done.items()}
-        out[node.outputs[0]] = {"finished": finished, "expected": expected, "handed": handed}
+            out[groups_out] = {index[p]: r for p, r in done.items()}
+        if samples_out in node.outputs:
+            out[samples_out] = new_samples()
+            handed_samples = handed_samples | {(request_id(ctx.iteration, p), g)
+                                               for p, gs in out[samples_out].items() for g in gs}
+        out[node.outputs[0]] = {"finished": finished, "expected": expected, "handed": handed,
+                                "handed_samples": handed_samples}
         return out
     while len(finished) < expected and engine.has_unfinished():  # max_tokens bounds this loop
         for seq in engine.step(node.args["tokens"]):
@@ -153,7 +172,9 @@ def decode_chunk(ctx, node, inputs):
     out[node.outputs[num_prompts]] = {"tokens": sum(lengths), "sequences": len(lengths),
                                       "max_len": max(lengths, default=0)}
     if fused:
-        out[node.outputs[-1]] = {index[p]: out[node.outputs[p]] for p in range(num_prompts) if p not in handed}
+        out[groups_out] = {index[p]: out[node.outputs[p]] for p in range(num_prompts) if p not in handed}
+    if samples_out in node.outputs:
+        out[samples_out] = new_samples()
     return out
 
 
@@ -162,19 +183,21 @@ def suffix_score(ctx, node, inputs):
     model = ctx.model(node.model)
     grad = bool(node.args["grad"])
     s = ctx.settings
-    if "handoff_chunk" in node.args:  # stage fusion: the groups one decode chunk finished
-        handoff = inputs[node.inputs[-1]]
+    if "handoff_chunk" in node.args:  # stage fusion: the samples one decode chunk finished
+        handoff = inputs[node.inputs[-1]]  # {prompt: {sample: FinishedSequence}}
         kv_of = dict(zip(node.args["prompts"], node.inputs[:-1]))
-        ready, per_batch = sorted(handoff), node.args.get("prompts_per_batch", 1)
-        scored = {}
-        # Batches of the size the unfused nodes use: one prompt per forward on a GPU gives the very
-        # bits the serial schedule computes (padding to another batch's longest response would not).
+        ready, per_batch = sorted(p for p in handoff if handoff[p]), node.args.get("prompts_per_batch", 1)
+        scored: dict[int, dict[int, torch.Tensor]] = {}
+        # One forward per batch of prompts, each with the samples it has finished so far; a sample's
+        # row is cut to its own length (join_samples pads the group back together).
         for i in range(0, len(ready), per_batch):
             batch = ready[i:i + per_batch]
+            samples = [sorted(handoff[p]) for p in batch]
             logprobs = lm.suffix_logprobs_batch(model, [inputs[kv_of[p]] for p in batch],
-                                                [handoff[p].token_ids for p in batch], pad_id=s.pad_id,
-                                                temperature=s.score_temperature, grad=False)
-            scored.update({p: lp.detach() for p, (lp, _) in zip(batch, logprobs)})
+                                                [[handoff[p][g].token_ids for g in gs] for p, gs in zip(batch, samples)],
+                                                pad_id=s.pad_id, temperature=s.score_temperature, grad=False)
+            for p, gs, (lp, _) in zip(batch, samples, logprobs):
+                scored[p] = {g: lp[row, : len(handoff[p][g].token_ids)].detach() for row, g in enumerate(gs)}
         return {node.outputs[0]: scored}
     n = len(node.args["prompts"])
     responses = [inputs[v].token_ids for v in node.inputs[-n:]]
@@ -202,14 +225,32 @@ def suffix_score(ctx, node, inputs):
 
 @register_task("join")
 def join(ctx, node, inputs):
-    """Per-chunk scores (stage fusion) under the per-prompt names the rest of the graph reads."""
+    """Per-chunk values (stage and train fusion) under the per-prompt names the rest of the graph
+    reads. With ``samples``, each chunk scored single samples: a prompt's rows come together into
+    one [G, R] tensor, as an unfused node would have made it."""
+    samples = node.args.get("samples")
     merged: dict[int, Any] = {}
     for v in node.inputs:
-        merged.update(inputs[v])
-    missing = [p for p in node.args["prompts"] if p not in merged]
+        if samples is None:
+            merged.update(inputs[v])
+            continue
+        for p, rows in inputs[v].items():
+            merged.setdefault(p, {}).update(rows)
+    missing = [p for p in node.args["prompts"]
+               if p not in merged or (samples is not None and len(merged[p]) != samples)]
     if missing:
-        raise RuntimeError(f"%{node.name}: no chunk scored prompts {missing}")
+        raise RuntimeError(f"%{node.name}: no chunk scored prompts {missing}" if samples is None else
+                           f"%{node.name}: prompts {missing} lack some of their {samples} samples' scores")
+    if samples is not None:
+        merged = {p: join_samples(rows) for p, rows in merged.items()}
     return {out: merged[p] for p, out in zip(node.args["prompts"], node.outputs)}
+
+
+def join_samples(rows: dict[int, torch.Tensor], width: int | None = None) -> torch.Tensor:
+    """{sample: [len]} -> [G, width] in sample order, right-padded with zeros (masked positions)."""
+    ordered = [rows[g] for g in sorted(rows)]
+    width = width if width is not None else max(1, max(len(r) for r in ordered))
+    return torch.stack([torch.nn.functional.pad(r, (0, width - len(r))) for r in ordered])
 
 
 @register_task("reward")

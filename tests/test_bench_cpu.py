@@ -25,7 +25,11 @@ def test_bench_runs_every_policy_and_replayed_updates_agree(tmp_path):
     assert all(r["median_s"] > 0 and r["seconds_by_kind"]["decode_chunk"] > 0 for r in saved["results"])
     updates = {u["policy"]: u for u in out["updates"]}
     assert updates["serial"]["replayed"] == 0.0  # replaying serial's rollout reproduces its update exactly
-    assert updates["rollplex"]["replayed"] <= 1e-6  # same rollout, other schedule: the same update
+    # Same rollout, other schedule. Stage fusion scores the reference per finished sample, so its
+    # batches differ from serial's and fp32 rounds differently; Adam's first step (lr·g/(|g|+ε))
+    # turns that into ~1e-3 on near-zero gradients. A real fault is O(1): scoring the samples in
+    # reverse order gives 1.1 on this workload.
+    assert updates["rollplex"]["replayed"] <= 1e-2
     assert updates["serial-noshare"]["replayed"] <= 1e-3  # full-sequence scoring: fp32 rounding only
     assert (tmp_path / "bench.png").exists() and (tmp_path / "trace_rollplex.json").exists()
     profiled = (tmp_path / "profile_rollplex.txt").read_text()  # operators of the stream threads, per kind

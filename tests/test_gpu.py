@@ -112,7 +112,7 @@ def test_bench_on_cuda_replays_serial_rollout_under_every_policy(cuda, tiny_mode
     out = _tiny_bench(tiny_model_dir, tmp_path, ("serial", "rollplex-nofusion", "rollplex"), train_fusion=True)
     updates = {u["policy"]: u for u in out["updates"]}
     assert updates["serial"]["replayed"] is not None, "serial's rollout was not recorded on CUDA"
-    assert updates["rollplex-nofusion"]["replayed"] <= 1e-4 and updates["rollplex"]["replayed"] <= 1e-3
+    assert updates["rollplex-nofusion"]["replayed"] <= 1e-4 and updates["rollplex"]["replayed"] <= 1e-2
 
 
 def test_bench_two_gpu_policies_on_cuda(cuda, tiny_model_dir, tmp_path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from rollplex.dags.grpo import grpo
 from rollplex.engines.base import FinishedSequence
@@ -74,6 +75,8 @@ class _Engine:
 
 
 def test_a_group_is_handed_on_by_the_chunk_that_finished_its_last_sample_exactly_once():
+    """Groups go to training when their last sample finishes; single samples go to the frozen
+    models' scoring as soon as each finishes. Each is handed on exactly once."""
     g = _graph(stage_fusion=True)
     lengths = [[2, 3], [2, 9], [5, 12], [1, 1]]  # chunks of 4 tokens: p0, p3 → c0; p1 → c2; p2 → c2
     settings = IterationSettings(seed=0, samples=2, max_new_tokens=12, temperature=1.0, top_p=1.0, pad_id=0,
@@ -83,18 +86,25 @@ def test_a_group_is_handed_on_by_the_chunk_that_finished_its_last_sample_exactly
                              prompt_id="x", video_grid_thw=None, second_per_grid_ts=None)
     vis = SimpleNamespace(image=None, video=None)
     inputs = {f"prompt_p{p}": prompt for p in range(4)} | {f"vis_p{p}": vis for p in range(4)}
-    handed = {}
+    handed, samples = {}, {}
     for c in range(3):
         node = g.nodes[f"decode_c{c}"]
         out = decode_chunk(ctx, node, inputs)
         handed[c] = sorted(out[f"handoff_c{c}"])
+        samples[c] = {p: sorted(gs) for p, gs in out[f"finished_c{c}"].items()}
         inputs = out
     assert handed == {0: [0, 3], 1: [], 2: [1, 2]}
+    assert samples == {0: {0: [0, 1], 1: [0], 3: [0, 1]}, 1: {2: [0]}, 2: {1: [1], 2: [1]}}
     assert [len(t) for t in out["responses_p2"].token_ids] == [5, 12]
     assert request_id(0, 1) == "it0-p1"
-    merged = join(None, g.nodes["join_ref_logprobs"],
-                  {"ref_logprobs_c0": {0: "a", 3: "d"}, "ref_logprobs_c1": {}, "ref_logprobs_c2": {1: "b", 2: "c"}})
-    assert merged == {"ref_logprobs_p0": "a", "ref_logprobs_p1": "b", "ref_logprobs_p2": "c", "ref_logprobs_p3": "d"}
-    with pytest.raises(RuntimeError, match="no chunk scored prompts \\[1, 2\\]"):
-        join(None, g.nodes["join_ref_logprobs"], {"ref_logprobs_c0": {0: "a", 3: "d"}, "ref_logprobs_c1": {},
-                                                  "ref_logprobs_c2": {}})
+    row = lambda n, x: torch.full((n,), float(x))  # noqa: E731
+    chunks = {"ref_logprobs_c0": {0: {0: row(2, 1), 1: row(3, 2)}, 1: {0: row(2, 3)}, 3: {0: row(1, 4), 1: row(1, 5)}},
+              "ref_logprobs_c1": {2: {0: row(5, 6)}},
+              "ref_logprobs_c2": {1: {1: row(9, 7)}, 2: {1: row(12, 8)}}}
+    merged = join(None, g.nodes["join_ref_logprobs"], chunks)
+    assert merged["ref_logprobs_p1"].shape == (2, 9)  # a group's rows padded to its longest, as unfused
+    assert merged["ref_logprobs_p1"][0].tolist() == [3.0] * 2 + [0.0] * 7
+    assert merged["ref_logprobs_p1"][1].tolist() == [7.0] * 9
+    del chunks["ref_logprobs_c2"][2]
+    with pytest.raises(RuntimeError, match="prompts \\[2\\] lack some of their 2 samples' scores"):
+        join(None, g.nodes["join_ref_logprobs"], chunks)

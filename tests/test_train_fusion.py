@@ -73,7 +73,9 @@ def test_the_fused_update_equals_the_serial_one_on_the_same_rollout(tmp_path):
                           train_fusion=True, policies=("serial", "rollplex"), out=str(tmp_path)), log=lambda *a: None)
     rollplex = {u["policy"]: u for u in out["updates"]}["rollplex"]
     assert rollplex["identical_responses"] == rollplex["responses"]
-    assert 0 < rollplex["replayed"] <= 1e-4  # summed in chunk order and scaled once: rounding, not zero
+    # Summed in chunk order, scaled once, reference scored per sample: rounding, not zero (Adam's
+    # first step amplifies it; a real fault is O(1), see test_bench_cpu).
+    assert 0 < rollplex["replayed"] <= 1e-2
     kinds = {r["policy"]: r["seconds_by_kind"] for r in out["results"]}
     assert "reward" not in kinds["rollplex"] and "reward" in kinds["serial"]  # rewards inside train_c
 
