@@ -38,13 +38,17 @@ def _config_from(args, base: Path | None = None) -> "object":
 
 
 def cmd_train(args) -> int:
-    from rollplex.pipeline.runner import train
+    from rollplex.runtime import request_cuda_allocator
 
     cfg = _config_from(args)
     out = Path(args.out or f"runs/{cfg.algorithm.replace('/', '_').removesuffix('.py')}-seed{cfg.seed}")
     saved = out / "config.yaml"
     if args.resume and saved.is_file() and not (args.config or "").endswith((".yaml", ".yml")):
         cfg = _config_from(args, base=saved)  # continue the run as configured; flags and --set still apply
+    request_cuda_allocator(cfg.cluster.cuda_allocator)  # before torch loads, here and in the workers
+
+    from rollplex.pipeline.runner import train
+
     summary = train(cfg, out, resume=args.resume, progress=not args.no_progress)
     print(f"done: {summary.iterations} iterations, mean reward of the last 10 {summary.final_reward:.3f}, "
           f"{summary.seconds_per_iteration:.3f} s/iteration → {summary.run_dir}")
@@ -66,6 +70,9 @@ def cmd_graph(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    from rollplex.runtime import request_cuda_allocator
+
+    request_cuda_allocator(args.cuda_allocator, "--cuda-allocator")  # before the bench loads torch
     from rollplex.pipeline.bench import POLICIES, BenchConfig, parse_policy, run
 
     policies = tuple(args.policies.split(",")) if args.policies else POLICIES
@@ -157,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the decode engine's layer through torch.compile (compiled during the warm-up iteration)")
     b.add_argument("--profile", metavar="POLICIES", help="run these policies once more under torch.profiler "
                                                           "(untimed) and write profile_<policy>.txt")
+    b.add_argument("--cuda-allocator", default="native", choices=("native", "async"),
+                   help="native: torch's caching allocator (blocks cached per stream); async: cudaMallocAsync, "
+                        "one stream-ordered pool that every stream and SM partition shares")
     b.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     b.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     b.add_argument("--layers", type=int, help="override the preset's depth (smoke runs)")

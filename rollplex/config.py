@@ -129,6 +129,9 @@ class ClusterConfig:
     sm_partitions: bool = f(True, doc="rollplex schedule on CUDA: while decode and compute-stream work run "
                             "together each gets its own SMs (green contexts), the split re-chosen per decode "
                             "chunk from the live batch; false: plain streams")
+    cuda_allocator: str = f("native", choices=("native", "async"), doc="CUDA memory: native (torch's caching "
+                            "allocator, blocks cached per stream) or async (cudaMallocAsync, one stream-ordered "
+                            "pool for every stream); chosen before torch loads, through PYTORCH_CUDA_ALLOC_CONF")
     memory_plan: bool = f(False, doc="plan residency so each device fits memory_budget_gib: what the engines "
                           "can move (optimizer state, frozen weights, device values) leaves between its uses")
     tls_ca_file: str | None = f(None, doc="CA bundle for TLS to a tls:// scheduler (with tls_cert and tls_key)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import warnings
 from pathlib import Path
 
@@ -46,3 +47,29 @@ def quiet() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
     for category in (FutureWarning, DeprecationWarning, UserWarning):
         warnings.filterwarnings("ignore", category=category, module=r"(vllm|torch|deepspeed|transformers)\b")
+
+
+ALLOCATOR_BACKENDS = {"native": "native", "async": "cudaMallocAsync"}
+
+
+def request_cuda_allocator(choice: str, field: str = "cluster.cuda_allocator") -> None:
+    """Ask for torch's CUDA allocator backend. torch reads PYTORCH_CUDA_ALLOC_CONF's backend once, as
+    it loads, so "async" is set here for this process (before torch loads) and the workers it starts;
+    once torch is loaded with another backend it cannot be honoured, and that is an error. "native"
+    changes nothing: a backend the user's environment names still wins."""
+    from rollplex.errors import ConfigError
+
+    if choice not in ALLOCATOR_BACKENDS:
+        raise ConfigError(f"{field}: {choice!r} is not one of {', '.join(ALLOCATOR_BACKENDS)}")
+    if choice == "native":
+        return
+    if "torch" not in sys.modules:
+        kept = [e for e in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").split(",") if e and not e.startswith("backend:")]
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(["backend:cudaMallocAsync", *kept])
+        return
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.get_allocator_backend() != ALLOCATOR_BACKENDS[choice]:
+        raise ConfigError(f"{field}: {choice!r} asks for the {ALLOCATOR_BACKENDS[choice]} allocator, but torch "
+                          f"loaded with {torch.cuda.get_allocator_backend()!r}; set it before torch loads "
+                          f"(the rollplex command does), or PYTORCH_CUDA_ALLOC_CONF")

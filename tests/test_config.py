@@ -3,6 +3,7 @@ trip, and fuzzing that nothing but ConfigError ever escapes. CPU only."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import math
 import tempfile
 from pathlib import Path
@@ -332,3 +333,26 @@ def test_random_yaml_documents_raise_only_config_error(doc, overrides):
 def test_random_yaml_text_raises_only_config_error(text):
     with tempfile.TemporaryDirectory() as tmp:
         only_config_errors(load_config, write(Path(tmp), text))
+
+
+def test_the_async_cuda_allocator_is_asked_for_before_torch_loads():
+    """torch reads the allocator backend once, as it loads: the CLI sets it first, in a process
+    that has not imported torch (here: a child), and keeps the user's other allocator settings."""
+    import subprocess
+    import sys
+
+    code = ("import os, sys; from rollplex.runtime import request_cuda_allocator; "
+            "request_cuda_allocator('async'); assert 'torch' not in sys.modules; "
+            "print(os.environ['PYTORCH_CUDA_ALLOC_CONF'])")
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "backend:native,expandable_segments:True"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "backend:cudaMallocAsync,expandable_segments:True"
+
+
+def test_an_unknown_cuda_allocator_is_named():
+    from rollplex.runtime import request_cuda_allocator
+
+    with pytest.raises(ConfigError, match="cluster.cuda_allocator: 'fast' is not one of native, async"):
+        request_cuda_allocator("fast")
+    with pytest.raises(ConfigError, match="cluster.cuda_allocator"):
+        load_config(None, ["cluster.cuda_allocator=fast"])
