@@ -15,6 +15,8 @@ vLLM's (``DecodeEngine``). HF's eager decode is bound by kernel launches (tens o
   distribution.
 - Graphs are captured for a few batch sizes. When rows finish, the live ones are packed to the front
   and the next step replays the smallest graph that holds them, so the long tail runs small graphs.
+- A request's samples are handed on one by one as each finishes (vLLM hands on a request whole),
+  so stage fusion scores each sample in the decode window.
 On CPU (and wherever CUDA graphs are off) the same step runs eagerly: CI tests this path.
 """
 from __future__ import annotations
@@ -197,7 +199,7 @@ class GraphDecodeEngine(DecodeEngine):
         self._lock = threading.Lock()
         self._pending: list[DecodeRequest] = []
         self._live: list[_Row | None] = [None] * self.rows  # row slot -> what it decodes
-        self._children: dict[str, list[FinishedSequence]] = {}
+        self._children: dict[str, int] = {}  # live request id -> samples handed on so far
         self._admitting = 0  # rows whose prefill runs now (live_rows counts them)
         self._pinned: dict[str, torch.Tensor] | None = None  # host buffers for finished rows (CUDA)
         self.steps_run = 0
@@ -211,7 +213,7 @@ class GraphDecodeEngine(DecodeEngine):
                 if len(req.prompt_token_ids) + req.max_tokens > self.max_len:
                     raise EngineError(f"request {req.request_id}: prompt {len(req.prompt_token_ids)} + max_tokens "
                                       f"{req.max_tokens} exceeds max_model_len {self.max_len}")
-                self._children[req.request_id] = []
+                self._children[req.request_id] = 0
                 self._pending.append(req)
 
     def has_unfinished(self) -> bool:
@@ -461,10 +463,12 @@ class GraphDecodeEngine(DecodeEngine):
             ids = tokens[i][:count]
             stop = set(row.request.stop_token_ids) | set(self.eos_token_ids)
             reason = "stop" if ids and ids[-1] in stop else "length"
-            seqs = self._children[row.parent]
-            seqs.append(FinishedSequence(row.parent, ids, logps[i][:count], reason, index=row.sample))
-            if len(seqs) == row.n:
-                out.extend(sorted(self._children.pop(row.parent), key=lambda f: f.index))
+            # Each sample goes on as it finishes (a frozen model can score it in the decode window);
+            # the request's id stays taken until its last sample is out.
+            out.append(FinishedSequence(row.parent, ids, logps[i][:count], reason, index=row.sample))
+            self._children[row.parent] += 1
+            if self._children[row.parent] == row.n:
+                del self._children[row.parent]
         self._pack()
         return out
 

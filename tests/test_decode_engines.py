@@ -267,7 +267,8 @@ def test_vllm_greedy_matches_torch_engine(vllm_engine, torch_engine, prompts):
 
 
 def test_n_samples_equal_n_single_requests_seeded_seed_plus_i(engine, prompts):
-    """A request with n samples is n requests with seeds seed..seed+n-1, handed on together."""
+    """A request with n samples is n requests with seeds seed..seed+n-1 (vLLM hands them on together,
+    torch-graph each as it finishes)."""
     p, vis, _ = prompts[0]
     base = dict(prompt_token_ids=p.input_ids.tolist(), image_embeds=vis.image, image_grid_thw=p.image_grid_thw,
                 max_tokens=6, temperature=1.0)
@@ -275,7 +276,7 @@ def test_n_samples_equal_n_single_requests_seeded_seed_plus_i(engine, prompts):
     grouped = []
     while engine.has_unfinished():
         grouped += engine.step(2)
-    assert [s.index for s in grouped] == [0, 1, 2, 3] and {s.request_id for s in grouped} == {"group"}
+    assert sorted(s.index for s in grouped) == [0, 1, 2, 3] and {s.request_id for s in grouped} == {"group"}
     singles = run(engine, [DecodeRequest(f"single{i}", seed=77 + i, **base) for i in range(4)])
     for s in grouped:
         assert s.token_ids == singles[f"single{s.index}"].token_ids
@@ -351,3 +352,20 @@ def test_graph_engine_prefills_a_shared_prompt_once_and_counts_its_rows_meanwhil
     assert graph_engine.live_rows() == 0
     for s in grouped:  # the same noise per (seed, token index): each single is its sample's start
         assert singles[f"s{s.index}"].token_ids == s.token_ids[: 3 + s.index]
+
+
+def test_graph_engine_hands_each_sample_on_as_it_finishes(graph_engine, prompts):
+    """An 8-sample request whose samples stop at different lengths comes back a sample at a time,
+    each on the step that produced its last token, so the reference can score the first ones while
+    the rest decode."""
+    p, vis, _ = prompts[0]
+    graph_engine.add_requests([DecodeRequest("g", p.input_ids.tolist(), vis.image, p.image_grid_thw, max_tokens=12,
+                                             seed=3, temperature=1.0, n=8, stop_token_ids=(203, 79, 104, 183))])
+    handed_at, step = {}, 0
+    while graph_engine.has_unfinished():
+        step += 1
+        for seq in graph_engine.step(1):
+            handed_at[seq.index] = (step, len(seq.token_ids))
+    assert sorted(handed_at) == list(range(8))
+    assert all(at == length for at, length in handed_at.values())
+    assert len({at for at, _ in handed_at.values()}) > 1  # some samples left before the others
