@@ -1,0 +1,295 @@
+"""What ``rollplex bench`` measures and prints: policy names and variants, each policy's result,
+the update comparison against serial, the lower bound, the report and its chart, and the profile of
+one iteration. ``pipeline/bench.py`` runs the iterations."""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from rollplex.errors import RollplexError
+from rollplex.pipeline.bench_multi import TWO_GPU_POLICIES
+
+if TYPE_CHECKING:
+    from rollplex.pipeline.bench import BenchConfig
+
+POLICIES = ("serial-noshare", "serial", "rollplex")  # one GPU, the default
+# rollplex-nofusion: the decode window without stage fusion, so each gain shows on its own.
+ALL_POLICIES = POLICIES + ("rollplex-nofusion",) + TWO_GPU_POLICIES  # two-GPU ones: pipeline/bench_multi.py
+VARIANT_KEYS = {"gate": "prefix work waits until decode has at most this many live rows",
+                "sms": "decode's SMs while both streams are busy (0: re-chosen per chunk)",
+                "target": "1 (default): matmuls on a partition target its SMs through cuBLASLt; 0: plain cuBLAS"}
+
+
+def file_stem(policy: str) -> str:
+    """rollplex:gate=32 -> rollplex_gate32: a file name without the separators some copiers refuse."""
+    return policy.replace(":", "_").replace("=", "")
+
+
+def parse_policy(name: str) -> tuple[str, dict[str, int]]:
+    """``rollplex:gate=32:sms=64`` -> ("rollplex", {"gate": 32, "sms": 64}): a rollplex-family policy
+    with its own knobs, so variants run side by side in one bench against the same serial run."""
+    base, *options = name.split(":")
+    if base not in ALL_POLICIES:
+        raise RollplexError(f"--policies: {base!r} unknown; choose from {', '.join(ALL_POLICIES)}")
+    parsed: dict[str, int] = {}
+    for option in options:
+        key, _, value = option.partition("=")
+        if key not in VARIANT_KEYS or not value.isdigit():
+            raise RollplexError(f"--policies: {name!r}: option {option!r} is not KEY=N with KEY one of "
+                                + ", ".join(f"{k} ({v})" for k, v in VARIANT_KEYS.items()))
+        parsed[key] = int(value)
+    if parsed and not base.startswith("rollplex"):
+        raise RollplexError(f"--policies: {name!r}: options apply to the rollplex policies only")
+    return base, parsed
+
+
+@dataclass
+class PolicyResult:
+    policy: str
+    seconds: list[float] = field(default_factory=list)
+    by_kind: dict[str, float] = field(default_factory=dict)
+    peak_bytes: int = 0
+    hidden_share: float = 0.0
+    decode_seconds: float = 0.0
+    tokens: int = 0
+    # Serial only: its weights after the first step, on the host, sampled and on its own replayed
+    # rollout. Every other policy is compared with these on the device as it ends (update_difference).
+    weights: dict[str, torch.Tensor] | None = None
+    replayed_weights: dict[str, torch.Tensor] | None = None
+    sampled_difference: float | None = None
+    replayed_difference: float | None = None
+    trace: dict | None = None
+    decode_bytes: float = 0.0  # weights + KV bytes the decode steps had to read, per iteration
+    responses: list | None = None
+    ranks_disagree: float = 0.0  # two data-parallel ranks: largest weight difference after a step
+    comparison: dict | None = None  # its update against serial's (compare_update)
+
+    def decode_bandwidth(self) -> float:
+        return self.decode_bytes / self.decode_seconds if self.decode_seconds else 0.0
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds) if self.seconds else float("nan")
+
+
+
+def profile_iteration(executor, graph, inputs: dict[str, Any], path: Path) -> None:
+    """One more iteration under torch.profiler; the top operators and kernels by device time, per
+    node kind (record_function ranges named after the node kinds) and overall."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from rollplex.pipeline.fsio import atomic_write_text
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    try:  # nodes run on the stream threads, not this one
+        config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    except TypeError:  # an older torch: device kernels are still captured, host operators only here
+        config = None
+    with profile(activities=activities, experimental_config=config) as prof:
+        executor.run(graph, 1, inputs)
+    key = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    atomic_write_text(path, prof.key_averages().table(sort_by=key, row_limit=40) + "\n" + long_host_calls(prof))
+
+
+def long_host_calls(prof, min_ms: float = 20.0, limit: int = 200) -> str:
+    """Host calls of at least ``min_ms``, in time order, per thread: where a stream thread blocks
+    (a synchronize, an allocation, a lock) rather than launches. Leaves and runtime calls only, so
+    each stall is listed once, not again under every enclosing operator."""
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
+    if not events:
+        return ""
+    t0 = min(e.time_range.start for e in events)
+    rows = [e for e in events if e.time_range.elapsed_us() >= min_ms * 1e3
+            and (e.name.startswith(("cuda", "cu", "node:")) or not e.cpu_children)]
+    rows.sort(key=lambda e: e.time_range.start)
+    lines = [f"host calls of at least {min_ms:.0f} ms (start and duration in ms, thread):"]
+    lines += [f"{(e.time_range.start - t0) / 1e3:9.1f} {e.time_range.elapsed_us() / 1e3:9.1f}  {e.thread:>8}  {e.name}"
+              for e in rows[:limit]]
+    return "\n".join(lines) + "\n"
+
+
+def record_iteration(cfg: BenchConfig, spec, actor, res: PolicyResult, result, decode_steps: int, policy: str) -> None:
+    """Add one timed iteration to the policy's medians and per-iteration means."""
+    from rollplex.pipeline.trace import chrome_trace, overlap_seconds, seconds_by_kind
+
+    timed = cfg.iterations - 1
+    res.seconds.append(result.seconds)
+    res.peak_bytes = max(res.peak_bytes, result.peak_memory_bytes)
+    kinds = seconds_by_kind(result.events)
+    for k, v in kinds.items():
+        res.by_kind[k] = res.by_kind.get(k, 0.0) + v / timed
+    trace = chrome_trace(result.events, 0, policy)
+    prefix_time = sum(e["dur"] for e in trace["traceEvents"] if e.get("cat") in ("prefix", "vit_encode")) / 1e6
+    hidden = overlap_seconds(trace, {"prefix", "vit_encode"}, {"decode_chunk"})
+    res.hidden_share += (hidden / prefix_time if prefix_time else 0.0) / timed
+    res.decode_seconds += kinds.get("decode_chunk", 0.0) / timed
+    rows = result.output["report"]["rows"]
+    res.tokens = result.output["report"]["metrics"]["response_len_mean"] * cfg.prompts * cfg.samples
+    res.trace = trace
+    prompt_len = cfg.vision_tokens + cfg.text_tokens + 2
+    kv_reads = sum(prompt_len * len(r["response_token_ids"]) + len(r["response_token_ids"]) ** 2 / 2 for r in rows)
+    weights = sum(p.numel() * p.element_size() for n, p in actor.module.named_parameters() if "visual" not in n)
+    res.decode_bytes += (decode_steps * weights + kv_reads * spec.kv_bytes_per_token(2)) / timed
+
+
+def allocator_backend() -> str:
+    """"native" (the caching allocator: blocks cached per stream) or "cudaMallocAsync" (one
+    stream-ordered pool for every stream). Chosen by PYTORCH_CUDA_ALLOC_CONF=backend:... before
+    torch loads, so the bench records it rather than sets it."""
+    return torch.cuda.get_allocator_backend()
+
+
+def lower_bound(cfg: BenchConfig, spec, res: PolicyResult, decode_bw: float = 4.3e12, peak: float = 788e12,
+                gpus: int = 1) -> float:
+    """max(decode at HBM bandwidth, all FLOPs at peak) for the iteration's actual token counts; over
+    ``gpus`` GPUs each reads the weights every step and a share of the KV, and does a share of the FLOPs."""
+    rows, tokens = cfg.prompts * cfg.samples, res.tokens
+    steps = cfg.max_new_tokens  # the longest response bounds the number of decode steps
+    prompt = cfg.vision_tokens + cfg.text_tokens + 2
+    weight_bytes = spec.lm_params * 2
+    kv = spec.kv_bytes_per_token(2)
+    mean_len = tokens / rows
+    decode_bytes = steps * weight_bytes + rows * (prompt + mean_len / 2) * kv * mean_len / gpus
+    flops = 0.0
+    flops += spec.vit_flops(cfg.vision_tokens * 4, cfg.vision_tokens * 4) * cfg.prompts
+    flops += 2 * spec.prefill_flops(prompt) * cfg.prompts * 3  # ref forward + actor forward and backward (x2)
+    flops += 2 * spec.lm_params * tokens * 4  # decode + ref suffix + actor suffix fwd/bwd
+    return max(decode_bytes / decode_bw, flops / gpus / peak)
+
+
+def report(cfg, spec, results: dict[str, PolicyResult], out_dir: Path, log) -> dict:
+    from rollplex.pipeline.fsio import atomic_write_text
+
+    results = {p: results[p] for p in cfg.policies if p in results}
+    base = results.get("serial-noshare")
+    rows = []
+    log("")
+    width = max([16, *(len(n) for n in results)])
+    log(f"{'policy':{width}s} {'s/it':>7s} {'×noshare':>9s} {'peak GiB':>9s} {'hidden':>7s} {'tok/s':>8s} {'÷bound':>7s} "
+        f"{'decode TB/s':>11s}")
+    for name, res in results.items():
+        gpus = 2 if parse_policy(name)[0] in TWO_GPU_POLICIES else 1
+        bound = lower_bound(cfg, spec, res, gpus=gpus)
+        speedup = base.median / res.median if base else float("nan")
+        row = {"policy": name, "median_s": res.median, "all_s": res.seconds, "speedup_vs_serial_noshare": speedup,
+               "peak_hbm_bytes": res.peak_bytes, "prefix_hidden_share": res.hidden_share,
+               "tokens_per_s": res.tokens / res.median, "lower_bound_s": bound, "ratio_to_bound": res.median / bound,
+               "seconds_by_kind": res.by_kind, "decode_seconds": res.decode_seconds,
+               "decode_bytes_per_s": res.decode_bandwidth(), "gpus": gpus,
+               "ranks_max_weight_difference": res.ranks_disagree}
+        rows.append(row)
+        log(f"{name:{width}s} {res.median:7.3f} {speedup:9.2f} {res.peak_bytes / 2**30:9.1f} {res.hidden_share:7.0%} "
+            f"{row['tokens_per_s']:8.0f} {row['ratio_to_bound']:7.2f} {res.decode_bandwidth() / 1e12:11.2f}")
+        if res.trace is not None:
+            atomic_write_text(out_dir / f"trace_{file_stem(name)}.json", json.dumps(res.trace))
+    ratios = speedups(results)
+    for line in ratios:
+        log(line)
+    updates = [res.comparison for res in results.values() if res.comparison is not None]
+    checks = update_lines(updates)
+    for line in checks:
+        log(line)
+    for name, res in results.items():
+        if name == "rollplex-dp2":
+            log(f"{name}: ranks' weights after the step differ by at most {res.ranks_disagree:.1e}")
+    summary = {"config": cfg.__dict__ | {"policies": list(cfg.policies)}, "results": rows, "updates": updates,
+               "speedups": ratios,
+               "update_checks": checks,
+               "device": torch.cuda.get_device_name() if cfg.device == "cuda" else "cpu",
+               "cuda_allocator": allocator_backend() if cfg.device == "cuda" else None,
+               "date": time.strftime("%Y-%m-%d")}
+    atomic_write_text(out_dir / "bench.json", json.dumps(summary, indent=1, default=str))
+    _plot(results, out_dir)
+    return summary
+
+
+def speedups(results: dict[str, PolicyResult]) -> list[str]:
+    """The ratios the issue asks for, each a gain on its own: prefix sharing (serial vs noshare), the
+    decode window (rollplex-nofusion vs serial), stage fusion (rollplex vs rollplex-nofusion), and two
+    GPUs as ranks vs split roles."""
+    pairs = [("serial", "serial-noshare"), ("rollplex", "serial-noshare"), ("rollplex", "serial"),
+             ("rollplex-nofusion", "serial"), ("rollplex", "rollplex-nofusion"),
+             ("rollplex-dp2", "disaggregated"), ("rollplex-dp2", "rollplex"), ("disaggregated", "serial")]
+    pairs += [(v, "serial") for v in results if ":" in v]  # variants: each against serial
+    return [f"{a} is {results[b].median / results[a].median:.2f}x {b}" for a, b in pairs
+            if a in results and b in results and results[a].seconds and results[b].seconds]
+
+
+def update_difference(weights: dict[str, torch.Tensor], reference: dict[str, torch.Tensor],
+                      start: dict[str, torch.Tensor]) -> float:
+    """‖u − r‖ / ‖r‖, u and r the updates (weights − start) in fp32, summed in fp64 on ``start``'s
+    device one tensor at a time: no fp32 copy of a whole model is ever made, on the host or the GPU."""
+    num = den = None
+    for k, ref in reference.items():
+        base = start[k].float()
+        r = ref.to(base.device).float() - base
+        u = weights[k].to(base.device).float() - base
+        d, n = (u - r).double().pow(2).sum(), r.double().pow(2).sum()
+        num, den = (d, n) if num is None else (num + d, den + n)
+    return 0.0 if num is None else math.sqrt(float(num) / max(float(den), 1e-30))
+
+
+def compare_update(res: PolicyResult, ref: PolicyResult | None) -> dict | None:
+    """The first iteration's update (new − start weights) from the same start, against serial's
+    (``ref``). ``sampled``: each policy's own rollout (bf16 kernels on another SM partition may round
+    differently and flip a sample, and then everything downstream differs). ``replayed``: serial's
+    recorded rollout under every policy, so only the scoring, the loss and the update are compared;
+    serial's own row compares its replayed update with its sampled one: the run-to-run floor."""
+    if ref is None or ref.weights is None:
+        return None
+    return {"policy": res.policy,
+            "sampled": 0.0 if res is ref else res.sampled_difference,
+            "identical_responses": sum(a == b for a, b in zip(res.responses or [], ref.responses or [])),
+            "responses": len(ref.responses or []),
+            "replayed": res.replayed_difference}
+
+
+def update_lines(rows: list[dict]) -> list[str]:
+    lines = []
+    for r in rows:
+        if r["policy"] == "serial":
+            if r["replayed"] is not None:
+                lines.append(f"update serial on its replayed rollout vs sampled: {r['replayed']:.2e} (the replay itself)")
+            continue
+        lines.append(f"update {r['policy']} vs serial: sampled {r['sampled']:.2e} ({r['identical_responses']}/"
+                     f"{r['responses']} responses identical)" + (f", on serial's replayed rollout {r['replayed']:.2e}"
+                                                                if r["replayed"] is not None else ""))
+    return lines
+
+
+def _plot(results: dict[str, PolicyResult], out_dir: Path) -> None:
+    try:
+        import matplotlib
+    except ImportError:  # a bare GPU machine: the traces are written, the PNG is drawn elsewhere
+        print("bench: matplotlib is not installed; bench.png not drawn (the trace_*.json files are)")
+        return
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(results), 1, figsize=(12, 2.2 * len(results)), squeeze=False)
+    colours = {"decode_chunk": "#4c72b0", "prefix": "#dd8452", "vit_encode": "#c44e52", "suffix_score": "#55a868",
+               "loss": "#8172b3", "optimizer_step": "#937860", "weight_sync": "#da8bc3"}
+    for ax, (name, res) in zip(axes[:, 0], results.items()):
+        if res.trace is None:
+            continue
+        tracks = {}
+        for e in res.trace["traceEvents"]:
+            if e.get("ph") != "X":
+                continue
+            y = tracks.setdefault((e["pid"], e["tid"]), len(tracks))
+            ax.barh(y, e["dur"] / 1e6, left=e["ts"] / 1e6, color=colours.get(e["cat"], "#999999"), height=0.8)
+        ax.set_yticks(list(tracks.values()))
+        ax.set_yticklabels([f"{p}/{t}" if len({k[0] for k in tracks}) > 1 else str(t) for p, t in tracks])
+        ax.set_title(f"{name}: {res.median:.2f} s/iteration", fontsize=9)
+    axes[-1, 0].set_xlabel("seconds")
+    fig.tight_layout()
+    fig.savefig(out_dir / "bench.png", dpi=110)
+    plt.close(fig)
