@@ -17,6 +17,9 @@ Policies:
   fusion). Each gain is then a ratio of neighbours: prefix sharing (serial ÷ serial-noshare), the
   decode window (rollplex-nofusion ÷ serial) and stage fusion (rollplex ÷ rollplex-nofusion).
 - ``disaggregated`` and ``rollplex-dp2``, on two GPUs: see ``pipeline/bench_multi.py``.
+
+A rollplex policy may carry options (``rollplex:gate=32:target=0``), so variants run side by side
+against the same serial run. What is measured and reported lives in ``pipeline/bench_results.py``.
 """
 from __future__ import annotations
 

@@ -140,6 +140,9 @@ class WorkerHost:
         # the whole GPU alone.
         self.partitions = None
         self.sm_target = True  # a partition's matmuls target its SMs (partitions.sm_target)
+        capture = getattr(self.decode, "capture_graphs", None)
+        if capture is not None and self.streams.get("decode") is not None:
+            capture(self.streams["decode"])  # every batch size now, not at its first use mid-rollout
         if spec.sm_partitions and self.device.type == "cuda" and self.streams:
             from rollplex.pipeline.partitions import make
 
