@@ -52,13 +52,17 @@ def parse_policy(name: str) -> tuple[str, dict[str, int]]:
 
 @dataclass
 class PolicyResult:
+    """One policy's timed iterations. Everything per iteration is reported as its median over them,
+    as the iteration time is: a slow first iteration (allocator growth, a first capture) would pull
+    a mean's breakdown off the median's total."""
+
     policy: str
     seconds: list[float] = field(default_factory=list)
-    by_kind: dict[str, float] = field(default_factory=dict)
+    kinds: list[dict[str, float]] = field(default_factory=list)  # per iteration: seconds per node kind
+    hidden: list[float] = field(default_factory=list)  # per iteration: share of prefix work under decode
+    read_bytes: list[float] = field(default_factory=list)  # per iteration: weights + KV bytes decode read
+    generated: list[float] = field(default_factory=list)  # per iteration: response tokens
     peak_bytes: int = 0
-    hidden_share: float = 0.0
-    decode_seconds: float = 0.0
-    tokens: int = 0
     # Serial only: its weights after the first step, on the host, sampled and on its own replayed
     # rollout. Every other policy is compared with these on the device as it ends (update_difference).
     weights: dict[str, torch.Tensor] | None = None
@@ -66,17 +70,35 @@ class PolicyResult:
     sampled_difference: float | None = None
     replayed_difference: float | None = None
     trace: dict | None = None
-    decode_bytes: float = 0.0  # weights + KV bytes the decode steps had to read, per iteration
     responses: list | None = None
     ranks_disagree: float = 0.0  # two data-parallel ranks: largest weight difference after a step
     comparison: dict | None = None  # its update against serial's (compare_update)
 
-    def decode_bandwidth(self) -> float:
-        return self.decode_bytes / self.decode_seconds if self.decode_seconds else 0.0
-
     @property
     def median(self) -> float:
         return statistics.median(self.seconds) if self.seconds else float("nan")
+
+    @property
+    def tokens(self) -> float:
+        return statistics.median(self.generated) if self.generated else 0.0
+
+    @property
+    def by_kind(self) -> dict[str, float]:
+        names = sorted({k for it in self.kinds for k in it})
+        return {k: statistics.median(it.get(k, 0.0) for it in self.kinds) for k in names}
+
+    @property
+    def decode_seconds(self) -> float:
+        return self.by_kind.get("decode_chunk", 0.0)
+
+    @property
+    def hidden_share(self) -> float:
+        return statistics.median(self.hidden) if self.hidden else 0.0
+
+    def decode_bandwidth(self) -> float:
+        """Median over iterations of the bytes decode read over its time."""
+        rates = [b / it["decode_chunk"] for b, it in zip(self.read_bytes, self.kinds) if it.get("decode_chunk")]
+        return statistics.median(rates) if rates else 0.0
 
 
 
@@ -116,27 +138,23 @@ def long_host_calls(prof, min_ms: float = 20.0, limit: int = 200) -> str:
 
 
 def record_iteration(cfg: BenchConfig, spec, actor, res: PolicyResult, result, decode_steps: int, policy: str) -> None:
-    """Add one timed iteration to the policy's medians and per-iteration means."""
+    """Add one timed iteration to the policy's result."""
     from rollplex.pipeline.trace import chrome_trace, overlap_seconds, seconds_by_kind
 
-    timed = cfg.iterations - 1
     res.seconds.append(result.seconds)
     res.peak_bytes = max(res.peak_bytes, result.peak_memory_bytes)
-    kinds = seconds_by_kind(result.events)
-    for k, v in kinds.items():
-        res.by_kind[k] = res.by_kind.get(k, 0.0) + v / timed
+    res.kinds.append(seconds_by_kind(result.events))
     trace = chrome_trace(result.events, 0, policy)
     prefix_time = sum(e["dur"] for e in trace["traceEvents"] if e.get("cat") in ("prefix", "vit_encode")) / 1e6
     hidden = overlap_seconds(trace, {"prefix", "vit_encode"}, {"decode_chunk"})
-    res.hidden_share += (hidden / prefix_time if prefix_time else 0.0) / timed
-    res.decode_seconds += kinds.get("decode_chunk", 0.0) / timed
+    res.hidden.append(hidden / prefix_time if prefix_time else 0.0)
     rows = result.output["report"]["rows"]
-    res.tokens = result.output["report"]["metrics"]["response_len_mean"] * cfg.prompts * cfg.samples
+    res.generated.append(result.output["report"]["metrics"]["response_len_mean"] * cfg.prompts * cfg.samples)
     res.trace = trace
     prompt_len = cfg.vision_tokens + cfg.text_tokens + 2
     kv_reads = sum(prompt_len * len(r["response_token_ids"]) + len(r["response_token_ids"]) ** 2 / 2 for r in rows)
     weights = sum(p.numel() * p.element_size() for n, p in actor.module.named_parameters() if "visual" not in n)
-    res.decode_bytes += (decode_steps * weights + kv_reads * spec.kv_bytes_per_token(2)) / timed
+    res.read_bytes.append(decode_steps * weights + kv_reads * spec.kv_bytes_per_token(2))
 
 
 def allocator_backend() -> str:

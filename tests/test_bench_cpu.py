@@ -119,3 +119,17 @@ def test_in_process_all_reduce_steps_every_rank_on_the_mean_gradient():
     lone.engines = [a, b]
     with pytest.raises(EngineError, match="gradient on some ranks only"):
         lone._average()
+
+
+def test_a_slow_iteration_does_not_pull_the_breakdown_off_the_median():
+    """The breakdown is each kind's median over the timed iterations, like the iteration time: a
+    first iteration three times as slow leaves both where the other two are."""
+    from rollplex.pipeline.bench_results import PolicyResult
+
+    res = PolicyResult("serial", seconds=[15.0, 5.0, 5.2],
+                       kinds=[{"decode_chunk": 6.0, "loss": 6.0}, {"decode_chunk": 2.0, "loss": 2.0},
+                              {"decode_chunk": 2.2, "loss": 1.8}],
+                       read_bytes=[12e9, 4e9, 4.4e9], generated=[600, 620, 640])
+    assert res.median == 5.2
+    assert res.by_kind == {"decode_chunk": 2.2, "loss": 2.0} and res.decode_seconds == 2.2
+    assert res.decode_bandwidth() == 2e9 and res.tokens == 620
