@@ -202,6 +202,7 @@ class GraphDecodeEngine(DecodeEngine):
         self._children: dict[str, int] = {}  # live request id -> samples handed on so far
         self._admitting = 0  # rows whose prefill runs now (live_rows counts them)
         self._pinned: dict[str, torch.Tensor] | None = None  # host buffers for finished rows (CUDA)
+        self._step_seconds: dict[int, dict[int, float]] = {}  # stream -> {graph batch: step seconds}
         self.steps_run = 0
 
     # -- the interface -----------------------------------------------------------------------------
@@ -260,6 +261,10 @@ class GraphDecodeEngine(DecodeEngine):
                 key = (n, top_p, stream.cuda_stream)
                 if key not in self._graphs:
                     self._graphs[key] = self._capture(n, top_p, stream)
+
+    def step_seconds_on(self, stream) -> dict[int, float]:
+        """{batch size: seconds per step} of the graphs captured on ``stream`` (timed at capture)."""
+        return dict(self._step_seconds.get(stream.cuda_stream, {}))
 
     def live_rows(self) -> int:
         """Rows decoding now (read without the lock: a scheduling hint, not bookkeeping)."""
@@ -428,6 +433,16 @@ class GraphDecodeEngine(DecodeEngine):
         with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
             self._step(n, top_p)
         with torch.cuda.stream(stream):
+            # Its step time on this stream (an SM partition's, or the whole GPU's): the partitions
+            # choose how many SMs decode keeps from these (partitions.fewest_sms_within).
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            graph.replay()
+            start.record(stream)
+            for _ in range(3):
+                graph.replay()
+            end.record(stream)
+            end.synchronize()
+            self._step_seconds.setdefault(stream.cuda_stream, {})[n] = start.elapsed_time(end) / 3e3
             for name, value in saved.items():
                 getattr(b, name).copy_(value)
         torch.cuda.current_stream(self.device).wait_stream(stream)

@@ -7,14 +7,17 @@ compute stream gets. The split is chosen when a decode chunk starts (within a ch
 shrinks), and compute work started during that chunk takes the complement.
 
 Each split is a pair of CUDA green contexts with a stream each (``make``); a decode engine captures
-its CUDA graphs per stream, so each split has graphs of its own. Alone, each stream still runs on
-the whole GPU (``WorkerHost.on_stream`` asks for a partition only while the other stream is busy).
+its CUDA graphs per stream, so each split has graphs of its own. Where the engine times each graph
+as it captures it (``step_seconds_on``), the split is chosen from those timings instead of the
+table: the fewest decode SMs that step within ``tolerance`` of the widest split. Alone, each stream
+still runs on the whole GPU (``WorkerHost.on_stream`` asks for a partition only while the other
+stream is busy).
 """
 from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 # (live decode rows at most, SMs decode keeps); the last row (None) covers any batch.
@@ -31,6 +34,18 @@ def decode_sms_for(live_rows: int | None, splits=AUTO_SPLITS) -> int:
     return splits[-1][1]
 
 
+def fewest_sms_within(measured: dict[int, dict[int, float]], live_rows: int, tolerance: float) -> int:
+    """The fewest decode SMs whose measured step, for the graph that holds ``live_rows`` rows, is at
+    most (1 + tolerance) times the fastest split's: the rest of the GPU goes to compute work."""
+    def step(sms: int) -> float:
+        sizes = measured[sms]
+        fits = [n for n in sizes if n >= live_rows]
+        return sizes[min(fits)] if fits else sizes[max(sizes)]
+
+    fastest = min(step(sms) for sms in measured)
+    return min(sms for sms in measured if step(sms) <= (1 + tolerance) * fastest)
+
+
 @dataclass
 class Partitions:
     """``streams[decode_sms] = {"decode": stream, "compute": stream}``, one entry per split."""
@@ -39,11 +54,18 @@ class Partitions:
     splits: tuple[tuple[int | None, int], ...] = AUTO_SPLITS
     current: int | None = None  # the decode SMs chosen at the last decode chunk's start
     total_sms: int = 0  # the GPU's; a partition's matmuls target their share of it (sm_target)
+    # decode SMs -> {graph batch size: seconds per decode step}, timed by the decode engine on each
+    # split's stream when it captured its graphs (WorkerHost.use_partitions). With it, the split is
+    # chosen from measurements instead of the AUTO_SPLITS table.
+    measured: dict[int, dict[int, float]] = field(default_factory=dict)
+    tolerance: float = 0.10  # decode may step this much slower than on the widest split
 
     def choose(self, live_rows: int | None) -> int:
         """Called as a decode chunk starts. With one split (a fixed ``--decode-sms``) it is that one."""
         if len(self.streams) == 1:
             self.current = next(iter(self.streams))
+        elif live_rows and set(self.measured) >= set(self.streams):
+            self.current = fewest_sms_within(self.measured, live_rows, self.tolerance)
         else:
             self.current = decode_sms_for(live_rows, self.splits)
         return self.current

@@ -249,9 +249,12 @@ class WorkerHost:
         capture = getattr(self.decode, "capture_graphs", None)
         if partitions is None or capture is None:
             return
+        timed = getattr(self.decode, "step_seconds_on", None)
         for stream, sms in partitions.decode_streams():
             with sm_target(sms if self.sm_target else None, partitions.total_sms):
                 capture(stream)
+            if timed is not None and timed(stream):  # the split is then chosen from these timings
+                partitions.measured[sms] = timed(stream)
 
     def last_stream_wait(self) -> float | None:
         """Seconds the calling stream thread's last node waited for its kernels (None off CUDA), then

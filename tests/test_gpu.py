@@ -141,4 +141,6 @@ def test_partition_streams_get_every_graph_before_the_window(cuda, tiny_model_di
     assert len(engine._graphs) == len(engine.sizes) * len(parts.streams)
     for stream, _ in parts.decode_streams():
         engine.capture_graphs(stream)  # already there: nothing captured again
+        timed = engine.step_seconds_on(stream)  # each graph timed on its split as it was captured
+        assert sorted(timed) == engine.sizes and all(t > 0 for t in timed.values())
     assert len(engine._graphs) == len(engine.sizes) * len(parts.streams)

@@ -124,3 +124,38 @@ def test_attaching_partitions_captures_decode_graphs_on_every_split_with_its_tar
     host.use_partitions(dataclasses.replace(_fake_partitions([32, 96]), total_sms=132))
     assert captured == [("decode32", 100), ("decode96", 36)]
     assert torch._C._get_sm_carveout_experimental() is None
+
+
+def test_measured_step_times_pick_the_fewest_sms_that_keep_decode_within_tolerance():
+    """Heavy decode needs its SMs; light decode steps as fast on a third of the GPU, so compute
+    work gets the rest. The graph that holds the live rows is the one timed."""
+    from rollplex.pipeline.partitions import fewest_sms_within
+
+    measured = {32: {8: 6.0, 64: 20.0}, 64: {8: 5.9, 64: 11.0}, 96: {8: 5.8, 64: 9.0}}
+    assert fewest_sms_within(measured, 64, 0.10) == 96  # 11.0 > 1.1 × 9.0
+    assert fewest_sms_within(measured, 64, 0.25) == 64
+    assert fewest_sms_within(measured, 5, 0.10) == 32  # the 8-row graph: 6.0 ≤ 1.1 × 5.8
+    assert fewest_sms_within(measured, 100, 0.10) == 96  # past the largest graph: the largest one
+    parts = _fake_partitions([32, 64, 96])
+    assert parts.choose(20) == 64  # no timings yet: the table
+    parts.measured = measured
+    assert parts.choose(20) == 96 and parts.choose(3) == 32
+
+
+def test_attaching_partitions_records_the_engines_step_times_per_split(monkeypatch):
+    from rollplex.tasks import rewards
+
+    monkeypatch.setitem(rewards._REWARDS, "bench_parity", bench_reward)
+
+    class TimedDecode(FakeDecode):
+        def capture_graphs(self, stream) -> None:
+            pass
+
+        def step_seconds_on(self, stream) -> dict[int, float]:
+            return {8: 0.005, 64: 0.010 if stream.name == "decode96" else 0.020}
+
+    host = _host(BenchConfig(device="cpu"), None, None, TimedDecode(), "rollplex", {})
+    parts = dataclasses.replace(_fake_partitions([32, 96]), total_sms=132)
+    host.use_partitions(parts)
+    assert parts.measured == {32: {8: 0.005, 64: 0.020}, 96: {8: 0.005, 64: 0.010}}
+    assert parts.choose(64) == 96 and parts.choose(8) == 32
