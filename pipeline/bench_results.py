@@ -199,7 +199,8 @@ def report(cfg, spec, results: dict[str, PolicyResult], out_dir: Path, log) -> d
         row = {"policy": name, "median_s": res.median, "all_s": res.seconds, "speedup_vs_serial_noshare": speedup,
                "peak_hbm_bytes": res.peak_bytes, "prefix_hidden_share": res.hidden_share,
                "tokens_per_s": res.tokens / res.median, "lower_bound_s": bound, "ratio_to_bound": res.median / bound,
-               "seconds_by_kind": res.by_kind, "decode_seconds": res.decode_seconds,
+               "seconds_by_kind": res.by_kind, "seconds_by_kind_per_iteration": res.kinds,
+               "decode_seconds": res.decode_seconds,
                "decode_bytes_per_s": res.decode_bandwidth(), "gpus": gpus,
                "ranks_max_weight_difference": res.ranks_disagree}
         rows.append(row)
