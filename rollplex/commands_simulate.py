@@ -239,7 +239,7 @@ def _assumptions(scn, results) -> str:
          "adds sharing to isolate the overlap gain", ""),
         ("rollplex", "prefix sharing, prefix work under light decode on SM partitions (gate chosen per plan), stage "
          "fusion of finished groups, rollout weights per the sharing plan (views of the training shard where "
-         "layouts agree; `rollplex weights`)", ""),
+         "layouts agree; `rollplex weights`)", "the runtime scores single finished samples; modelled per group"),
         ("disaggregated", "same GPU budget, best valid split, weights shipped over the network each step", ""),
         ("host nodes", ", ".join(f"{k} {v * 1e3:g} ms" for k, v in HOST_SECONDS.items()), "assumed"),
         ("transfers", "on a copy lane per GPU at PCIe speed; the iteration ends when its last offload does", ""),
