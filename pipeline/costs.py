@@ -224,6 +224,7 @@ class DecodeProfile:
     chunk_seconds: list[float]
     chunk_batch: list[float]
     finish_chunk: dict[int, int]  # prompt → chunk whose end hands its group on
+    sample_chunks: dict[int, list[int]] = field(default_factory=dict)  # prompt → each sample's finish chunk
 
 
 class CostModel:
@@ -252,15 +253,17 @@ class CostModel:
     def _compute(self, flops: float, gpus: int, eff: float) -> float:
         return flops / (gpus * self.flop_rate * eff)
 
-    def suffix_flops(self, p: int, full: bool) -> float:
+    def suffix_flops(self, p: int, full: bool, samples: list[int] | None = None) -> float:
+        """FLOPs of scoring prompt p's responses (``samples`` of them: the ones a decode chunk handed on)."""
         L = self.w.prefix_tokens
-        rs = self.profile.lengths[p]
+        rs = self.profile.lengths[p] if samples is None else [self.profile.lengths[p][g] for g in samples]
         if full:
             return sum(self.m.lm_flops(L + r, (L + r) / 2, r) for r in rs)
         return sum(self.m.lm_flops(r, L + r / 2, r) for r in rs)
 
-    def tokens(self, p: int, full: bool) -> int:
-        return sum(self.profile.lengths[p]) + (self.w.prefix_tokens * self.w.samples if full else 0)
+    def tokens(self, p: int, full: bool, samples: list[int] | None = None) -> int:
+        rs = self.profile.lengths[p] if samples is None else [self.profile.lengths[p][g] for g in samples]
+        return sum(rs) + (self.w.prefix_tokens * len(rs) if full else 0)
 
     # -- decode ---------------------------------------------------------------------------------
     def rollout_weight_bytes(self) -> float:
@@ -300,6 +303,7 @@ class CostModel:
         seconds = np.zeros(chunks)
         batch = np.zeros(chunks)
         finish_step: dict[int, int] = {}
+        sample_end: dict[int, list[int]] = {p: [] for p in range(w.prompts)}
         L = w.prefix_tokens
         for r in range(replicas):
             prompts = list(range(r, w.prompts, replicas))
@@ -315,6 +319,7 @@ class CostModel:
                 ends.append(s + n)
                 heapq.heappush(slots, s + n)
                 finish_step[p] = max(finish_step.get(p, 0), s + n)
+                sample_end[p].append(s + n)
             steps = max(ends)
             live = np.zeros(steps + 1)
             ctx = np.zeros(steps + 1)  # Σ (L − start) over live sequences; + t·live gives Σ context
@@ -336,8 +341,10 @@ class CostModel:
             slower = sec > seconds
             seconds = np.where(slower, sec, seconds)
             batch = np.where(slower, bat, batch)
-        finish = {p: min(chunks - 1, max(0, (s - 1) // K)) for p, s in finish_step.items()}
-        return DecodeProfile(lengths, replicas, cap, seconds.tolist(), batch.tolist(), finish)
+        chunk_of_step = lambda s: min(chunks - 1, max(0, (s - 1) // K))  # noqa: E731
+        finish = {p: chunk_of_step(s) for p, s in finish_step.items()}
+        by_sample = {p: [chunk_of_step(s) for s in ends] for p, ends in sample_end.items() if ends}
+        return DecodeProfile(lengths, replicas, cap, seconds.tolist(), batch.tolist(), finish, by_sample)
 
     # -- per node -------------------------------------------------------------------------------
     def __call__(self, node: Node, gang: int) -> NodeCost:
@@ -364,8 +371,9 @@ class CostModel:
             return NodeCost(self.profile.chunk_seconds[c], self.profile.chunk_batch[c])
         if k == "suffix_score":
             full = bool(node.args.get("full_sequence"))
-            flops = sum(self.suffix_flops(p, full) for p in prompts)
-            tokens = sum(self.tokens(p, full) for p in prompts)
+            some = node.args.get("samples", {})  # per-sample stage fusion: the samples one chunk handed on
+            flops = sum(self.suffix_flops(p, full, some.get(p)) for p in prompts)
+            tokens = sum(self.tokens(p, full, some.get(p)) for p in prompts)
             return NodeCost(self._compute(flops, gang, eff.forward) + self._tp_comm(tokens, gang))
         if k == "loss":
             return NodeCost(self._loss(prompts, gang))

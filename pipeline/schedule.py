@@ -372,18 +372,21 @@ class Plan:
 
 
 def plan(graph: IterationGraph, cluster: Cluster, costs, policy: str = "rollplex", layout: Layout | None = None,
-         *, release: Mapping[int, int] | None = None, train_fusion: bool = False) -> Plan:
+         *, release: Mapping[int, int] | None = None, train_fusion: bool = False,
+         release_samples: Mapping[int, list[int]] | None = None) -> Plan:
     """Place and time every node of ``graph`` under ``policy``. Pure: the input is not modified.
 
     ``costs`` is ``(node, gang size) -> NodeCost | seconds`` or a mapping node name → seconds.
     ``release`` (prompt → decode chunk in which its group finishes) enables stage fusion;
-    ``train_fusion`` lets a released group's loss run then too (``defer_normalisation``).
+    ``train_fusion`` lets a released group's loss run then too (``defer_normalisation``);
+    ``release_samples`` (prompt → each sample's finish chunk) has frozen models score single samples
+    as their chunks end (``release_finished_samples``), as the runtime does.
     """
     with gc_paused():
-        return _plan(graph, cluster, costs, policy, layout, release, train_fusion)
+        return _plan(graph, cluster, costs, policy, layout, release, train_fusion, release_samples)
 
 
-def _plan(graph, cluster, costs, policy, layout, release, train_fusion=False) -> Plan:
+def _plan(graph, cluster, costs, policy, layout, release, train_fusion=False, release_samples=None) -> Plan:
     spec = policy_spec(policy)
     if layout is None:
         layout = Layout.colocate(cluster) if spec.colocated else Layout.split(cluster, max(1, cluster.gpus // 2))
@@ -396,6 +399,8 @@ def _plan(graph, cluster, costs, policy, layout, release, train_fusion=False) ->
         planned = release_finished_groups(planned, release)
         if train_fusion:
             planned = defer_normalisation(planned)
+    if spec.stage_fusion and release_samples:
+        planned = release_finished_samples(planned, release_samples)
     if not nx.is_directed_acyclic_graph(planned.g):
         planned.lint()  # names the cycle of the input
     if spec.barriers:
@@ -517,6 +522,45 @@ def release_finished_groups(graph: IterationGraph, finish_chunk: Mapping[int, in
             else:
                 graph.g.add_edge(src, v, values=(x,), reason="value")
     return graph
+
+
+def release_finished_samples(graph: IterationGraph, sample_chunks: Mapping[int, list[int]]) -> IterationGraph:
+    """Stage fusion per sample, as the runtime runs it: a frozen model's suffix node splits into one
+    node per decode chunk in which some of its samples finished (``sample_chunks[p][g]``), each
+    scoring those samples (``args["samples"]``, which the cost model reads) on a value that chunk
+    hands on; a join gives the original outputs back, so their consumers are unchanged. Nodes whose
+    samples all finish in one chunk stay as they are. Returns a new graph."""
+    decodes = {n.args["chunk"]: n for n in graph.of_kind("decode_chunk")}
+    handed: dict[int, list[str]] = {c: [] for c in decodes}
+    nodes, infos = [], {}
+    for node in graph:
+        responses = [v for v in node.inputs if v.startswith("responses_p")]
+        prompts = list(node.args.get("prompts", []))
+        split = (node.kind == "suffix_score" and not node.args.get("grad") and not node.args.get("full_sequence")
+                 and responses and all(p in sample_chunks for p in prompts))
+        by_chunk: dict[int, dict[int, list[int]]] = {}
+        for p in prompts if split else []:
+            for g, c in enumerate(sample_chunks[p]):
+                by_chunk.setdefault(min(c, max(decodes)), {}).setdefault(p, []).append(g)
+        if len(by_chunk) <= 1:
+            nodes.append(node)
+            continue
+        kvs = tuple(v for v in node.inputs if v not in responses)
+        total = sum(graph.values[o].nbytes for o in node.outputs)
+        parts = []
+        for c, samples in sorted(by_chunk.items()):
+            ready, out = f"finished_{node.name}_c{c}", f"{node.name}_c{c}"
+            handed[c].append(ready)
+            share = sum(map(len, samples.values())) / sum(len(sample_chunks[p]) for p in prompts)
+            infos[ready] = dict(nbytes=64, device="host", what="sequences")
+            infos[out] = dict(nbytes=int(total * share), device="device", what="logprobs")
+            nodes.append(Node(out, "suffix_score", kvs + (ready,), (out,), node.model, node.engine,
+                              {**node.args, "samples": samples}, dict(node.meta)))
+            parts.append(out)
+        nodes.append(Node(f"join_{node.name}", "join", tuple(parts), node.outputs, args={"prompts": prompts}))
+    nodes = [replace(n, outputs=n.outputs + tuple(handed[n.args["chunk"]])) if n.kind == "decode_chunk" else n
+             for n in nodes]
+    return rebuild(graph, nodes, infos)
 
 
 def defer_normalisation(graph: IterationGraph) -> IterationGraph:

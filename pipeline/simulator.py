@@ -118,7 +118,8 @@ def run_variant(scn: Scenario, name: str, rollout_gpus: int | None = None) -> Re
         h = scn.workload.ref_cache_hit
         graph = footprint.copy_with_cache_hits(graph, cm, lambda p: (p * 0.6180339887) % 1.0 < h)
     first = plan(graph, scn.cluster, cm, policy, layout, release=cm.profile.finish_chunk if scn.stage_fusion else None,
-                 train_fusion=scn.train_fusion)
+                 train_fusion=scn.train_fusion,
+                 release_samples=cm.profile.sample_chunks if scn.stage_fusion else None)
     rs = footprint.residents(first.graph, cm)
     measured = memory.plan_memory(first, rs, scn.budget, enabled=False)
     g = max(measured.naive_peak, key=lambda k: (measured.naive_peak[k], -k))

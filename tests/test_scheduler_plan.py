@@ -228,6 +228,24 @@ def test_stage_fusion_hands_finished_groups_on_early():
     assert g.values["responses_p0"].producer == "decode_c1"  # the input graph is untouched
 
 
+def test_frozen_scoring_per_sample_starts_with_the_chunk_that_finished_each_sample():
+    """Prompt 0's two samples finish in chunks 0 and 1: its reference scoring splits in two, the first
+    part scoring sample 0 while chunk 1 decodes, and a join restores ref_logprobs_p0. Prompt 1's
+    samples both finish in chunk 1: its node stays whole."""
+    g = grpo_graph(prompts=2, max_new_tokens=8, chunk_tokens=4)
+    base = {"decode_chunk": 1.0, "prefix": 0.3, "suffix_score": 0.4, "loss": 0.5, "vit_encode": 0.1}
+    costs = lambda node, gang: NodeCost(base.get(node.kind, 0.01), 8 if node.kind == "decode_chunk" else 0)  # noqa: E731
+    p = plan(g, hardware("h200", 2), costs, "rollplex", release={0: 1, 1: 1}, release_samples={0: [0, 1], 1: [1, 1]})
+    check_plan(p)
+    parts = {n.name: dict(n.args["samples"]) for n in p.graph.of_kind("suffix_score") if "samples" in n.args}
+    assert parts == {"suffix_ref_logprobs_p0_c0": {0: [0]}, "suffix_ref_logprobs_p0_c1": {0: [1]}}
+    assert "suffix_ref_logprobs_p1" in p.graph.nodes
+    assert p.graph.values["ref_logprobs_p0"].producer == "join_suffix_ref_logprobs_p0"
+    assert "decode_c0" in p.graph.g.predecessors("suffix_ref_logprobs_p0_c0")
+    assert p.slots["suffix_ref_logprobs_p0_c0"].start < p.slots["decode_c1"].finish
+    assert g.values["ref_logprobs_p0"].producer == "suffix_ref_logprobs_p0"  # the input graph is untouched
+
+
 def test_train_fusion_lets_an_early_group_train_before_decode_ends_and_the_step_wait_for_the_count():
     """With the normaliser deferred to the optimizer step, prompt 0's loss no longer waits for the
     last chunk's token count, nor for prompt 1's loss; the step does wait for the count."""

@@ -72,6 +72,23 @@ def test_decode_steps_grow_with_batch_and_context_and_the_long_tail_is_light():
     assert len(prof.chunk_seconds) == math.ceil(1024 / 32) and all(s > 0 for s in prof.chunk_seconds)
 
 
+def test_each_sample_finishes_in_a_chunk_no_later_than_its_group_and_scoring_splits_additively():
+    """The profile's per-sample finish chunks end with the group's (the group waits for its last
+    sample), and scoring a group's samples in parts costs what scoring it whole does."""
+    c = hardware("h200", 8)
+    cm = CostModel(PRESETS["qwen2.5-vl-7b"], c, Workload(prompts=16), Layout.colocate(c))
+    prof = cm.profile
+    assert set(prof.sample_chunks) == set(prof.finish_chunk)
+    for p, chunks in prof.sample_chunks.items():
+        assert len(chunks) == cm.w.samples and max(chunks) == prof.finish_chunk[p]
+    assert any(len(set(chunks)) > 1 for chunks in prof.sample_chunks.values())  # a real spread
+    half = cm.w.samples // 2
+    whole = cm.suffix_flops(3, False)
+    assert cm.suffix_flops(3, False, list(range(half))) + cm.suffix_flops(3, False, list(range(half, cm.w.samples))) \
+        == pytest.approx(whole)
+    assert cm.tokens(3, True, [0]) == cm.profile.lengths[3][0] + cm.w.prefix_tokens
+
+
 def test_interference_reproduces_the_measured_hidden_fractions():
     inter = hardware("h200", 1).interference
     for batch, hidden in inter.hidden_table:
