@@ -194,7 +194,11 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
     # Decode: chunk 0 prefills every prompt from its vision embeddings; each chunk advances ≤ K tokens.
     # With stage fusion each chunk also hands on the groups that finished in it (``handoff_c``) and
     # the single samples (``finished_c``): a frozen model scores a sample without its group.
+    def fused(score) -> bool:  # frozen log-prob scores go per decode chunk (stage fusion)
+        return shape.fused and not score.grad and alg.models[score.model].head == "lm"
+
     state = None
+    samples_scored = any(fused(s) for s in alg.scores)  # then each chunk also hands on its finished samples
     for c in range(shape.chunks):
         last = c == shape.chunks - 1
         inputs = ([f"prompt_p{p}" for p in range(P)] + [f"vis_p{p}" for p in range(P)]) if c == 0 else [state]
@@ -205,8 +209,10 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
             info.update({f"responses_p{p}": host(resp_tokens * 12, "sequences") for p in range(P)})
             info["rollout_stats"] = host(64, "scalars")
         if shape.fused:  # the groups it finished (for training) and the samples (for frozen scores)
-            outputs += [f"handoff_c{c}", f"finished_c{c}"]
+            outputs.append(f"handoff_c{c}")
             info[f"handoff_c{c}"] = host(P * resp_tokens * 12 / shape.chunks, "sequences")
+        if samples_scored:
+            outputs.append(f"finished_c{c}")
             info[f"finished_c{c}"] = host(P * resp_tokens * 12 / shape.chunks, "sequences")
         add(f"decode_c{c}", "decode_chunk", inputs, outputs, model=policy,
             args={"chunk": c, "chunks": shape.chunks, "tokens": K}, **info)
@@ -218,9 +224,6 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
     early_models = {s.model for s in alg.scores if {s.as_, f"old_{s.as_}"} & early}
 
     train_fused = train_fusable(alg, shape)
-
-    def fused(score) -> bool:  # frozen log-prob scores go per decode chunk (stage fusion)
-        return shape.fused and not score.grad and alg.models[score.model].head == "lm"
 
     # Scoring: prefix once per prompt (independent of the responses), suffix per prompt group.
     kv_bytes = dims.kv_bytes(shape.prompt_tokens) + dims.vocab * 4
