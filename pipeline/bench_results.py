@@ -184,6 +184,7 @@ def lower_bound(cfg: BenchConfig, spec, res: PolicyResult, decode_bw: float = 4.
 
 def report(cfg, spec, results: dict[str, PolicyResult], out_dir: Path, log) -> dict:
     from rollplex.pipeline.fsio import atomic_write_text
+    from rollplex.pipeline.trace import combine_traces
 
     results = {p: results[p] for p in cfg.policies if p in results}
     base = results.get("serial-noshare")
@@ -206,8 +207,10 @@ def report(cfg, spec, results: dict[str, PolicyResult], out_dir: Path, log) -> d
         rows.append(row)
         log(f"{name:{width}s} {res.median:7.3f} {speedup:9.2f} {res.peak_bytes / 2**30:9.1f} {res.hidden_share:7.0%} "
             f"{row['tokens_per_s']:8.0f} {row['ratio_to_bound']:7.2f} {res.decode_bandwidth() / 1e12:11.2f}")
-        if res.trace is not None:
-            atomic_write_text(out_dir / f"trace_{file_stem(name)}.json", json.dumps(res.trace))
+    # One Perfetto trace of every policy's last timed iteration, one above the other.
+    traces = {name: res.trace for name, res in results.items() if res.trace is not None}
+    if traces:
+        atomic_write_text(out_dir / "trace.json", json.dumps(combine_traces(traces)))
     ratios = speedups(results)
     for line in ratios:
         log(line)
@@ -287,7 +290,7 @@ def _plot(results: dict[str, PolicyResult], out_dir: Path) -> None:
     try:
         import matplotlib
     except ImportError:  # a bare GPU machine: the traces are written, the PNG is drawn elsewhere
-        print("bench: matplotlib is not installed; bench.png not drawn (the trace_*.json files are)")
+        print("bench: matplotlib is not installed; bench.png not drawn (trace.json is)")
         return
 
     matplotlib.use("Agg")

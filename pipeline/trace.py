@@ -25,6 +25,21 @@ def chrome_trace(events: list[dict], iteration: int, policy: str) -> dict:
             "otherData": {"iteration": iteration, "policy": policy, "streams": streams, "workers": workers}}
 
 
+def combine_traces(traces: dict[str, dict]) -> dict:
+    """Several ``chrome_trace`` results in one trace, each under processes named after its key (a
+    bench policy), so Perfetto shows them one above the other on a shared time axis from 0."""
+    out, offset = [], 0
+    for name, trace in traces.items():
+        pids = sorted({e["pid"] for e in trace["traceEvents"]})
+        for e in trace["traceEvents"]:
+            e = {**e, "pid": offset + pids.index(e["pid"])}
+            if e.get("name") == "process_name":
+                e["args"] = {"name": f"{name}: {e['args']['name']}"}
+            out.append(e)
+        offset += len(pids)
+    return {"traceEvents": out, "displayTimeUnit": "ms", "otherData": {"parts": list(traces)}}
+
+
 def seconds_by_kind(events: list[dict]) -> dict[str, float]:
     total: dict[str, float] = defaultdict(float)
     for e in events:

@@ -31,7 +31,11 @@ def test_bench_runs_every_policy_and_replayed_updates_agree(tmp_path):
     # reverse order gives 1.1 on this workload.
     assert updates["rollplex"]["replayed"] <= 1e-2
     assert updates["serial-noshare"]["replayed"] <= 1e-3  # full-sequence scoring: fp32 rounding only
-    assert (tmp_path / "bench.png").exists() and (tmp_path / "trace_rollplex.json").exists()
+    assert (tmp_path / "bench.png").exists() and not list(tmp_path.glob("trace_*"))
+    trace = json.loads((tmp_path / "trace.json").read_text())  # every policy in one Perfetto trace
+    names = {e["args"]["name"].split(":")[0] for e in trace["traceEvents"] if e.get("name") == "process_name"}
+    assert names == {"serial-noshare", "serial", "rollplex"}
+    assert {e["cat"] for e in trace["traceEvents"] if e.get("ph") == "X"} >= {"decode_chunk", "prefix", "loss"}
     profiled = (tmp_path / "profile_rollplex.txt").read_text()  # operators of the stream threads, per kind
     assert "node:suffix_score" in profiled and "node:loss" in profiled
 
