@@ -170,7 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     b.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     b.add_argument("--layers", type=int, help="override the preset's depth (smoke runs)")
-    b.add_argument("--out", default="bench", help="directory for bench.json, trace.json (Perfetto, every policy) and bench.png")
+    b.add_argument("--out", default="bench",
+                   help="directory for bench.json, trace.json (Perfetto, every policy) and bench.png")
     b.set_defaults(fn=cmd_bench)
 
     e = sub.add_parser("engines", help="list the registered engines per role and whether each is installed")
