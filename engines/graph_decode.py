@@ -296,9 +296,9 @@ class GraphDecodeEngine(DecodeEngine):
                 if _prompt_key(r) not in first:
                     first[_prompt_key(r)] = len(unique)
                     unique.append(r)
+            grid = lambda t: None if t is None else t.reshape(-1, 3)  # noqa: E731
             prompts = [PromptInputs(r.request_id, torch.tensor(r.prompt_token_ids, dtype=torch.long),
-                                    image_grid_thw=None if r.image_grid_thw is None else r.image_grid_thw.reshape(-1, 3),
-                                    video_grid_thw=None if r.video_grid_thw is None else r.video_grid_thw.reshape(-1, 3),
+                                    image_grid_thw=grid(r.image_grid_thw), video_grid_thw=grid(r.video_grid_thw),
                                     second_per_grid_ts=r.second_per_grid_ts)
                        for r in unique]
             visions = [VisionEmbeds(image=r.image_embeds, video=r.video_embeds) for r in unique]

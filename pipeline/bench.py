@@ -338,7 +338,8 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
             extra.release()
         res.comparison = compare_update(res, res if policy == "serial" else results.get("serial"))
         results[policy] = res
-        log(f"  {policy:15s} {res.median:7.3f} s/it   " + "  ".join(f"{k} {v:.2f}" for k, v in sorted(res.by_kind.items())))
+        log(f"  {policy:15s} {res.median:7.3f} s/it   "
+            + "  ".join(f"{k} {v:.2f}" for k, v in sorted(res.by_kind.items())))
         report(cfg, spec, results, out_dir, lambda *a: None)  # partial results survive a later failure
     return report(cfg, spec, results, out_dir, log)
 
