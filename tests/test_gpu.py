@@ -144,3 +144,22 @@ def test_partition_streams_get_every_graph_before_the_window(cuda, tiny_model_di
         timed = engine.step_seconds_on(stream)  # each graph timed on its split as it was captured
         assert sorted(timed) == engine.sizes and all(t > 0 for t in timed.values())
     assert len(engine._graphs) == len(engine.sizes) * len(parts.streams)
+
+
+def test_bench_runs_on_the_stream_ordered_allocator(cuda, tiny_model_dir, tmp_path):
+    """``--cuda-allocator async`` reaches torch before it loads (a fresh process), green-context
+    partitions and CUDA graphs run on cudaMallocAsync, and bench.json records the backend."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "-m", "rollplex.cli", "bench", "--cuda-allocator", "async", "--device", "cuda",
+           "--model", str(tiny_model_dir / "config.json"), "--dtype", "float32", "--prompts", "2", "--samples", "2",
+           "--vision-tokens", "16", "--max-new-tokens", "8", "--mean-new-tokens", "4", "--chunk-tokens", "2",
+           "--iterations", "2", "--policies", "serial,rollplex", "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    saved = json.loads((out / "bench.json").read_text())
+    assert saved["cuda_allocator"] == "cudaMallocAsync"
+    assert {u["policy"]: u["replayed"] for u in saved["updates"]}["rollplex"] <= 1e-2
