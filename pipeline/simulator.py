@@ -23,9 +23,11 @@ from rollplex.pipeline.trace import chrome_trace
 
 GiB = 1024**3
 ENGINES = EngineChoice({"decode": "vllm", "train": "deepspeed", "score": "transformers"})
-# name → (policy, prefix sharing). serial+prefix separates the prefix-sharing gain from overlap.
+# name → (policy, prefix sharing). serial+prefix separates the prefix-sharing gain from overlap;
+# disaggregated+prefix is the bench's disaggregated policy (split roles, prefix sharing on).
 VARIANTS = {"serial": ("serial", False), "serial+prefix": ("serial", True),
-            "disaggregated": ("disaggregated", False), "rollplex": ("rollplex", True)}
+            "disaggregated": ("disaggregated", False), "disaggregated+prefix": ("disaggregated", True),
+            "rollplex": ("rollplex", True)}
 PHASE_OF = {"vit_encode": "rollout", "decode_chunk": "rollout", "prefix": "prefix", "suffix_score": "scoring",
             "loss": "training", "optimizer_step": "training", "weight_sync": "sync", "offload": "memory",
             "prefetch": "memory"}

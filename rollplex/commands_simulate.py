@@ -27,8 +27,9 @@ def add_parser(sub) -> None:
     s.add_argument("--model", help="qwen2.5-vl-3b | qwen2.5-vl-7b | qwen2.5-vl-32b | path/to/config.json")
     s.add_argument("--gpus", type=int)
     s.add_argument("--hardware", choices=("h800", "h200"))
-    s.add_argument("--schedule", default="serial,serial+prefix,disaggregated,rollplex",
-                   help="comma-separated variants: serial, serial+prefix, disaggregated, rollplex")
+    s.add_argument("--schedule", default="serial,serial+prefix,disaggregated,disaggregated+prefix,rollplex",
+                   help="comma-separated variants: serial, serial+prefix, disaggregated, disaggregated+prefix, "
+                        "rollplex")
     w = s.add_argument_group("workload")
     w.add_argument("--prompts", type=int, help="P, prompts per iteration")
     w.add_argument("-G", "--samples", type=int, help="responses per prompt")
@@ -153,14 +154,15 @@ def _header(scn, eff) -> str:
 
 def _table(results) -> str:
     phases = ("rollout", "prefix", "scoring", "training", "sync", "memory", "host/idle")
-    head = f"{'variant':<15} {'makespan':>9} " + " ".join(f"{p:>9}" for p in phases) + \
+    width = max([15, *(len(n) for n in results)])
+    head = f"{'variant':<{width}} {'makespan':>9} " + " ".join(f"{p:>9}" for p in phases) + \
         f" {'HBM naive→planned GiB':>22}  fits"
     lines = ["time per iteration (s); each phase column is the time it alone kept GPUs busy (hidden work counts 0)",
              head, "-" * len(head)]
     for name, r in results.items():
         ph = r.phases()
         planned = f"{max(r.memory.peak.values()) / GiB:.1f}" if r.memory else "-"
-        lines.append(f"{name:<15} {r.makespan:>9.2f} " + " ".join(f"{ph.get(p, 0.0):>9.2f}" for p in phases)
+        lines.append(f"{name:<{width}} {r.makespan:>9.2f} " + " ".join(f"{ph.get(p, 0.0):>9.2f}" for p in phases)
                      + f" {r.naive_peak / GiB:>12.1f} → {planned:>6}  {'yes' if r.fits else 'NO'}")
         if r.error:
             lines.append(f"    {r.error}")
@@ -236,7 +238,8 @@ def _assumptions(scn, results) -> str:
         ("accumulation order", "the loss chain is kept; the chain of forwards a backward walks is per data-parallel "
          "rank, so it does not serialize prompts across the cluster", "compiler chains them on one worker"),
         ("serial/disaggregated", "score full sequences (no prefix sharing), like verl/OpenRLHF; serial+prefix "
-         "adds sharing to isolate the overlap gain", ""),
+         "and disaggregated+prefix add sharing (the bench's serial and disaggregated) to isolate the overlap gain",
+         ""),
         ("rollplex", "prefix sharing, prefix work under light decode on SM partitions (gate chosen per plan), stage "
          "fusion of finished groups, rollout weights per the sharing plan (views of the training shard where "
          "layouts agree; `rollplex weights`)", "the runtime scores single finished samples; modelled per group"),
