@@ -258,9 +258,7 @@ class GraphDecodeEngine(DecodeEngine):
             return
         with self._lock, torch.no_grad():
             for n in self.sizes:
-                key = (n, top_p, stream.cuda_stream)
-                if key not in self._graphs:
-                    self._graphs[key] = self._capture(n, top_p, stream)
+                self._graph(n, top_p, stream)
 
     def step_seconds_on(self, stream) -> dict[int, float]:
         """{batch size: seconds per step} of the graphs captured on ``stream`` (timed at capture)."""
@@ -290,11 +288,12 @@ class GraphDecodeEngine(DecodeEngine):
         try:
             # Requests for the same prompt (per-sample caps split a group into n=1 requests) share
             # one prefill, as vLLM's prefix cache would: the prompt is the same tokens and embeddings.
-            first: dict[tuple, int] = {}
+            keys = [_prompt_key(r) for r in take]
+            first: dict[tuple, int] = {}  # prompt key -> its index among the unique prompts
             unique: list[DecodeRequest] = []
-            for r in take:
-                if _prompt_key(r) not in first:
-                    first[_prompt_key(r)] = len(unique)
+            for key, r in zip(keys, take):
+                if key not in first:
+                    first[key] = len(unique)
                     unique.append(r)
             grid = lambda t: None if t is None else t.reshape(-1, 3)  # noqa: E731
             prompts = [PromptInputs(r.request_id, torch.tensor(r.prompt_token_ids, dtype=torch.long),
@@ -304,9 +303,9 @@ class GraphDecodeEngine(DecodeEngine):
             visions = [VisionEmbeds(image=r.image_embeds, video=r.video_embeds) for r in unique]
             states = prefix_forward_batch(self.model, prompts, visions, grad=False)
             rows_of: dict[int, list[int]] = {}
-            for req in take:
+            for req, key in zip(take, keys):
                 rows = [free.pop(0) for _ in range(req.n)]
-                u = first[_prompt_key(req)]
+                u = first[key]
                 rows_of.setdefault(u, []).extend(rows)
                 self._fill_rows(req, rows, states[u])
             b = self.batch
@@ -405,14 +404,16 @@ class GraphDecodeEngine(DecodeEngine):
         if not self.use_graphs:
             self._step(n, top_p)
             return
-        # Graphs belong to the stream they were captured on: one captured on an ordinary stream uses
-        # every SM even when replayed on a green context's stream, so each stream gets its own.
-        stream = torch.cuda.current_stream(self.device)
+        self._graph(n, top_p, torch.cuda.current_stream(self.device)).replay()
+
+    def _graph(self, n: int, top_p: bool, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
+        """The step's graph for n rows on ``stream``, captured there on first use. Graphs belong to
+        the stream they were captured on: one captured on an ordinary stream uses every SM even when
+        replayed on a green context's stream, so each stream gets its own."""
         key = (n, top_p, stream.cuda_stream)
-        graph = self._graphs.get(key)
-        if graph is None:
-            graph = self._graphs[key] = self._capture(n, top_p, stream)
-        graph.replay()
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(n, top_p, stream)
+        return self._graphs[key]
 
     def _capture(self, n: int, top_p: bool, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
         """Capture the step for n rows on ``stream`` (a side stream if that is the default one), after
@@ -449,27 +450,28 @@ class GraphDecodeEngine(DecodeEngine):
         return graph
 
     # -- finished rows ---------------------------------------------------------------------------------
-    def _read_rows(self) -> tuple[list, list, list, list]:
+    def _rows_on_host(self) -> dict[str, torch.Tensor]:
         """done, n_gen, tokens and log-probs of every row, on the host. On CUDA they go to pinned
         buffers by async copies and one wait on this stream: a pageable copy blocks inside the
         driver, and the profile showed the compute thread's allocations waiting behind it."""
         b = self.batch
         names = ("done", "n_gen", "tokens", "logps")
         if self.device.type != "cuda":
-            return tuple(getattr(b, n).cpu().tolist() for n in names)
+            return {n: getattr(b, n) for n in names}
         if self._pinned is None:
             self._pinned = {n: torch.empty_like(getattr(b, n), device="cpu").pin_memory() for n in names}
         for n in names:
             self._pinned[n].copy_(getattr(b, n), non_blocking=True)
         torch.cuda.current_stream(self.device).synchronize()
-        return tuple(self._pinned[n].tolist() for n in names)
+        return self._pinned
 
     def _collect(self) -> list[FinishedSequence]:
-        b = self.batch
-        done, n_gen, tokens, logps = self._read_rows()
+        host = self._rows_on_host()
+        done = host["done"].tolist()
         finished = [i for i, r in enumerate(self._live) if r is not None and done[i]]
         if not finished:
             return []
+        n_gen, tokens, logps = (host[n].tolist() for n in ("n_gen", "tokens", "logps"))
         out = []
         for i in finished:
             row = self._live[i]
