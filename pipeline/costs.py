@@ -253,16 +253,21 @@ class CostModel:
     def _compute(self, flops: float, gpus: int, eff: float) -> float:
         return flops / (gpus * self.flop_rate * eff)
 
+    def response_lengths(self, p: int, samples: list[int] | None = None) -> list[int]:
+        """Prompt p's response lengths (of ``samples`` only: the ones a decode chunk handed on)."""
+        rs = self.profile.lengths[p]
+        return rs if samples is None else [rs[g] for g in samples]
+
     def suffix_flops(self, p: int, full: bool, samples: list[int] | None = None) -> float:
         """FLOPs of scoring prompt p's responses (``samples`` of them: the ones a decode chunk handed on)."""
         L = self.w.prefix_tokens
-        rs = self.profile.lengths[p] if samples is None else [self.profile.lengths[p][g] for g in samples]
+        rs = self.response_lengths(p, samples)
         if full:
             return sum(self.m.lm_flops(L + r, (L + r) / 2, r) for r in rs)
         return sum(self.m.lm_flops(r, L + r / 2, r) for r in rs)
 
     def tokens(self, p: int, full: bool, samples: list[int] | None = None) -> int:
-        rs = self.profile.lengths[p] if samples is None else [self.profile.lengths[p][g] for g in samples]
+        rs = self.response_lengths(p, samples)
         return sum(rs) + (self.w.prefix_tokens * len(rs) if full else 0)
 
     # -- decode ---------------------------------------------------------------------------------
@@ -302,7 +307,6 @@ class CostModel:
         chunks = math.ceil(w.max_new_tokens / K)
         seconds = np.zeros(chunks)
         batch = np.zeros(chunks)
-        finish_step: dict[int, int] = {}
         sample_end: dict[int, list[int]] = {p: [] for p in range(w.prompts)}
         L = w.prefix_tokens
         for r in range(replicas):
@@ -318,7 +322,6 @@ class CostModel:
                 starts.append(s)
                 ends.append(s + n)
                 heapq.heappush(slots, s + n)
-                finish_step[p] = max(finish_step.get(p, 0), s + n)
                 sample_end[p].append(s + n)
             steps = max(ends)
             live = np.zeros(steps + 1)
@@ -341,9 +344,8 @@ class CostModel:
             slower = sec > seconds
             seconds = np.where(slower, sec, seconds)
             batch = np.where(slower, bat, batch)
-        chunk_of_step = lambda s: min(chunks - 1, max(0, (s - 1) // K))  # noqa: E731
-        finish = {p: chunk_of_step(s) for p, s in finish_step.items()}
-        by_sample = {p: [chunk_of_step(s) for s in ends] for p, ends in sample_end.items() if ends}
+        by_sample = {p: [min(chunks - 1, max(0, (s - 1) // K)) for s in ends] for p, ends in sample_end.items() if ends}
+        finish = {p: max(cs) for p, cs in by_sample.items()}  # a group goes on with its last sample
         return DecodeProfile(lengths, replicas, cap, seconds.tolist(), batch.tolist(), finish, by_sample)
 
     # -- per node -------------------------------------------------------------------------------
