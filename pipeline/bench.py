@@ -320,12 +320,12 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
             replay = [dict(r, decode=ReplayDecodeEngine(recorder.recorded)) for r in ranks]
             restart(extra)
             executor_for(policy, replay).run(graph, 0, inputs_for(0))
+            weights = trained_weights()
             if policy == "serial":  # the replay against its own sampled run: the replay itself
-                res.replayed_weights = host_copy(trained_weights())
-                res.replayed_difference = update_difference(trained_weights(), res.weights, start_state)
+                res.replayed_weights = host_copy(weights)
+                res.replayed_difference = update_difference(weights, res.weights, start_state)
             elif "serial" in results and results["serial"].replayed_weights is not None:
-                res.replayed_difference = update_difference(trained_weights(), results["serial"].replayed_weights,
-                                                            start_state)
+                res.replayed_difference = update_difference(weights, results["serial"].replayed_weights, start_state)
         return res
 
     # Serial first: its recorded rollout is what the others replay right after their timed runs, and

@@ -253,8 +253,9 @@ class WorkerHost:
         for stream, sms in partitions.decode_streams():
             with sm_target(sms if self.sm_target else None, partitions.total_sms):
                 capture(stream)
-            if timed is not None and timed(stream):  # the split is then chosen from these timings
-                partitions.measured[sms] = timed(stream)
+            steps = timed(stream) if timed is not None else {}
+            if steps:  # the split is then chosen from these timings
+                partitions.measured[sms] = steps
 
     def last_stream_wait(self) -> float | None:
         """Seconds the calling stream thread's last node waited for its kernels (None off CUDA), then
