@@ -23,6 +23,7 @@ against the same serial run. What is measured and reported lives in ``pipeline/b
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import time
@@ -176,15 +177,17 @@ def compile_for(cfg: BenchConfig, policy: str, config):
     from rollplex.pipeline.ranks import distribute, fit_prompts_per_node
     from rollplex.pipeline.schedule import schedule
 
-    policy, _ = parse_policy(policy)
+    policy, options = parse_policy(policy)
     ranks = 2 if policy == "rollplex-dp2" else 1
+    per_node = options.get("ppn", cfg.prompts_per_node)
     shape = BatchShape(prompts=cfg.prompts, samples=cfg.samples, max_new_tokens=cfg.max_new_tokens,
-                       chunk_tokens=cfg.chunk_tokens, micro_batch_groups=1,
+                       chunk_tokens=cfg.chunk_tokens,
+                       micro_batch_groups=fit_prompts_per_node(options.get("mb", 1), cfg.prompts // ranks),
                        prompt_tokens=cfg.vision_tokens + cfg.text_tokens + 2, vision_tokens=cfg.vision_tokens,
                        prefix_sharing=policy != "serial-noshare",
-                       prompts_per_node=fit_prompts_per_node(cfg.prompts_per_node, cfg.prompts // ranks),
+                       prompts_per_node=fit_prompts_per_node(per_node, cfg.prompts // ranks),
                        stage_fusion=cfg.stage_fusion and policy == "rollplex",
-                       train_fusion=cfg.train_fusion and policy == "rollplex")
+                       train_fusion=bool(options.get("tf", cfg.train_fusion)) and policy == "rollplex")
     engines = EngineChoice({"decode": "torch-graph", "train": cfg.train_engine, "score": "transformers"})
     graph = distribute(compile_iteration(grpo, shape, engines, ModelDims.from_hf_config(config, 2)), ranks)
     return schedule(graph, "rollplex" if policy.startswith("rollplex") else "serial")
@@ -333,7 +336,8 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
     graphs = {policy: compile_for(cfg, policy, config) for policy in sorted(cfg.policies, key=lambda p: p != "serial")}
     for policy, graph in graphs.items():
         extra = replicas_for(policy)
-        res = run_policy(policy, graph, extra)
+        with sdpa_backends(cudnn=bool(parse_policy(policy)[1].get("cudnn", 1))):
+            res = run_policy(policy, graph, extra)
         if extra is not None:
             extra.release()
         res.comparison = compare_update(res, res if policy == "serial" else results.get("serial"))
@@ -342,6 +346,19 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
             + "  ".join(f"{k} {v:.2f}" for k, v in sorted(res.by_kind.items())))
         report(cfg, spec, results, out_dir, lambda *a: None)  # partial results survive a later failure
     return report(cfg, spec, results, out_dir, log)
+
+
+@contextlib.contextmanager
+def sdpa_backends(*, cudnn: bool):
+    """Whether SDPA may pick cuDNN attention while one policy runs. The flag is process-wide, and
+    policies run one after another. cuDNN's kernels are fast, but the profile of one serial iteration
+    put 354 µs of host time on each call (a plan per new shape): eager scoring is host-bound."""
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(cudnn and before)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
 
 
 def sm_partitions(decode_sms: int, device_index: int = 0):

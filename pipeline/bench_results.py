@@ -22,9 +22,15 @@ if TYPE_CHECKING:
 POLICIES = ("serial-noshare", "serial", "rollplex")  # one GPU, the default
 # rollplex-nofusion: the decode window without stage fusion, so each gain shows on its own.
 ALL_POLICIES = POLICIES + ("rollplex-nofusion",) + TWO_GPU_POLICIES  # two-GPU ones: pipeline/bench_multi.py
+# Options of the rollplex policies only: how the decode window is shared.
 VARIANT_KEYS = {"gate": "prefix work waits until decode has at most this many live rows",
                 "sms": "decode's SMs while both streams are busy (0: re-chosen per chunk)",
-                "target": "1 (default): matmuls on a partition target its SMs through cuBLASLt; 0: plain cuBLAS"}
+                "target": "1 (default): matmuls on a partition target its SMs through cuBLASLt; 0: plain cuBLAS",
+                "tf": "train fusion: 1 trains finished groups inside the window, 0 after it (default: --train-fusion)"}
+# Options of every policy: how the work is batched, so each policy can run at its best settings.
+SHAPE_KEYS = {"ppn": "prompts per vit/prefix/suffix node (batched forwards; default: --prompts-per-node)",
+              "mb": "prompts per micro-batch: one loss and backward each (default 1)",
+              "cudnn": "1 (default): SDPA may pick cuDNN attention; 0: flash/efficient kernels only"}
 
 
 def file_stem(policy: str) -> str:
@@ -33,20 +39,21 @@ def file_stem(policy: str) -> str:
 
 
 def parse_policy(name: str) -> tuple[str, dict[str, int]]:
-    """``rollplex:gate=32:sms=64`` -> ("rollplex", {"gate": 32, "sms": 64}): a rollplex-family policy
-    with its own knobs, so variants run side by side in one bench against the same serial run."""
+    """``rollplex:gate=32:sms=64`` -> ("rollplex", {"gate": 32, "sms": 64}): a policy with its own
+    knobs, so variants run side by side in one bench against the same serial run."""
     base, *options = name.split(":")
     if base not in ALL_POLICIES:
         raise RollplexError(f"--policies: {base!r} unknown; choose from {', '.join(ALL_POLICIES)}")
     parsed: dict[str, int] = {}
+    known = VARIANT_KEYS | SHAPE_KEYS
     for option in options:
         key, _, value = option.partition("=")
-        if key not in VARIANT_KEYS or not value.isdigit():
+        if key not in known or not value.isdigit():
             raise RollplexError(f"--policies: {name!r}: option {option!r} is not KEY=N with KEY one of "
-                                + ", ".join(f"{k} ({v})" for k, v in VARIANT_KEYS.items()))
+                                + ", ".join(f"{k} ({v})" for k, v in known.items()))
+        if key in VARIANT_KEYS and not base.startswith("rollplex"):
+            raise RollplexError(f"--policies: {name!r}: option {key!r} applies to the rollplex policies only")
         parsed[key] = int(value)
-    if parsed and not base.startswith("rollplex"):
-        raise RollplexError(f"--policies: {name!r}: options apply to the rollplex policies only")
     return base, parsed
 
 

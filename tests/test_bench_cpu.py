@@ -77,12 +77,36 @@ def test_bench_two_gpu_policies_on_cpu_match_serial(tmp_path):
     assert any(line.startswith("rollplex-nofusion:gate=4 is") for line in out["speedups"])
 
 
+def test_policy_options_batch_nodes_and_micro_batches():
+    from transformers import AutoConfig
+
+    from rollplex.pipeline.bench import compile_for
+
+    path = resolve_model_path(load_config(None, []))
+    cfg = BenchConfig(model=path + "/config.json", device="cpu", prompts=4, samples=2, max_new_tokens=8, chunk_tokens=4,
+                      train_fusion=True)
+    hf = AutoConfig.from_pretrained(path)
+
+    def kinds(policy: str) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for node in compile_for(cfg, policy, hf).nodes.values():
+            counts[node.kind] = counts.get(node.kind, 0) + 1
+        return counts
+
+    plain, batched = kinds("serial"), kinds("serial:ppn=4:mb=4:cudnn=0")
+    assert (plain["loss"], plain["prefix"], plain["vit_encode"]) == (4, 8, 4)
+    assert (batched["loss"], batched["prefix"], batched["vit_encode"]) == (1, 2, 1)
+    assert kinds("rollplex:ppn=2:mb=2")["prefix"] == 4
+    fused, unfused = (set(compile_for(cfg, p, hf).nodes) for p in ("rollplex", "rollplex:tf=0"))  # per policy
+    assert "train_c0" in fused - unfused and "loss_m0" in unfused - fused
+
+
 def test_bench_names_an_unknown_policy_or_option():
     with pytest.raises(RollplexError, match="--policies: 'fastest' unknown"):
         run(BenchConfig(device="cpu", policies=("fastest",)), log=lambda *a: None)
     with pytest.raises(RollplexError, match="'rollplex:gates=4': option 'gates=4'"):
         run(BenchConfig(device="cpu", policies=("rollplex:gates=4",)), log=lambda *a: None)
-    with pytest.raises(RollplexError, match="'serial:gate=4': options apply to the rollplex policies only"):
+    with pytest.raises(RollplexError, match="'serial:gate=4': option 'gate' applies to the rollplex policies only"):
         run(BenchConfig(device="cpu", policies=("serial:gate=4",)), log=lambda *a: None)
 
 
