@@ -272,8 +272,7 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
             for c, out in enumerate(chunk_outs):
                 add(f"suffix_{s.as_}_c{c}", "suffix_score", kvs + [f"finished_c{c}"], [out], model=s.model, role=role,
                     args={"prompts": list(range(P)), "as": s.as_, "grad": False,
-                          "head": alg.models[s.model].head, "handoff_chunk": c,
-                          "prompts_per_batch": shape.prompts_per_node},
+                          "head": alg.models[s.model].head, "handoff_chunk": c},
                     **{out: dev(logprob_bytes * P / shape.chunks, "logprobs")})
             add(f"join_{s.as_}", "join", chunk_outs, [f"{s.as_}_p{p}" for p in range(P)],
                 args={"prompts": list(range(P)), "samples": G},

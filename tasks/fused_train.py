@@ -2,8 +2,9 @@
 
 The compiler emits these instead of per-prompt reward, advantage, suffix and loss nodes when every
 step of the algorithm is per group (``compiler.train_fusable``). Each handed group runs reward →
-advantage → the policy's suffix forward with grad on its prefix → the loss → backward, one group
-after another, so a group's graphs are freed before the next is built. The batch's token (or
+advantage → the policy's suffix forward with grad on its prefix → the loss → backward. Groups are
+batched into one forward and one backward as far as ``lm.batches_within``'s logits budget allows,
+and each batch's graphs are freed before the next is built. The batch's token (or
 response) count is known only after the last chunk, so each group's loss is summed, not averaged;
 the optimizer step divides the accumulated gradient by that count (``deferred_normaliser``), which
 gives the gradient of the averaged loss up to float rounding. Rewards, advantages, the loss's sum and
@@ -36,33 +37,45 @@ def train_handoff(ctx, node, inputs) -> dict:
     rewards_out, advantages_out, old_out = {}, {}, {}
     record = {"loss": 0.0, "tokens": 0.0, "sums": {}, "scalars": {}, "deferred": count_of(agg)}
     scalars: dict[str, list[float]] = {}
-    for p in sorted(handoff):
-        responses, prompt = handoff[p], inputs[f"prompt_p{p}"]
-        rewards = group_rewards(ctx, prompt, responses)
-        mask = responses.mask()
-        adv = group_advantages(ctx, {"rewards": rewards, "responses": responses, "mask": mask}, mask.shape[-1])
-        ((logprobs, _),) = lm.suffix_logprobs_batch(model, [inputs[f"prefix_{node.model}_p{p}"]],
-                                                     [responses.token_ids], pad_id=s.pad_id,
-                                                     temperature=s.score_temperature, grad=True)
-        values = {"responses": [responses], "rewards": rewards, "advantages": adv, "mask": mask,
-                  as_: logprobs, f"old_{as_}": logprobs.detach(),
-                  **{name: frozen_scores(inputs, name, p, c, mask.shape[-1]) for name in node.args["frozen"]}}
-        values = {k: v.to(engine.device) if torch.is_tensor(v) else v for k, v in values.items()}
-        mask = values["mask"]
-        result = decl.call(values, ctx.params)
-        per_token, metrics = result if isinstance(result, tuple) else (result, {})
-        contribution = summed_loss(per_token, mask, agg)
-        if not torch.isfinite(contribution):
-            raise FloatingPointError(f"non-finite loss {contribution.item()} for prompt {p} in {node.name}")
-        engine.backward(contribution)
-        rewards_out[p], advantages_out[p], old_out[p] = rewards, adv, logprobs.detach().cpu()
-        record["loss"] += float(contribution.detach())
-        record["tokens"] += float(mask.sum())
-        sums, group_scalars = loss_metrics(metrics, mask)
-        for k, v in sums.items():
-            record["sums"][k] = record["sums"].get(k, 0.0) + v
-        for k, v in group_scalars.items():
-            scalars.setdefault(k, []).append(v)
+    ready = sorted(handoff)
+    shapes = [(len(handoff[p].token_ids), max(1, *map(len, handoff[p].token_ids))) for p in ready]
+    # Groups share a forward and a backward as far as the logits budget allows: eager scoring is
+    # host-bound, and each group's loss sums into one backward that reaches every group's prefix.
+    for run in lm.batches_within(shapes, model.config.get_text_config().vocab_size, grad=True):
+        batch = [ready[i] for i in run]
+        scored = lm.suffix_logprobs_batch(model, [inputs[f"prefix_{node.model}_p{p}"] for p in batch],
+                                          [handoff[p].token_ids for p in batch], pad_id=s.pad_id,
+                                          temperature=s.score_temperature, grad=True)
+        total, parts = None, []
+        for p, (logprobs, _) in zip(batch, scored):
+            responses, prompt = handoff[p], inputs[f"prompt_p{p}"]
+            rewards = group_rewards(ctx, prompt, responses)
+            mask = responses.mask()
+            adv = group_advantages(ctx, {"rewards": rewards, "responses": responses, "mask": mask}, mask.shape[-1])
+            values = {"responses": [responses], "rewards": rewards, "advantages": adv, "mask": mask,
+                      as_: logprobs, f"old_{as_}": logprobs.detach(),
+                      **{name: frozen_scores(inputs, name, p, c, mask.shape[-1]) for name in node.args["frozen"]}}
+            values = {k: v.to(engine.device) if torch.is_tensor(v) else v for k, v in values.items()}
+            result = decl.call(values, ctx.params)
+            per_token, metrics = result if isinstance(result, tuple) else (result, {})
+            contribution = summed_loss(per_token, values["mask"], agg)
+            total = contribution if total is None else total + contribution
+            parts.append((p, contribution.detach(), values["mask"], metrics))
+            rewards_out[p], advantages_out[p], old_out[p] = rewards, adv, logprobs.detach().cpu()
+        # One host sync per batch, not per group: the finiteness check and the loss read share it.
+        losses = torch.stack([c for _, c, _, _ in parts]).float().cpu()
+        if not torch.isfinite(losses).all():
+            bad = next(p for (p, _, _, _), v in zip(parts, losses) if not torch.isfinite(v))
+            raise FloatingPointError(f"non-finite loss {float(losses.sum())} for prompt {bad} in {node.name}")
+        engine.backward(total)
+        for (_, _, mask, metrics), loss_value in zip(parts, losses.tolist()):
+            record["loss"] += loss_value
+            record["tokens"] += float(mask.sum())
+            sums, group_scalars = loss_metrics(metrics, mask)
+            for k, v in sums.items():
+                record["sums"][k] = record["sums"].get(k, 0.0) + v
+            for k, v in group_scalars.items():
+                scalars.setdefault(k, []).append(v)
     record["scalars"] = {k: sum(v) / len(v) for k, v in scalars.items()}
     rewards_name, advantages_name, old_name, loss_name = node.outputs
     return {rewards_name: rewards_out, advantages_name: advantages_out, old_name: old_out, loss_name: record}

@@ -176,6 +176,30 @@ def prefix_forward_batch(model: torch.nn.Module, prompts: list[PromptInputs], vi
             for i, n in enumerate(lengths)]
 
 
+# Full-vocabulary fp32 logits are the largest tensors of a suffix forward: [rows, R, V], 10 GB for
+# 64 rows of 256 tokens on a 152k vocabulary. A forward that batches groups keeps them under this
+# many elements (8 GiB in fp32); one with grad keeps half, as its backward holds several such
+# tensors at once (bf16 and fp32 logits, log-softmax, their gradient).
+LOGITS_BUDGET = 2**31
+
+
+def batches_within(shapes: list[tuple[int, int]], vocab: int, *, grad: bool, budget: int = LOGITS_BUDGET) -> list[list[int]]:
+    """Runs of consecutive items, given as (rows, response width), whose batched forward stays within
+    the logits budget: rows summed × the widest width × vocab. Every item gets a batch, even one over
+    the budget on its own."""
+    limit = budget // 2 if grad else budget
+    out: list[list[int]] = []
+    rows = width = 0
+    for i, (n, w) in enumerate(shapes):
+        if out and (rows + n) * max(width, w) * vocab <= limit:
+            out[-1].append(i)
+            rows, width = rows + n, max(width, w)
+        else:
+            out.append([i])
+            rows, width = n, w
+    return out
+
+
 def pad_responses(responses: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-pad token lists to [G, R] and return (tokens, mask)."""
     width = max(1, max(len(r) for r in responses))

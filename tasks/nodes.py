@@ -186,18 +186,20 @@ def suffix_score(ctx, node, inputs):
     if "handoff_chunk" in node.args:  # stage fusion: the samples one decode chunk finished
         handoff = inputs[node.inputs[-1]]  # {prompt: {sample: FinishedSequence}}
         kv_of = dict(zip(node.args["prompts"], node.inputs[:-1]))
-        ready, per_batch = sorted(p for p in handoff if handoff[p]), node.args.get("prompts_per_batch", 1)
+        ready = sorted(p for p in handoff if handoff[p])
+        samples = {p: sorted(handoff[p]) for p in ready}
         scored: dict[int, dict[int, torch.Tensor]] = {}
-        # One forward per batch of prompts, each with the samples it has finished so far; a sample's
-        # row is cut to its own length (join_samples pads the group back together).
-        for i in range(0, len(ready), per_batch):
-            batch = ready[i:i + per_batch]
-            samples = [sorted(handoff[p]) for p in batch]
+        # As few forwards as the logits budget allows, each over every prompt with samples finished
+        # in this chunk: eager scoring is host-bound, so one forward per prompt would cost the window
+        # a launch sequence each. A sample's row is cut to its own length (join_samples pads back).
+        shapes = [(len(samples[p]), max(len(handoff[p][g].token_ids) for g in samples[p])) for p in ready]
+        for run in lm.batches_within(shapes, model.config.get_text_config().vocab_size, grad=False):
+            batch = [ready[i] for i in run]
             logprobs = lm.suffix_logprobs_batch(model, [inputs[kv_of[p]] for p in batch],
-                                                [[handoff[p][g].token_ids for g in gs] for p, gs in zip(batch, samples)],
+                                                [[handoff[p][g].token_ids for g in samples[p]] for p in batch],
                                                 pad_id=s.pad_id, temperature=s.score_temperature, grad=False)
-            for p, gs, (lp, _) in zip(batch, samples, logprobs):
-                scored[p] = {g: lp[row, : len(handoff[p][g].token_ids)].detach() for row, g in enumerate(gs)}
+            for p, (lp, _) in zip(batch, logprobs):
+                scored[p] = {g: lp[row, : len(handoff[p][g].token_ids)].detach() for row, g in enumerate(samples[p])}
         return {node.outputs[0]: scored}
     n = len(node.args["prompts"])
     responses = [inputs[v].token_ids for v in node.inputs[-n:]]

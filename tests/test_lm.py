@@ -134,3 +134,27 @@ def test_batched_forwards_equal_one_prompt_at_a_time(model_and_prompt, tiny_mode
         scale = g_b[name].abs().max().clamp(min=1e-8)
         assert float((g_a[name] - g_b[name]).abs().max() / scale) < 1e-4, name
     model.zero_grad()
+
+
+def test_scoring_batches_stay_within_the_logits_budget_and_cover_every_group_in_order():
+    import random
+
+    from rollplex.tasks.lm import batches_within
+
+    rng = random.Random(0)
+    for _ in range(200):
+        shapes = [(rng.randint(1, 8), rng.randint(1, 256)) for _ in range(rng.randint(1, 12))]
+        vocab, budget, grad = rng.choice([1000, 151936]), rng.choice([2**20, 2**31]), rng.random() < 0.5
+        runs = batches_within(shapes, vocab, grad=grad, budget=budget)
+        assert [i for run in runs for i in run] == list(range(len(shapes)))
+        limit = budget // 2 if grad else budget
+        for run in runs:  # within the budget, unless one group alone is over it
+            rows, width = sum(shapes[i][0] for i in run), max(shapes[i][1] for i in run)
+            assert len(run) == 1 or rows * width * vocab <= limit
+        for a, b in zip(runs, runs[1:]):  # greedy: the next group did not fit
+            rows = sum(shapes[i][0] for i in a) + shapes[b[0]][0]
+            assert rows * max(shapes[i][1] for i in a + b[:1]) * vocab > limit
+    # The bench's shape: 8 groups of 8 rows, 128 wide, on Qwen's vocabulary: six groups in the first
+    # forward with grad (6·8·128·151936 ≈ 0.93·2^30 elements), all eight without.
+    assert batches_within([(8, 128)] * 8, 151936, grad=True) == [[0, 1, 2, 3, 4, 5], [6, 7]]
+    assert batches_within([(8, 128)] * 8, 151936, grad=False) == [list(range(8))]
