@@ -23,7 +23,6 @@ against the same serial run. What is measured and reported lives in ``pipeline/b
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 import time
@@ -256,6 +255,7 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
                 if cfg.device == "cuda" and key not in partitions:
                     partitions[key] = sm_partitions(key[1], torch.device(home).index or 0)
                 host.sm_target = bool(options.get("target", 1))
+                host.grad_on_partition = bool(options.get("gp", 0))
                 host.use_partitions(partitions.get(key))
                 host.gate_rows = options.get("gate", cfg.gate_rows)
             hosts.append(host)
@@ -336,8 +336,7 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
     graphs = {policy: compile_for(cfg, policy, config) for policy in sorted(cfg.policies, key=lambda p: p != "serial")}
     for policy, graph in graphs.items():
         extra = replicas_for(policy)
-        with sdpa_backends(cudnn=bool(parse_policy(policy)[1].get("cudnn", 1))):
-            res = run_policy(policy, graph, extra)
+        res = run_policy(policy, graph, extra)
         if extra is not None:
             extra.release()
         res.comparison = compare_update(res, res if policy == "serial" else results.get("serial"))
@@ -346,19 +345,6 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
             + "  ".join(f"{k} {v:.2f}" for k, v in sorted(res.by_kind.items())))
         report(cfg, spec, results, out_dir, lambda *a: None)  # partial results survive a later failure
     return report(cfg, spec, results, out_dir, log)
-
-
-@contextlib.contextmanager
-def sdpa_backends(*, cudnn: bool):
-    """Whether SDPA may pick cuDNN attention while one policy runs. The flag is process-wide, and
-    policies run one after another. cuDNN's kernels are fast, but the profile of one serial iteration
-    put 354 µs of host time on each call (a plan per new shape): eager scoring is host-bound."""
-    before = torch.backends.cuda.cudnn_sdp_enabled()
-    torch.backends.cuda.enable_cudnn_sdp(cudnn and before)
-    try:
-        yield
-    finally:
-        torch.backends.cuda.enable_cudnn_sdp(before)
 
 
 def sm_partitions(decode_sms: int, device_index: int = 0):

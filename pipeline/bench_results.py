@@ -26,11 +26,11 @@ ALL_POLICIES = POLICIES + ("rollplex-nofusion",) + TWO_GPU_POLICIES  # two-GPU o
 VARIANT_KEYS = {"gate": "prefix work waits until decode has at most this many live rows",
                 "sms": "decode's SMs while both streams are busy (0: re-chosen per chunk)",
                 "target": "1 (default): matmuls on a partition target its SMs through cuBLASLt; 0: plain cuBLAS",
+                "gp": "1: forwards kept for a backward (the policy's prefix) may run on a partition; 0 (default): whole GPU",
                 "tf": "train fusion: 1 trains finished groups inside the window, 0 after it (default: --train-fusion)"}
 # Options of every policy: how the work is batched, so each policy can run at its best settings.
 SHAPE_KEYS = {"ppn": "prompts per vit/prefix/suffix node (batched forwards; default: --prompts-per-node)",
-              "mb": "prompts per micro-batch: one loss and backward each (default 1)",
-              "cudnn": "1 (default): SDPA may pick cuDNN attention; 0: flash/efficient kernels only"}
+              "mb": "prompts per micro-batch: one loss and backward each (default 1)"}
 
 
 def file_stem(policy: str) -> str:

@@ -85,6 +85,17 @@ class Partitions:
         return split.get(f"{name}_sms", self.current if name == "decode" else None) if split else None
 
 
+def _immortal(context):
+    """Keep a green context until the process ends. A tensor used on a context's stream records an
+    event there when it is freed; once the context is destroyed that record aborts the process
+    (``cudaErrorContextIsDestroyed``), and such tensors can outlive any owner we could name (a
+    finished test's engines, interpreter shutdown). A handful per process; the driver frees them."""
+    import ctypes
+
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(context))
+    return context
+
+
 def make(device_index: int, decode_sms: list[int] | None = None) -> Partitions | None:
     """Green-context streams for each split (default: one per row of ``AUTO_SPLITS``), or None where
     the torch build or driver has none."""
@@ -108,7 +119,7 @@ def make(device_index: int, decode_sms: list[int] | None = None) -> Partitions |
                         ctx.set_context()
                         pair[name] = torch.cuda.Stream()
                         ctx.pop_context()
-                pair[f"{name}_context"] = ctx  # keep the context alive as long as its stream
+                pair[f"{name}_context"] = _immortal(ctx)
                 pair[f"{name}_sms"] = n
             streams[sms] = pair
         return Partitions(streams, total_sms=total)

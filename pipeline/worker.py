@@ -140,6 +140,7 @@ class WorkerHost:
         # the whole GPU alone.
         self.partitions = None
         self.sm_target = True  # a partition's matmuls target its SMs (partitions.sm_target)
+        self.grad_on_partition = False  # forwards kept for a backward may take a partition (on_stream)
         capture = getattr(self.decode, "capture_graphs", None)
         if capture is not None and self.streams.get("decode") is not None:
             capture(self.streams["decode"])  # every batch size now, not at its first use mid-rollout
@@ -277,9 +278,12 @@ class WorkerHost:
         return self.submit(stream, bound).result()
 
     @contextmanager
-    def on_stream(self, stream: str):
+    def on_stream(self, stream: str, keeps_graph: bool = False):
         """Run the body on the stream (its thread's CUDA stream); yields the SMs of the partition it
-        got, or None for the whole GPU (or no GPU)."""
+        got, or None for the whole GPU (or no GPU). A body that ``keeps_graph`` for a later backward
+        stays off the partitions unless ``grad_on_partition``: autograd runs each backward kernel on
+        its forward's stream, so a prefix forwarded on a 36-SM partition in the decode window would
+        also be back-propagated on 36 SMs, long after decode has ended."""
         s = self.streams.get(stream)
         if s is None:
             yield None
@@ -291,7 +295,7 @@ class WorkerHost:
                 if stream == "decode":
                     live = getattr(self.decode, "live_rows", None)
                     self.partitions.choose(live() if live else None)
-                if self._busy.get(other):
+                if self._busy.get(other) and (self.grad_on_partition or not keeps_graph):
                     s = self.partitions.stream(stream)
                     sms = self.partitions.sms_of(stream)
             self._busy[stream] = self._busy.get(stream, 0) + 1
@@ -388,7 +392,9 @@ def execute_node(host: WorkerHost, node: Node, iteration: int, inputs: dict[str,
     start = time.time()
     try:
         # Named after the kind so that a profile (rollplex bench --profile) sums device time per kind.
-        with host.on_stream(node.stream) as sms, torch.profiler.record_function(f"node:{node.kind}"):
+        keeps_graph = node.kind in ("prefix", "suffix_score") and bool(node.args.get("grad"))
+        with host.on_stream(node.stream, keeps_graph=keeps_graph) as sms, \
+                torch.profiler.record_function(f"node:{node.kind}"):
             outputs = task_for(node.kind)(NodeContext(host, iteration), node, inputs)
     except (RollplexError, NodeFailure):
         raise

@@ -93,7 +93,7 @@ def test_policy_options_batch_nodes_and_micro_batches():
             counts[node.kind] = counts.get(node.kind, 0) + 1
         return counts
 
-    plain, batched = kinds("serial"), kinds("serial:ppn=4:mb=4:cudnn=0")
+    plain, batched = kinds("serial"), kinds("serial:ppn=4:mb=4")
     assert (plain["loss"], plain["prefix"], plain["vit_encode"]) == (4, 8, 4)
     assert (batched["loss"], batched["prefix"], batched["vit_encode"]) == (1, 2, 1)
     assert kinds("rollplex:ppn=2:mb=2")["prefix"] == 4

@@ -72,6 +72,14 @@ def test_the_host_rechooses_the_split_per_decode_chunk_and_compute_takes_the_com
     assert run("compute", other_busy=True) == "compute32"  # the tail chunk chose 32 for decode
     assert got == [None, 96, 64, 68, None, 100]  # what a trace event records: the SMs of a shared stream
 
+    # A forward kept for a backward stays on the whole GPU: its backward would run on its stream.
+    host._busy["decode"] = 1
+    with host.on_stream("compute", keeps_graph=True) as sms:
+        assert sms is None and used[-1] == "compute-whole"
+    host.grad_on_partition = True
+    with host.on_stream("compute", keeps_graph=True) as sms:
+        assert sms == 100 and used[-1] == "compute32"
+
 
 def test_the_runtime_asks_for_partitions_under_the_rollplex_schedule_only(tmp_path):
     from rollplex.config import load_config
