@@ -201,6 +201,7 @@ class GraphDecodeEngine(DecodeEngine):
         self._live: list[_Row | None] = [None] * self.rows  # row slot -> what it decodes
         self._children: dict[str, int] = {}  # live request id -> samples handed on so far
         self._admitting = 0  # rows whose prefill runs now (live_rows counts them)
+        self._prefilled = None  # CUDA event after the last prefill's kernels
         self._pinned: dict[str, torch.Tensor] | None = None  # host buffers for finished rows (CUDA)
         self._step_seconds: dict[int, dict[int, float]] = {}  # stream -> {graph batch: step seconds}
         self.steps_run = 0
@@ -268,6 +269,13 @@ class GraphDecodeEngine(DecodeEngine):
         """Rows decoding now (read without the lock: a scheduling hint, not bookkeeping)."""
         return sum(r is not None for r in self._live) + sum(r.n for r in self._pending) + self._admitting
 
+    def prefilling(self) -> bool:
+        """Whether a prefill is queued, being launched, or still running on the device. A prefill is
+        compute-bound, so work beside it slows it as much as it gains (WorkerHost's prefill gate)."""
+        if self._admitting or (self._pending and not self._live_count()):
+            return True
+        return self._prefilled is not None and not self._prefilled.query()
+
     # -- admission: prefill queued prompts into free rows ----------------------------------------
     def _live_count(self) -> int:
         return sum(r is not None for r in self._live)
@@ -314,6 +322,9 @@ class GraphDecodeEngine(DecodeEngine):
                 for layer, (k, v) in enumerate(state.kv):
                     b.k[layer][index, :, : state.length] = k
                     b.v[layer][index, :, : state.length] = v
+            if self.device.type == "cuda":  # prefilling() asks the device, not the host, when it is done
+                self._prefilled = torch.cuda.Event()
+                self._prefilled.record()
         finally:
             self._admitting = 0
         self._pack()

@@ -256,6 +256,7 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
                     partitions[key] = sm_partitions(key[1], torch.device(home).index or 0)
                 host.sm_target = bool(options.get("target", 1))
                 host.grad_on_partition = bool(options.get("gp", 0))
+                host.prefill_gate = bool(options.get("pf", 1))
                 host.use_partitions(partitions.get(key))
                 host.gate_rows = options.get("gate", cfg.gate_rows)
             hosts.append(host)

@@ -338,12 +338,14 @@ def test_graph_engine_prefills_a_shared_prompt_once_and_counts_its_rows_meanwhil
     real = lm.prefix_forward_batch
 
     def spy(model, batch, visions, *, grad):
-        seen.append((len(batch), graph_engine.live_rows()))
+        seen.append((len(batch), graph_engine.live_rows(), graph_engine.prefilling()))
         return real(model, batch, visions, grad=grad)
 
     monkeypatch.setattr(lm, "prefix_forward_batch", spy)
-    singles = run(graph_engine, [DecodeRequest(f"s{i}", seed=5 + i, max_tokens=3 + i, **base) for i in range(4)])
-    assert seen == [(1, 4)]
+    graph_engine.add_requests([DecodeRequest(f"s{i}", seed=5 + i, max_tokens=3 + i, **base) for i in range(4)])
+    assert graph_engine.prefilling()  # queued, nothing decoding: a prefill is next
+    singles = run(graph_engine, [])
+    assert seen == [(1, 4, True)] and not graph_engine.prefilling()
     monkeypatch.setattr(lm, "prefix_forward_batch", real)
     graph_engine.add_requests([DecodeRequest("g", seed=5, n=4, max_tokens=6, **base)])
     grouped = []

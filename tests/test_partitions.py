@@ -167,3 +167,39 @@ def test_attaching_partitions_records_the_engines_step_times_per_split(monkeypat
     host.use_partitions(parts)
     assert parts.measured == {32: {8: 0.005, 64: 0.020}, 96: {8: 0.005, 64: 0.010}}
     assert parts.choose(64) == 96 and parts.choose(8) == 32
+
+
+def test_compute_work_waits_out_decodes_prefill_and_only_while_decode_runs(monkeypatch):
+    import threading
+    import time
+
+    from rollplex.tasks import rewards
+
+    monkeypatch.setitem(rewards._REWARDS, "bench_parity", bench_reward)
+
+    class Prefilling(FakeDecode):
+        started, prefill_left = False, 3  # polls until the device finishes the prefill
+
+        def has_unfinished(self) -> bool:
+            return self.started
+
+        def prefilling(self) -> bool:
+            if not self.started:
+                return False
+            self.prefill_left -= 1
+            return self.prefill_left >= 0
+
+    decode = Prefilling()
+    host = _host(BenchConfig(device="cpu"), None, None, decode, "rollplex", {})
+    t0 = time.time()
+    host.wait_for_prefill(poll=0.001)  # decode idle: no wait at all
+    assert time.time() - t0 < 0.05 and decode.prefill_left == 3
+    host._busy["decode"] = 1  # the decode node runs but has not added its requests yet: wait
+    threading.Timer(0.05, lambda: setattr(decode, "started", True)).start()
+    t0 = time.time()
+    host.wait_for_prefill(poll=0.001)
+    assert time.time() - t0 >= 0.05 and decode.prefill_left == -1  # then through every prefill poll
+    decode.started, decode.prefill_left = False, 10**9
+    t0 = time.time()
+    host.wait_for_prefill(poll=0.001, limit=0.05)  # a misread engine costs the limit, not a hang
+    assert 0.05 <= time.time() - t0 < 1.0
