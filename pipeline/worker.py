@@ -141,7 +141,8 @@ class WorkerHost:
         self.partitions = None
         self.sm_target = True  # a partition's matmuls target its SMs (partitions.sm_target)
         self.grad_on_partition = False  # forwards kept for a backward may take a partition (on_stream)
-        self.prefill_gate = True  # compute work waits out decode's prefill (wait_for_prefill)
+        self.prefill_gate = True  # prefix and scoring work wait out decode's prefill (wait_for_prefill)
+        self._decode_iteration: int | None = None  # the iteration whose decode last started
         capture = getattr(self.decode, "capture_graphs", None)
         if capture is not None and self.streams.get("decode") is not None:
             capture(self.streams["decode"])  # every batch size now, not at its first use mid-rollout
@@ -234,17 +235,22 @@ class WorkerHost:
             torch.cuda.reset_peak_memory_stats(self.device)
         return {"events": events, "peak_memory_bytes": int(peak), "worker": self.name, "pid": os.getpid()}
 
-    def wait_for_prefill(self, poll: float = 0.002, limit: float = 30.0) -> None:
-        """Hold compute work while decode is busy but has not begun stepping: its prefill is
-        compute-bound, and run beside it on a partition both take longer (run 8: the first chunk
-        went from 0.42 to 0.69 s beside the reference prefix). ``limit`` bounds the wait, so an
-        engine whose state is misread costs time, never a hang."""
+    def wait_for_prefill(self, iteration: int, poll: float = 0.002, limit: float = 30.0,
+                         start_limit: float = 0.5) -> None:
+        """Hold compute work while decode's prefill runs: it is compute-bound, and run beside it on
+        a partition both take longer (run 8: the first chunk went from 0.45 to 0.69 s beside the
+        reference prefix). Work that became ready with decode (both wait on the vision tower) first
+        waits up to ``start_limit`` for this iteration's decode to begin. The engine's state is read
+        without its lock (a chunk holds the lock throughout), and ``limit`` bounds the wait, so a
+        misread costs time, never a hang."""
         prefilling = getattr(self.decode, "prefilling", None)
-        if prefilling is None:
+        live = getattr(self.decode, "live_rows", None)
+        if prefilling is None or live is None:
             return
-        end = time.time() + limit
-        while (self._busy.get("decode") and (prefilling() or not self.decode.has_unfinished())
-               and time.time() < end):
+        now = time.time()
+        while self._decode_iteration != iteration and time.time() < now + start_limit:
+            time.sleep(poll)
+        while self._busy.get("decode") and (prefilling() or not live()) and time.time() < now + limit:
             time.sleep(poll)
 
     def wait_for_light_decode(self, poll: float = 0.002) -> None:
@@ -401,8 +407,10 @@ def execute_node(host: WorkerHost, node: Node, iteration: int, inputs: dict[str,
     """Run one node's task on the calling thread (its stream's thread), timed, errors naming the node."""
     from rollplex.tasks.registry import task_for
 
-    if node.stream == "compute" and host.prefill_gate:
-        host.wait_for_prefill()
+    if node.stream == "decode":
+        host._decode_iteration = iteration
+    elif node.kind in ("prefix", "suffix_score") and host.prefill_gate:  # vision feeds decode: never held
+        host.wait_for_prefill(iteration)
     if node.kind == "prefix" and host.gate_rows:
         host.wait_for_light_decode()
     start = time.time()

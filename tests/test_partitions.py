@@ -178,28 +178,30 @@ def test_compute_work_waits_out_decodes_prefill_and_only_while_decode_runs(monke
     monkeypatch.setitem(rewards._REWARDS, "bench_parity", bench_reward)
 
     class Prefilling(FakeDecode):
-        started, prefill_left = False, 3  # polls until the device finishes the prefill
-
-        def has_unfinished(self) -> bool:
-            return self.started
+        rows, prefill_left = 0, 3  # polls until the device finishes the prefill
 
         def prefilling(self) -> bool:
-            if not self.started:
+            if not self.rows:
                 return False
             self.prefill_left -= 1
             return self.prefill_left >= 0
 
     decode = Prefilling()
     host = _host(BenchConfig(device="cpu"), None, None, decode, "rollplex", {})
+    host._decode_iteration = 0
     t0 = time.time()
-    host.wait_for_prefill(poll=0.001)  # decode idle: no wait at all
+    host.wait_for_prefill(0, poll=0.001)  # this iteration's decode ran and is idle now: no wait
     assert time.time() - t0 < 0.05 and decode.prefill_left == 3
-    host._busy["decode"] = 1  # the decode node runs but has not added its requests yet: wait
-    threading.Timer(0.05, lambda: setattr(decode, "started", True)).start()
+    t0 = time.time()  # ready before decode began: waits for it up to start_limit, then goes
+    host.wait_for_prefill(1, poll=0.001, start_limit=0.05)
+    assert 0.05 <= time.time() - t0 < 0.5
+    # Decode begins (busy) but has not added its requests yet: wait, then through every prefill poll.
+    host._decode_iteration, host._busy["decode"] = 1, 1
+    threading.Timer(0.05, lambda: setattr(decode, "rows", 64)).start()
     t0 = time.time()
-    host.wait_for_prefill(poll=0.001)
-    assert time.time() - t0 >= 0.05 and decode.prefill_left == -1  # then through every prefill poll
-    decode.started, decode.prefill_left = False, 10**9
+    host.wait_for_prefill(1, poll=0.001)
+    assert time.time() - t0 >= 0.05 and decode.prefill_left == -1
+    decode.rows, decode.prefill_left = 0, 10**9
     t0 = time.time()
-    host.wait_for_prefill(poll=0.001, limit=0.05)  # a misread engine costs the limit, not a hang
+    host.wait_for_prefill(1, poll=0.001, limit=0.05)  # a misread engine costs the limit, not a hang
     assert 0.05 <= time.time() - t0 < 1.0
