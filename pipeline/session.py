@@ -67,14 +67,16 @@ def resolve_model_path(cfg: RunConfig) -> str:
     return str(ensure_tiny_vlm(default_model_spec()))
 
 
-# FLOPs a vit/prefix/suffix node should carry so that its dispatch (Dask task, Python, kernel launches:
-# milliseconds) stays a small share of it: ~0.1-0.5 s of CPU work, a few ms of GPU work.
-MIN_NODE_FLOPS = {"cpu": 2e9, "cuda": 2e12}
+# FLOPs a vit/prefix/suffix node should carry so that its dispatch stays a small share of it: on the
+# CPU ~0.1-0.5 s of work. On a GPU an eager HF forward is launch-bound well past that: one 3B prompt
+# of 1090 tokens (6.5 TFLOP, 0.04 s of kernels) costs more host time than device time, and 8 prompts
+# per node made serial 1.26-1.49x faster on an H200 (BENCHMARKS.md, runs 7-10). 50 TFLOP per node is
+# those 8 prompts.
+MIN_NODE_FLOPS = {"cpu": 2e9, "cuda": 5e13}
 
 
 def auto_prompts_per_node(dims, prompt_tokens: int, prompts: int, device: str) -> int:
-    """One prompt per node wherever a prompt's prefix is real work (any real VLM on a GPU); on a tiny
-    model, batch prompts until a node is worth its dispatch."""
+    """Batch prompts until a node's forward is worth its dispatch and kernel launches."""
     per_prompt = 2 * dims.params * max(prompt_tokens, 1)
     return max(1, min(prompts, math.ceil(MIN_NODE_FLOPS.get(device, 2e12) / per_prompt)))
 

@@ -135,16 +135,18 @@ def decode_chunk(ctx, node, inputs):
         keys = [(request_id(ctx.iteration, index[p]), g) for g in range(s.samples)]
         return Responses(index[p], [finished[k] for k in keys]) if all(k in finished for k in keys) else None
 
-    def new_samples() -> dict[int, dict[int, FinishedSequence]]:
+    def new_samples() -> tuple[dict[int, dict[int, FinishedSequence]], set[tuple[str, int]]]:
         """{prompt: {sample: sequence}} finished since the last chunk (each handed on exactly once):
-        frozen models score single samples, which need no group."""
+        frozen models score single samples, which need no group. Also their keys, now handed."""
         by_prompt: dict[int, dict[int, FinishedSequence]] = {}
+        keys = set()
         for p in range(num_prompts):
             for g in range(s.samples):
                 key = (request_id(ctx.iteration, index[p]), g)
                 if key in finished and key not in handed_samples:
                     by_prompt.setdefault(index[p], {})[g] = finished[key]
-        return by_prompt
+                    keys.add(key)
+        return by_prompt, keys
 
     out: dict[str, Any] = {}
     if chunk < chunks - 1:
@@ -153,9 +155,8 @@ def decode_chunk(ctx, node, inputs):
             handed = handed | done.keys()
             out[groups_out] = {index[p]: r for p, r in done.items()}
         if samples_out in node.outputs:
-            out[samples_out] = new_samples()
-            handed_samples = handed_samples | {(request_id(ctx.iteration, p), g)
-                                               for p, gs in out[samples_out].items() for g in gs}
+            out[samples_out], keys = new_samples()
+            handed_samples = handed_samples | keys
         out[node.outputs[0]] = {"finished": finished, "expected": expected, "handed": handed,
                                 "handed_samples": handed_samples}
         return out
@@ -174,7 +175,7 @@ def decode_chunk(ctx, node, inputs):
     if fused:
         out[groups_out] = {index[p]: out[node.outputs[p]] for p in range(num_prompts) if p not in handed}
     if samples_out in node.outputs:
-        out[samples_out] = new_samples()
+        out[samples_out] = new_samples()[0]
     return out
 
 
