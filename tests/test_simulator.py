@@ -193,6 +193,27 @@ def test_predicting_the_recorded_gpu_bench_runs(tmp_path):
     assert "worst |error|" in proc.stdout
 
 
+def test_predicting_a_bench_run_with_batching_options(tmp_path):
+    """Run 8 has serial at two batchings (one prompt per node; 8 per node and 2 per micro-batch):
+    each policy's options reach the simulated workload, so the fit on both predicts both (if the
+    options were dropped, both would get one prediction and one would miss by 25%)."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "pred.json"
+    proc = subprocess.run([sys.executable, str(root / "benchmarks/predict_bench.py"),
+                           str(root / "benchmarks/results/2026-11-30-h200-bench-3b-run8.json"), "--json", str(out),
+                           "--contention-from", "rollplex:ppn=8:mb=2:tf=0", "serial:ppn=8:mb=2"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rows = {(r["policy"], r["prediction"]): r for r in json.loads(out.read_text())["rows"]}
+    assert abs(rows["serial", "kinds"]["error"]) < 0.05 and abs(rows["serial:ppn=8:mb=2", "kinds"]["error"]) < 0.05
+    assert rows["serial:ppn=8:mb=2", "kinds"]["predicted_s"] < 0.85 * rows["serial", "kinds"]["predicted_s"]
+    assert ("rollplex:ppn=8:mb=2:tf=0", "+contention") in rows
+
+
 # -- the command ---------------------------------------------------------------------------------------
 ARGS = ["simulate", "--model", "qwen2.5-vl-3b", "--gpus", "2", "--prompts", "4", "-G", "2", "--max-new-tokens", "64",
         "--chunk-tokens", "16", "--vision-tokens", "256", "--response-len", "lognormal:24:0.6"]
