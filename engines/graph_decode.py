@@ -165,7 +165,8 @@ def _prompt_key(req: DecodeRequest) -> tuple:
 
 class GraphDecodeEngine(DecodeEngine):
     """Options: max_num_seqs (rows), max_model_len (KV slots per row), graph_batch_sizes (captured;
-    default powers of two up to max_num_seqs), cuda_graphs (default True on CUDA), compile (the
+    default powers of two up to max_num_seqs), cuda_graphs (default True on CUDA), steps_per_graph
+    (decode steps per graph launch; default 1), compile (the
     decoder layer through torch.compile; default off), share_model (an HF model whose weights the
     engine uses in place: no second copy)."""
 
@@ -195,7 +196,9 @@ class GraphDecodeEngine(DecodeEngine):
         sizes = opts.get("graph_batch_sizes") or [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b < self.rows]
         self.sizes = sorted({int(b) for b in sizes if b <= self.rows} | {self.rows})
         self.batch = _Batch(self.w, self.rows, self.max_len, len(self.w.layers), self.vocab, self.dtype, self.device)
-        self._graphs: dict[tuple[int, bool, int], torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[int, bool, int, int], torch.cuda.CUDAGraph] = {}
+        # Steps per graph launch; a call's remainder below it runs one-step graphs.
+        self.steps_per_graph = max(1, int(opts.get("steps_per_graph") or 1))
         self._lock = threading.Lock()
         self._pending: list[DecodeRequest] = []
         self._live: list[_Row | None] = [None] * self.rows  # row slot -> what it decodes
@@ -226,11 +229,14 @@ class GraphDecodeEngine(DecodeEngine):
         with self._lock, torch.no_grad():
             self._admit()
             done: list[FinishedSequence] = []
-            for _ in range(max_tokens):
-                live = self._live_count()
-                if live == 0:
-                    break
-                self._run_step(self._graph_size(live))
+            # Rows leave only at _collect, so the batch size holds for the whole call and k steps
+            # can be one graph: the decode thread then launches once per k tokens, which a busy
+            # compute thread (the GIL, the driver) delays k times less often.
+            left = max_tokens
+            while left > 0 and self._live_count():
+                k = self.steps_per_graph if self.use_graphs and left >= self.steps_per_graph else 1
+                self._run_steps(self._graph_size(self._live_count()), k)
+                left -= k
             done += self._collect()
             return done
 
@@ -259,7 +265,8 @@ class GraphDecodeEngine(DecodeEngine):
             return
         with self._lock, torch.no_grad():
             for n in self.sizes:
-                self._graph(n, top_p, stream)
+                for steps in sorted({1, self.steps_per_graph}):
+                    self._graph(n, top_p, stream, steps)
 
     def step_seconds_on(self, stream) -> dict[int, float]:
         """{batch size: seconds per step} of the graphs captured on ``stream`` (timed at capture)."""
@@ -409,27 +416,29 @@ class GraphDecodeEngine(DecodeEngine):
         b.length[:n].add_(1)
         b.rope_pos[:n].add_(1)
 
-    def _run_step(self, n: int) -> None:
-        self.steps_run += 1
+    def _run_steps(self, n: int, k: int = 1) -> None:
+        self.steps_run += k
         top_p = any(r is not None and r.request.top_p < 1.0 and r.request.temperature > 0 for r in self._live)
         if not self.use_graphs:
-            self._step(n, top_p)
+            for _ in range(k):
+                self._step(n, top_p)
             return
-        self._graph(n, top_p, torch.cuda.current_stream(self.device)).replay()
+        self._graph(n, top_p, torch.cuda.current_stream(self.device), k).replay()
 
-    def _graph(self, n: int, top_p: bool, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
-        """The step's graph for n rows on ``stream``, captured there on first use. Graphs belong to
-        the stream they were captured on: one captured on an ordinary stream uses every SM even when
-        replayed on a green context's stream, so each stream gets its own."""
-        key = (n, top_p, stream.cuda_stream)
+    def _graph(self, n: int, top_p: bool, stream: torch.cuda.Stream, steps: int = 1) -> torch.cuda.CUDAGraph:
+        """The graph of ``steps`` steps for n rows on ``stream``, captured there on first use. Graphs
+        belong to the stream they were captured on: one captured on an ordinary stream uses every SM
+        even when replayed on a green context's stream, so each stream gets its own."""
+        key = (n, top_p, stream.cuda_stream, steps)
         if key not in self._graphs:
-            self._graphs[key] = self._capture(n, top_p, stream)
+            self._graphs[key] = self._capture(n, top_p, stream, steps)
         return self._graphs[key]
 
-    def _capture(self, n: int, top_p: bool, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
-        """Capture the step for n rows on ``stream`` (a side stream if that is the default one), after
-        warm-up steps. Warm-up and capture advance live rows; their bookkeeping is restored after, and
-        the KV slots they wrote lie past each row's length, where the next real step overwrites them."""
+    def _capture(self, n: int, top_p: bool, stream: torch.cuda.Stream, steps: int = 1) -> torch.cuda.CUDAGraph:
+        """Capture ``steps`` steps for n rows on ``stream`` (a side stream if that is the default one),
+        after warm-up steps. Warm-up and capture advance live rows; their bookkeeping is restored
+        after, and the KV slots they wrote lie past each row's length, where the next real step
+        overwrites them."""
         b = self.batch
         saved = {name: getattr(b, name).clone() for name in ("logits", "length", "rope_pos", "n_gen", "done",
                                                               "tokens", "logps")}
@@ -443,7 +452,8 @@ class GraphDecodeEngine(DecodeEngine):
         # thread_local: other threads (the compute stream's prefix work) keep running CUDA calls
         # while this thread captures; the default global mode would fail them.
         with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
-            self._step(n, top_p)
+            for _ in range(steps):
+                self._step(n, top_p)
         with torch.cuda.stream(stream):
             # Its step time on this stream (an SM partition's, or the whole GPU's): the partitions
             # choose how many SMs decode keeps from these (partitions.fewest_sms_within).
@@ -454,7 +464,8 @@ class GraphDecodeEngine(DecodeEngine):
                 graph.replay()
             end.record(stream)
             end.synchronize()
-            self._step_seconds.setdefault(stream.cuda_stream, {})[n] = start.elapsed_time(end) / 3e3
+            if steps == 1:  # the split choice compares one step's time across partitions
+                self._step_seconds.setdefault(stream.cuda_stream, {})[n] = start.elapsed_time(end) / 3e3
             for name, value in saved.items():
                 getattr(b, name).copy_(value)
         torch.cuda.current_stream(self.device).wait_stream(stream)

@@ -241,7 +241,11 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
         """One host per rank: ``ranks[r]`` holds its actor, ref and decode engines; a decode engine on
         another device than the trainer's (disaggregated) gets its stream there."""
         hosts = []
+        base, options = parse_policy(policy)
         for rank, engines in enumerate(ranks):
+            engine = getattr(engines["decode"], "inner", engines["decode"])  # through serial's Recorder
+            if hasattr(engine, "steps_per_graph"):  # before the host captures its graphs
+                engine.steps_per_graph = options.get("spg", 1)
             home = cfg.device if rank == 0 else cfg.second_device
             streams = {}
             if cfg.device == "cuda":
@@ -249,7 +253,6 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
                            if hasattr(engines["decode"], "device") else torch.cuda.Stream(home),
                            "compute": torch.cuda.Stream(home)}
             host = _host(cfg, engines["actor"], engines["ref"], engines["decode"], policy, streams, home)
-            base, options = parse_policy(policy)
             if base.startswith("rollplex"):
                 key = (home, options.get("sms", cfg.decode_sms))
                 if cfg.device == "cuda" and key not in partitions:

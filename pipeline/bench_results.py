@@ -31,7 +31,8 @@ VARIANT_KEYS = {"gate": "prefix work waits until decode has at most this many li
                 "tf": "train fusion: 1 trains finished groups inside the window, 0 after it (default: --train-fusion)"}
 # Options of every policy: how the work is batched, so each policy can run at its best settings.
 SHAPE_KEYS = {"ppn": "prompts per vit/prefix/suffix node (batched forwards; default: --prompts-per-node)",
-              "mb": "prompts per micro-batch: one loss and backward each (default 1)"}
+              "mb": "prompts per micro-batch: one loss and backward each (default 1)",
+              "spg": "decode steps per CUDA graph launch (default 1)"}
 
 
 def file_stem(policy: str) -> str:

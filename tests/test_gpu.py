@@ -97,6 +97,35 @@ def test_compiled_layer_under_cuda_graphs_samples_what_the_eager_layer_does(cuda
         assert outs[True][key].token_ids == seq.token_ids
 
 
+def test_several_steps_per_graph_sample_what_one_step_graphs_do(cuda, tiny_model_dir):
+    """``steps_per_graph``: k decode steps captured as one graph, one launch per k tokens. Rows
+    leave only between calls, so the k steps are the k single steps, token for token; a call of 7
+    with k = 4 runs one 4-step graph and three one-step ones."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from rollplex.engines.base import EngineContext, get_engine
+
+    import rollplex.engines  # noqa: F401
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_model_dir, dtype=torch.float32).to(cuda).eval()
+    outs, launches = {}, {}
+    for k in (1, 4):
+        engine = get_engine("torch-graph").factory(EngineContext(
+            str(tiny_model_dir), cuda, torch.float32, 0, {"share_model": model, "max_num_seqs": 16,
+                                                          "max_model_len": 128, "steps_per_graph": k}))
+        engine.add_requests(_requests(model, tiny_model_dir, temperature=1.0))
+        done = []
+        while engine.has_unfinished():
+            done += engine.step(7)
+        outs[k] = {(d.request_id, d.index): (d.token_ids, d.logprobs) for d in done}
+        launches[k] = {key[3] for key in engine._graphs}
+    assert launches == {1: {1}, 4: {1, 4}}
+    assert outs[4].keys() == outs[1].keys()
+    for key, (tokens, logprobs) in outs[1].items():
+        assert outs[4][key][0] == tokens
+        assert torch.allclose(torch.tensor(outs[4][key][1]), torch.tensor(logprobs), atol=1e-5)
+
+
 def _tiny_bench(tiny_model_dir, tmp_path, policies, **kw):
     from rollplex.pipeline.bench import BenchConfig, run
 
