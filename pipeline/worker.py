@@ -240,7 +240,8 @@ class WorkerHost:
         """Hold compute work while decode's prefill runs: it is compute-bound, and run beside it on
         a partition both take longer (run 8: the first chunk went from 0.45 to 0.69 s beside the
         reference prefix). Work that became ready with decode (both wait on the vision tower) first
-        waits up to ``start_limit`` for this iteration's decode to begin. The engine's state is read
+        waits up to ``start_limit`` for this iteration's decode to begin, on a host that decoded
+        in an earlier iteration. The engine's state is read
         without its lock (a chunk holds the lock throughout), and ``limit`` bounds the wait, so a
         misread costs time, never a hang."""
         prefilling = getattr(self.decode, "prefilling", None)
@@ -248,7 +249,8 @@ class WorkerHost:
         if prefilling is None or live is None:
             return
         now = time.time()
-        while self._decode_iteration != iteration and time.time() < now + start_limit:
+        # Only on a host whose graphs decode (one has run here before): others never wait for it.
+        while self._decode_iteration not in (None, iteration) and time.time() < now + start_limit:
             time.sleep(poll)
         while self._busy.get("decode") and (prefilling() or not live()) and time.time() < now + limit:
             time.sleep(poll)

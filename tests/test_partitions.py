@@ -188,6 +188,9 @@ def test_compute_work_waits_out_decodes_prefill_and_only_while_decode_runs(monke
 
     decode = Prefilling()
     host = _host(BenchConfig(device="cpu"), None, None, decode, "rollplex", {})
+    t0 = time.time()
+    host.wait_for_prefill(3, poll=0.001)  # no decode has run on this host: nothing to wait for
+    assert time.time() - t0 < 0.05
     host._decode_iteration = 0
     t0 = time.time()
     host.wait_for_prefill(0, poll=0.001)  # this iteration's decode ran and is idle now: no wait
