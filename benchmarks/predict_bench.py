@@ -52,7 +52,7 @@ def scenario(cfg: dict, policy: str, calibration=None, cluster=None):
                  checkpointing=False, actor_forward="keep", seed=cfg.get("seed", 0))
     fused = base == "rollplex" and cfg.get("stage_fusion", False)
     return Scenario(load_model(cfg["model"]), cluster or hardware("h200", 1), w, calibration=calibration,
-                    memory=False, stage_fusion=fused,
+                    memory=False, stage_fusion=fused, window_chunks=options.get("wc", 0),
                     train_fusion=fused and bool(options.get("tf", cfg.get("train_fusion", False))))
 
 
@@ -85,6 +85,8 @@ def main() -> None:
                     "serial one in the run: serial-noshare, serial, serial:ppn=8:mb=2, ...)")
     ap.add_argument("--contention-from", nargs=2, metavar=("ROLLPLEX", "SERIAL"), default=["rollplex", "serial"],
                     help="a rollplex policy and the serial one of the same batching, both in the run")
+    ap.add_argument("--also", nargs="+", default=[], metavar="POLICY",
+                    help="policies the run did not measure, predicted with the same calibration (what-ifs)")
     ap.add_argument("--fit-from", help="another bench JSON to calibrate on (default: RESULTS itself)")
     ap.add_argument("--json", help="write the table here")
     args = ap.parse_args()
@@ -96,6 +98,10 @@ def main() -> None:
     data = json.load(open(args.results))
     cfg, measured = data["config"], {r["policy"]: r for r in data["results"]}
     policies = [p for p in measured if variant_of(p)]
+    for p in args.also:
+        if not variant_of(p):
+            raise SystemExit(f"--also {p}: not a one-GPU bench policy with known options")
+    policies += [p for p in args.also if p not in policies]
     fit_data = json.load(open(args.fit_from)) if args.fit_from else data
     if fit_data["config"] != cfg and {k: v for k, v in fit_data["config"].items() if k not in IGNORED} != \
             {k: v for k, v in cfg.items() if k not in IGNORED}:
@@ -143,14 +149,14 @@ def main() -> None:
     print(head + "\n" + "-" * len(head))
     table = []
     for p in policies:
-        m = measured[p]["median_s"]
+        m = measured[p]["median_s"] if p in measured else None  # --also: a prediction only
         cells = []
         for k, pred in rows.items():
-            err = pred[p][0] / m - 1
-            cells.append(f"{pred[p][0]:>8.2f} s ({err:+6.1%})")
+            err = pred[p][0] / m - 1 if m else None
+            cells.append(f"{pred[p][0]:>8.2f} s " + (f"({err:+6.1%})" if m else "(what-if)"))
             table.append({"policy": p, "prediction": k, "predicted_s": pred[p][0], "measured_s": m, "error": err})
-        print(f"{p:<{width}}{m:>8.2f} s" + "".join(f"{c:>22}" for c in cells))
-    worst = {k: max(abs(t["error"]) for t in table if t["prediction"] == k) for k in rows}
+        print(f"{p:<{width}}" + (f"{m:>8.2f} s" if m else f"{'—':>10}") + "".join(f"{c:>22}" for c in cells))
+    worst = {k: max(abs(t["error"]) for t in table if t["prediction"] == k and t["error"] is not None) for k in rows}
     print("\nworst |error|: " + ", ".join(f"{k} {v:.1%}" for k, v in worst.items()))
     if args.json:
         from rollplex.pipeline.fsio import atomic_write_text

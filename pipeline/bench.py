@@ -186,7 +186,8 @@ def compile_for(cfg: BenchConfig, policy: str, config):
                        prefix_sharing=policy != "serial-noshare",
                        prompts_per_node=fit_prompts_per_node(per_node, cfg.prompts // ranks),
                        stage_fusion=cfg.stage_fusion and policy == "rollplex",
-                       train_fusion=bool(options.get("tf", cfg.train_fusion)) and policy == "rollplex")
+                       train_fusion=bool(options.get("tf", cfg.train_fusion)) and policy == "rollplex",
+                       window_chunks=options.get("wc", 0))
     engines = EngineChoice({"decode": "torch-graph", "train": cfg.train_engine, "score": "transformers"})
     graph = distribute(compile_iteration(grpo, shape, engines, ModelDims.from_hf_config(config, 2)), ranks)
     return schedule(graph, "rollplex" if policy.startswith("rollplex") else "serial")

@@ -28,6 +28,7 @@ VARIANT_KEYS = {"gate": "prefix work waits until decode has at most this many li
                 "target": "1 (default): matmuls on a partition target its SMs through cuBLASLt; 0: plain cuBLAS",
                 "gp": "1: forwards kept for a backward (the policy's prefix) may run on a partition; 0 (default): whole GPU",
                 "pf": "1 (default): compute work waits out decode's prefill; 0: starts beside it",
+                "wc": "with stage fusion and tf=0, chunks from this one on are scored by one node after decode (0: per chunk)",
                 "tf": "train fusion: 1 trains finished groups inside the window, 0 after it (default: --train-fusion)"}
 # Options of every policy: how the work is batched, so each policy can run at its best settings.
 SHAPE_KEYS = {"ppn": "prompts per vit/prefix/suffix node (batched forwards; default: --prompts-per-node)",

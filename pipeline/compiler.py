@@ -68,6 +68,10 @@ class BatchShape:
     # with grad, loss and backward), its loss normalised at the optimizer step once the batch's
     # token count is known. Needs an algorithm whose every step is per group (``train_fusable``).
     train_fusion: bool = False
+    # With stage fusion (and no train fusion), the chunks from this one on are scored by one node
+    # after the last chunk: each chunk's node is a forward, and late chunks end after the window,
+    # where one forward is cheaper than several. 0: every chunk has its own node.
+    window_chunks: int = 0
 
     @property
     def fused(self) -> bool:
@@ -268,12 +272,15 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
             # Stage fusion: after each decode chunk, the samples it finished are scored on the compute
             # stream while decode goes on; a join hands each prompt's scores on under its usual name.
             kvs = [f"prefix_{s.model}_p{p}" for p in range(P)]
-            chunk_outs = [f"{s.as_}_c{c}" for c in range(shape.chunks)]
+            tail = shape.window_chunks if 0 < shape.window_chunks < shape.chunks - 1 and not train_fused \
+                else shape.chunks - 1
+            chunk_outs = [f"{s.as_}_c{c}" for c in range(tail + 1)]
             for c, out in enumerate(chunk_outs):
-                add(f"suffix_{s.as_}_c{c}", "suffix_score", kvs + [f"finished_c{c}"], [out], model=s.model, role=role,
-                    args={"prompts": list(range(P)), "as": s.as_, "grad": False,
-                          "head": alg.models[s.model].head, "handoff_chunk": c},
-                    **{out: dev(logprob_bytes * P / shape.chunks, "logprobs")})
+                handed = range(c, shape.chunks) if c == tail else [c]  # the last node: every chunk left
+                add(f"suffix_{s.as_}_c{c}", "suffix_score", kvs + [f"finished_c{k}" for k in handed], [out],
+                    model=s.model, role=role, args={"prompts": list(range(P)), "as": s.as_, "grad": False,
+                                                    "head": alg.models[s.model].head, "handoff_chunk": c},
+                    **{out: dev(logprob_bytes * P * len(handed) / shape.chunks, "logprobs")})
             add(f"join_{s.as_}", "join", chunk_outs, [f"{s.as_}_p{p}" for p in range(P)],
                 args={"prompts": list(range(P)), "samples": G},
                 **{f"{s.as_}_p{p}": dev(logprob_bytes, "logprobs") for p in range(P)})

@@ -373,20 +373,22 @@ class Plan:
 
 def plan(graph: IterationGraph, cluster: Cluster, costs, policy: str = "rollplex", layout: Layout | None = None,
          *, release: Mapping[int, int] | None = None, train_fusion: bool = False,
-         release_samples: Mapping[int, list[int]] | None = None) -> Plan:
+         release_samples: Mapping[int, list[int]] | None = None, window_chunks: int = 0) -> Plan:
     """Place and time every node of ``graph`` under ``policy``. Pure: the input is not modified.
 
     ``costs`` is ``(node, gang size) -> NodeCost | seconds`` or a mapping node name → seconds.
     ``release`` (prompt → decode chunk in which its group finishes) enables stage fusion;
     ``train_fusion`` lets a released group's loss run then too (``defer_normalisation``);
     ``release_samples`` (prompt → each sample's finish chunk) has frozen models score single samples
-    as their chunks end (``release_finished_samples``), as the runtime does.
+    as their chunks end (``release_finished_samples``), as the runtime does; from chunk
+    ``window_chunks`` on (when > 0) in one node after the last chunk (``BatchShape.window_chunks``).
     """
     with gc_paused():
-        return _plan(graph, cluster, costs, policy, layout, release, train_fusion, release_samples)
+        return _plan(graph, cluster, costs, policy, layout, release, train_fusion, release_samples, window_chunks)
 
 
-def _plan(graph, cluster, costs, policy, layout, release, train_fusion=False, release_samples=None) -> Plan:
+def _plan(graph, cluster, costs, policy, layout, release, train_fusion=False, release_samples=None,
+          window_chunks=0) -> Plan:
     spec = policy_spec(policy)
     if layout is None:
         layout = Layout.colocate(cluster) if spec.colocated else Layout.split(cluster, max(1, cluster.gpus // 2))
@@ -400,7 +402,7 @@ def _plan(graph, cluster, costs, policy, layout, release, train_fusion=False, re
         if train_fusion:
             planned = defer_normalisation(planned)
     if spec.stage_fusion and release_samples:
-        planned = release_finished_samples(planned, release_samples)
+        planned = release_finished_samples(planned, release_samples, window_chunks)
     if not nx.is_directed_acyclic_graph(planned.g):
         planned.lint()  # names the cycle of the input
     if spec.barriers:
@@ -524,13 +526,17 @@ def release_finished_groups(graph: IterationGraph, finish_chunk: Mapping[int, in
     return graph
 
 
-def release_finished_samples(graph: IterationGraph, sample_chunks: Mapping[int, list[int]]) -> IterationGraph:
+def release_finished_samples(graph: IterationGraph, sample_chunks: Mapping[int, list[int]],
+                             window_chunks: int = 0) -> IterationGraph:
     """Stage fusion per sample, as the runtime runs it: a frozen model's suffix node splits into one
     node per decode chunk in which some of its samples finished (``sample_chunks[p][g]``), each
     scoring those samples (``args["samples"]``, which the cost model reads) on a value that chunk
-    hands on; a join gives the original outputs back, so their consumers are unchanged. Nodes whose
-    samples all finish in one chunk stay as they are. Returns a new graph."""
+    hands on; a join gives the original outputs back, so their consumers are unchanged. Samples of
+    chunk ``window_chunks`` and later (when 0 < it < the last chunk) go to one node the last chunk
+    hands on. Nodes whose samples all finish in one chunk stay as they are. Returns a new graph."""
     decodes = {n.args["chunk"]: n for n in graph.of_kind("decode_chunk")}
+    last = max(decodes)
+    tail = window_chunks if 0 < window_chunks < last else last
     handed: dict[int, list[str]] = {c: [] for c in decodes}
     nodes, infos = [], {}
     for node in graph:
@@ -541,7 +547,7 @@ def release_finished_samples(graph: IterationGraph, sample_chunks: Mapping[int, 
         by_chunk: dict[int, dict[int, list[int]]] = {}
         for p in prompts if split else []:
             for g, c in enumerate(sample_chunks[p]):
-                by_chunk.setdefault(min(c, max(decodes)), {}).setdefault(p, []).append(g)
+                by_chunk.setdefault(min(c, tail), {}).setdefault(p, []).append(g)
         if len(by_chunk) <= 1:
             nodes.append(node)
             continue
@@ -550,7 +556,7 @@ def release_finished_samples(graph: IterationGraph, sample_chunks: Mapping[int, 
         parts = []
         for c, samples in sorted(by_chunk.items()):
             ready, out = f"finished_{node.name}_c{c}", f"{node.name}_c{c}"
-            handed[c].append(ready)
+            handed[last if c == tail else c].append(ready)
             share = sum(map(len, samples.values())) / sum(len(sample_chunks[p]) for p in prompts)
             infos[ready] = dict(nbytes=64, device="host", what="sequences")
             infos[out] = dict(nbytes=int(total * share), device="device", what="logprobs")

@@ -138,6 +138,7 @@ class Session:
             # decode per rank (pipeline/ranks.py), which hands groups on only after the last chunk.
             stage_fusion=cfg.train.stage_fusion and cfg.schedule == "rollplex" and cfg.cluster.workers == 1,
             train_fusion=cfg.train.train_fusion,
+            window_chunks=cfg.train.window_chunks,
         )
         if cfg.train.train_fusion and self.train_engine != "torch":
             raise ConfigError(f"train.train_fusion: the {self.train_engine} train engine cannot rescale its "

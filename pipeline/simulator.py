@@ -46,6 +46,7 @@ class Scenario:
     budget: float | None = None  # bytes per GPU; None: the cluster's
     stage_fusion: bool = True  # rollplex hands finished groups on before the last decode chunk
     train_fusion: bool = False  # and trains on them then (the loss's normaliser deferred to the step)
+    window_chunks: int = 0  # frozen scoring of chunks from this one on in one node after decode (0: per chunk)
 
 
 @dataclass
@@ -121,7 +122,8 @@ def run_variant(scn: Scenario, name: str, rollout_gpus: int | None = None) -> Re
         graph = footprint.copy_with_cache_hits(graph, cm, lambda p: (p * 0.6180339887) % 1.0 < h)
     first = plan(graph, scn.cluster, cm, policy, layout, release=cm.profile.finish_chunk if scn.stage_fusion else None,
                  train_fusion=scn.train_fusion,
-                 release_samples=cm.profile.sample_chunks if scn.stage_fusion else None)
+                 release_samples=cm.profile.sample_chunks if scn.stage_fusion else None,
+                 window_chunks=0 if scn.train_fusion else scn.window_chunks)
     rs = footprint.residents(first.graph, cm)
     measured = memory.plan_memory(first, rs, scn.budget, enabled=False)
     g = max(measured.naive_peak, key=lambda k: (measured.naive_peak[k], -k))

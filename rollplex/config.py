@@ -93,6 +93,9 @@ class TrainConfig:
     train_fusion: bool = f(False, doc="with stage fusion, the policy also trains on each chunk's finished groups "
                            "in the decode window, its gradient normalised at the step (needs engines.train: "
                            "torch and a per-group algorithm; otherwise the graph trains after decode)")
+    window_chunks: int = f(0, lo=0, doc="with stage fusion and no train fusion, the decode chunks from this one "
+                           "on are scored by one node after the last chunk (one forward instead of one per "
+                           "chunk, for the chunks that end after the decode window); 0 = one node per chunk")
     ref_cache_gib: float = f(1.0, lo=0.0, doc="host memory for frozen models' prefixes, reused across "
                              "epochs (0 disables)")
 

@@ -184,9 +184,13 @@ def suffix_score(ctx, node, inputs):
     model = ctx.model(node.model)
     grad = bool(node.args["grad"])
     s = ctx.settings
-    if "handoff_chunk" in node.args:  # stage fusion: the samples one decode chunk finished
-        handoff = inputs[node.inputs[-1]]  # {prompt: {sample: FinishedSequence}}
-        kv_of = dict(zip(node.args["prompts"], node.inputs[:-1]))
+    if "handoff_chunk" in node.args:  # stage fusion: the samples one decode chunk (or the last few) finished
+        n = len(node.args["prompts"])
+        kv_of = dict(zip(node.args["prompts"], node.inputs[:n]))
+        handoff: dict[int, dict[int, FinishedSequence]] = {}  # {prompt: {sample: FinishedSequence}}
+        for chunk in node.inputs[n:]:
+            for p, samples in inputs[chunk].items():
+                handoff.setdefault(p, {}).update(samples)
         ready = sorted(p for p in handoff if handoff[p])
         samples = {p: sorted(handoff[p]) for p in ready}
         scored: dict[int, dict[int, torch.Tensor]] = {}

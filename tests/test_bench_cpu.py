@@ -40,6 +40,23 @@ def test_bench_runs_every_policy_and_replayed_updates_agree(tmp_path):
     assert "node:suffix_score" in profiled and "node:loss" in profiled
 
 
+def test_scoring_the_late_chunks_in_one_node_keeps_serials_update(tmp_path):
+    """``wc=1``: chunk 0's finished samples are scored in the window, chunks 1-3's by one node after
+    decode; on serial's replayed rollout the update is serial's up to fp32 rounding (see above)."""
+    config = resolve_model_path(load_config(None, [])) + "/config.json"
+    out = run(BenchConfig(model=config, device="cpu", dtype="float32", prompts=2, samples=2, vision_tokens=16,
+                          text_tokens=8, max_new_tokens=8, mean_new_tokens=4, chunk_tokens=2, iterations=2,
+                          policies=("serial", "rollplex:wc=1:tf=0"), out=str(tmp_path)), log=lambda *a: None)
+    updates = {u["policy"]: u for u in out["updates"]}
+    assert updates["rollplex:wc=1:tf=0"]["replayed"] <= 1e-2
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    pid = next(e["pid"] for e in trace["traceEvents"]
+               if e.get("name") == "process_name" and e["args"]["name"].startswith("rollplex"))
+    scored = {e["name"] for e in trace["traceEvents"]
+              if e.get("ph") == "X" and e["pid"] == pid and e["name"].startswith("suffix_ref")}
+    assert scored == {"suffix_ref_logprobs_c0", "suffix_ref_logprobs_c1"}
+
+
 def test_replay_returns_recorded_samples_and_names_a_missing_one():
     seq = FinishedSequence("it0-p0", [5, 6], [-0.1, -0.2], "stop", index=1)
     engine = ReplayDecodeEngine({("it0-p0", 0): FinishedSequence("it0-p0", [7], [-0.3], "stop"), ("it0-p0", 1): seq})

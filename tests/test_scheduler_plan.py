@@ -246,6 +246,22 @@ def test_frozen_scoring_per_sample_starts_with_the_chunk_that_finished_each_samp
     assert g.values["ref_logprobs_p0"].producer == "suffix_ref_logprobs_p0"  # the input graph is untouched
 
 
+def test_frozen_scoring_of_chunks_past_the_window_waits_for_the_last_chunk_in_one_node():
+    """window_chunks=1 over three chunks: prompt 0's samples finishing in chunks 1 and 2 are scored by
+    one node, which the last chunk hands on; chunk 0's sample keeps its own node in the window."""
+    g = grpo_graph(prompts=1, samples=3, max_new_tokens=12, chunk_tokens=4)
+    base = {"decode_chunk": 1.0, "prefix": 0.3, "suffix_score": 0.4, "loss": 0.5, "vit_encode": 0.1}
+    costs = lambda node, gang: NodeCost(base.get(node.kind, 0.01), 8 if node.kind == "decode_chunk" else 0)  # noqa: E731
+    p = plan(g, hardware("h200", 2), costs, "rollplex", release={0: 2}, release_samples={0: [0, 1, 2]},
+             window_chunks=1)
+    check_plan(p)
+    parts = {n.name: dict(n.args["samples"]) for n in p.graph.of_kind("suffix_score") if "samples" in n.args}
+    assert parts == {"suffix_ref_logprobs_p0_c0": {0: [0]}, "suffix_ref_logprobs_p0_c1": {0: [1, 2]}}
+    assert "decode_c2" in p.graph.g.predecessors("suffix_ref_logprobs_p0_c1")
+    assert p.slots["suffix_ref_logprobs_p0_c1"].start >= p.slots["decode_c2"].finish
+    assert p.slots["suffix_ref_logprobs_p0_c0"].start < p.slots["decode_c1"].finish
+
+
 def test_train_fusion_lets_an_early_group_train_before_decode_ends_and_the_step_wait_for_the_count():
     """With the normaliser deferred to the optimizer step, prompt 0's loss no longer waits for the
     last chunk's token count, nor for prompt 1's loss; the step does wait for the count."""

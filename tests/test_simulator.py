@@ -205,13 +205,16 @@ def test_predicting_a_bench_run_with_batching_options(tmp_path):
     out = tmp_path / "pred.json"
     proc = subprocess.run([sys.executable, str(root / "benchmarks/predict_bench.py"),
                            str(root / "benchmarks/results/2026-11-30-h200-bench-3b-run8.json"), "--json", str(out),
-                           "--contention-from", "rollplex:ppn=8:mb=2:tf=0", "serial:ppn=8:mb=2"],
+                           "--contention-from", "rollplex:ppn=8:mb=2:tf=0", "serial:ppn=8:mb=2",
+                           "--also", "rollplex:ppn=8:mb=2:tf=0:wc=4"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     rows = {(r["policy"], r["prediction"]): r for r in json.loads(out.read_text())["rows"]}
     assert abs(rows["serial", "kinds"]["error"]) < 0.05 and abs(rows["serial:ppn=8:mb=2", "kinds"]["error"]) < 0.05
     assert rows["serial:ppn=8:mb=2", "kinds"]["predicted_s"] < 0.85 * rows["serial", "kinds"]["predicted_s"]
     assert ("rollplex:ppn=8:mb=2:tf=0", "+contention") in rows
+    what_if = rows["rollplex:ppn=8:mb=2:tf=0:wc=4", "kinds"]  # not measured: a prediction without an error
+    assert what_if["measured_s"] is None and what_if["error"] is None and what_if["predicted_s"] > 0
 
 
 # -- the command ---------------------------------------------------------------------------------------

@@ -43,6 +43,22 @@ def test_each_chunk_feeds_a_suffix_node_of_the_frozen_model_and_a_join_restores_
         schedule(g, plan).lint()
 
 
+def test_chunks_past_the_window_are_scored_by_one_node_after_the_last_chunk():
+    g = _graph(stage_fusion=True, window_chunks=1)  # 3 chunks: c0 alone, then c1 and c2 together
+    fused = sorted(n.name for n in g if n.kind == "suffix_score" and n.model == "ref")
+    assert fused == ["suffix_ref_logprobs_c0", "suffix_ref_logprobs_c1"]
+    tail = g.nodes["suffix_ref_logprobs_c1"]
+    assert [v for v in tail.inputs if v.startswith("finished_")] == ["finished_c1", "finished_c2"]
+    assert "decode_c2" in g.g.predecessors("suffix_ref_logprobs_c1")
+    assert g.nodes["join_ref_logprobs"].inputs == ("ref_logprobs_c0", "ref_logprobs_c1")
+    # Out of range, or under train fusion (whose chunks read their groups' scores), one node per chunk.
+    for kw in (dict(window_chunks=2), dict(window_chunks=1, train_fusion=True)):
+        names = {n.name for n in _graph(stage_fusion=True, **kw) if n.kind == "suffix_score" and n.model == "ref"}
+        assert "suffix_ref_logprobs_c2" in names
+    for plan in ("serial", "rollplex"):
+        schedule(g, plan).lint()
+
+
 @pytest.mark.parametrize("kw", [dict(stage_fusion=False), dict(stage_fusion=True, prefix_sharing=False)])
 def test_without_fusion_or_prefix_sharing_every_group_waits_for_the_last_chunk(kw):
     g = _graph(**kw)
