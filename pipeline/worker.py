@@ -238,12 +238,11 @@ class WorkerHost:
     def wait_for_prefill(self, iteration: int, poll: float = 0.002, limit: float = 30.0,
                          start_limit: float = 0.5) -> None:
         """Hold compute work while decode's prefill runs: it is compute-bound, and run beside it on
-        a partition both take longer (run 8: the first chunk went from 0.45 to 0.69 s beside the
+        a partition both take longer (run 8: the first chunk went from 0.42 to 0.69 s beside the
         reference prefix). Work that became ready with decode (both wait on the vision tower) first
-        waits up to ``start_limit`` for this iteration's decode to begin, on a host that decoded
-        in an earlier iteration. The engine's state is read
-        without its lock (a chunk holds the lock throughout), and ``limit`` bounds the wait, so a
-        misread costs time, never a hang."""
+        waits up to ``start_limit`` for this iteration's decode to begin, on a host that decoded in
+        an earlier iteration. The engine's state is read without its lock (a chunk holds the lock
+        throughout), and ``limit`` bounds the wait, so a misread costs time, never a hang."""
         prefilling = getattr(self.decode, "prefilling", None)
         live = getattr(self.decode, "live_rows", None)
         if prefilling is None or live is None:
