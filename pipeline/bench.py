@@ -266,6 +266,18 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
             hosts.append(host)
         return LocalExecutor(hosts)
 
+    def recover_from_failed_policy() -> None:
+        """After a policy ran out of memory, the next starts as every policy does: no gradients
+        left over, no rows left in the decode engine, the freed memory returned to the allocator."""
+        import gc
+
+        actor.module.zero_grad(set_to_none=True)
+        while decode.has_unfinished():
+            decode.step(cfg.max_new_tokens)
+        gc.collect()
+        if cfg.device == "cuda":
+            torch.cuda.empty_cache()
+
     def restart(extra: bench_multi.Replicas | None) -> None:  # every policy, every iteration: the same start
         actor.module.load_state_dict(start_state)
         actor.optimizer.load_state_dict(start_optim)
@@ -339,17 +351,39 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
     # Serial first: its recorded rollout is what the others replay right after their timed runs, and
     # its update is what theirs are compared with, once, as each policy ends.
     graphs = {policy: compile_for(cfg, policy, config) for policy in sorted(cfg.policies, key=lambda p: p != "serial")}
+    failed: dict[str, str] = {}  # policy -> why it stopped (out of memory), reported with the rest
     for policy, graph in graphs.items():
         extra = replicas_for(policy)
-        res = run_policy(policy, graph, extra)
-        if extra is not None:
-            extra.release()
+        try:
+            res = run_policy(policy, graph, extra)
+        except Exception as exc:  # noqa: BLE001 - out of memory only; anything else propagates
+            if not out_of_memory(exc):
+                raise
+            failed[policy] = str(exc)
+            log(f"  {policy}: out of memory, skipped: {exc}")
+            recover_from_failed_policy()
+            continue
+        finally:
+            if extra is not None:
+                extra.release()
         res.comparison = compare_update(res, res if policy == "serial" else results.get("serial"))
         results[policy] = res
         log(f"  {policy:15s} {res.median:7.3f} s/it   "
             + "  ".join(f"{k} {v:.2f}" for k, v in sorted(res.by_kind.items())))
-        report(cfg, spec, results, out_dir, lambda *a: None)  # partial results survive a later failure
-    return report(cfg, spec, results, out_dir, log)
+        report(cfg, spec, results, out_dir, lambda *a: None, failed)  # partial results survive a later failure
+    return report(cfg, spec, results, out_dir, log, failed)
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """A CUDA out-of-memory error, raised directly or inside a node (NodeFailure keeps its text)."""
+    from rollplex.errors import NodeFailure
+
+    while exc is not None:
+        if isinstance(exc, torch.OutOfMemoryError) or (isinstance(exc, NodeFailure)
+                                                       and exc.detail.startswith("OutOfMemoryError")):
+            return True
+        exc = exc.__cause__
+    return False
 
 
 def sm_partitions(decode_sms: int, device_index: int = 0):

@@ -192,7 +192,7 @@ def lower_bound(cfg: BenchConfig, spec, res: PolicyResult, decode_bw: float = 4.
     return max(decode_bytes / decode_bw, flops / gpus / peak)
 
 
-def report(cfg, spec, results: dict[str, PolicyResult], out_dir: Path, log) -> dict:
+def report(cfg, spec, results: dict[str, PolicyResult], out_dir: Path, log, failed: dict[str, str] | None = None) -> dict:
     from rollplex.pipeline.fsio import atomic_write_text
     from rollplex.pipeline.trace import combine_traces
 
@@ -228,12 +228,14 @@ def report(cfg, spec, results: dict[str, PolicyResult], out_dir: Path, log) -> d
     checks = update_lines(updates)
     for line in checks:
         log(line)
+    for name, why in (failed or {}).items():
+        log(f"{name}: not measured: {why}")
     for name, res in results.items():
         if name == "rollplex-dp2":
             log(f"{name}: ranks' weights after the step differ by at most {res.ranks_disagree:.1e}")
     summary = {"config": cfg.__dict__ | {"policies": list(cfg.policies)}, "results": rows, "updates": updates,
                "speedups": ratios,
-               "update_checks": checks,
+               "update_checks": checks, "failed": dict(failed or {}),
                "device": torch.cuda.get_device_name() if cfg.device == "cuda" else "cpu",
                "cuda_allocator": allocator_backend() if cfg.device == "cuda" else None,
                "date": time.strftime("%Y-%m-%d")}

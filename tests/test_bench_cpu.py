@@ -57,6 +57,36 @@ def test_scoring_the_late_chunks_in_one_node_keeps_serials_update(tmp_path):
     assert scored == {"suffix_ref_logprobs_c0", "suffix_ref_logprobs_c1"}
 
 
+def test_a_policy_that_runs_out_of_memory_is_reported_and_the_rest_still_run(tmp_path, monkeypatch):
+    """Run 6 lost every policy after the one that ran out of GPU memory. Now that one is reported as
+    not measured, and the next starts clean: its update still matches serial's on the replay."""
+    from rollplex.errors import NodeFailure
+    from rollplex.pipeline import local
+
+    real = local.LocalExecutor.run
+
+    def run_or_fail(self, graph, iteration, inputs):
+        if any(h.name.endswith("/serial:ppn=2") for h in self.hosts) and iteration == 1:
+            raise NodeFailure("loss_m0", "loss", "OutOfMemoryError: CUDA out of memory. Tried to allocate 9.9 GiB")
+        return real(self, graph, iteration, inputs)
+
+    monkeypatch.setattr(local.LocalExecutor, "run", run_or_fail)
+    config = resolve_model_path(load_config(None, [])) + "/config.json"
+    out = run(BenchConfig(model=config, device="cpu", dtype="float32", prompts=2, samples=2, vision_tokens=16,
+                          text_tokens=8, max_new_tokens=8, mean_new_tokens=4, chunk_tokens=4, iterations=2,
+                          policies=("serial", "serial:ppn=2", "rollplex"), out=str(tmp_path)), log=lambda *a: None)
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert [r["policy"] for r in saved["results"]] == ["serial", "rollplex"]
+    assert "out of memory" in saved["failed"]["serial:ppn=2"]
+    assert {u["policy"]: u for u in out["updates"]}["rollplex"]["replayed"] <= 1e-2
+    with pytest.raises(NodeFailure, match="ZeroDivisionError"):  # any other failure still stops the bench
+        monkeypatch.setattr(local.LocalExecutor, "run", lambda *a: (_ for _ in ()).throw(
+            NodeFailure("loss_m0", "loss", "ZeroDivisionError: division by zero")))
+        run(BenchConfig(model=config, device="cpu", dtype="float32", prompts=2, samples=2, vision_tokens=16,
+                        text_tokens=8, max_new_tokens=8, mean_new_tokens=4, chunk_tokens=4, iterations=2,
+                        policies=("serial",), out=str(tmp_path / "again")), log=lambda *a: None)
+
+
 def test_replay_returns_recorded_samples_and_names_a_missing_one():
     seq = FinishedSequence("it0-p0", [5, 6], [-0.1, -0.2], "stop", index=1)
     engine = ReplayDecodeEngine({("it0-p0", 0): FinishedSequence("it0-p0", [7], [-0.3], "stop"), ("it0-p0", 1): seq})
