@@ -66,7 +66,13 @@ class LocalExecutor:
             name, future = done_queue.get()
             node = graph.nodes[name]
             busy.discard(lane(node))
-            outputs = future.result()  # re-raises the node's failure, naming it
+            if future.exception() is not None:
+                # Let the nodes still running on other streams end before raising: one left behind
+                # would go on writing (gradients, decode rows) into whatever runs next.
+                for _ in range(len(busy)):
+                    done_queue.get()
+                future.result()  # re-raises the node's failure, naming it
+            outputs = future.result()
             finished += 1
             values.update(outputs)
             for v in node.inputs:  # a value's lifetime ends with its last consumer

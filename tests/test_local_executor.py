@@ -46,3 +46,40 @@ def test_local_executor_matches_the_dask_executor(tmp_path, schedule):
             assert torch.equal(state[names.get(key, key)], tensor), key
     finally:
         host.close()
+
+
+def test_a_failing_node_is_raised_only_after_the_nodes_running_beside_it_end(monkeypatch):
+    """A node left running on another stream after a failure would go on writing (gradients, decode
+    rows) into whatever runs next; the executor waits for it, then raises the failure."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rollplex.errors import NodeFailure
+    from rollplex.pipeline import local
+    from rollplex.pipeline.ir import IterationGraph, Node
+
+    ended = threading.Event()
+
+    def execute(host, node, iteration, inputs):
+        if node.name == "slow":
+            time.sleep(0.3)
+            ended.set()
+            return {"a": 1}
+        raise NodeFailure(node.name, node.kind, "OutOfMemoryError: CUDA out of memory")
+
+    class Host:
+        name = "fake"
+        pools = {s: ThreadPoolExecutor(1) for s in ("decode", "compute")}
+
+        def submit(self, stream, fn, *args):
+            return self.pools[stream].submit(fn, *args)
+
+    g = IterationGraph("two")
+    g.add(Node("slow", "decode_chunk", (), ("a",), meta={"stream": "decode"}))
+    g.add(Node("fails", "prefix", (), ("b",), meta={"stream": "compute"}))
+    g.connect()
+    monkeypatch.setattr(local, "execute_node", execute)
+    with pytest.raises(NodeFailure, match="out of memory"):
+        local.LocalExecutor(Host()).run(g, 0, {})
+    assert ended.is_set()
