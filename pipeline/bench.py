@@ -230,6 +230,7 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
         "", device, dtype, cfg.seed, {"share_model": actor.module, "max_num_seqs": cfg.prompts * cfg.samples,
                                       "max_model_len": longest, "compile": cfg.compile_decode}))
     start_state = {k: v.detach().clone() for k, v in actor.module.state_dict().items()}
+    weight_bytes = sum(p.numel() * p.element_size() for n, p in actor.module.named_parameters() if "visual" not in n)
     start_optim = copy.deepcopy(actor.optimizer.state_dict())
     log(f"bench: {cfg.model} ({sum(p.numel() for p in model.parameters()) / 1e9:.2f}B params, {cfg.dtype}) on "
         f"{torch.cuda.get_device_name() if cfg.device == 'cuda' else 'cpu'}; built in {time.time() - t0:.1f}s"
@@ -330,7 +331,8 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
                 res.responses = [r["response_token_ids"] for r in result.output["report"]["rows"]]
                 res.ranks_disagree = bench_multi.ranks_disagree(extra) if extra else 0.0
                 continue
-            record_iteration(cfg, spec, actor, res, result, sum(d.steps_run for d in decodes) - steps_before, policy)
+            record_iteration(cfg, spec, weight_bytes, res, result, sum(d.steps_run for d in decodes) - steps_before,
+                             policy)
         if policy == "serial":
             log(f"  serial's rollouts recorded for replay: {len(recorder.recorded)} sequences")
         if policy in cfg.profile:

@@ -147,8 +147,10 @@ def long_host_calls(prof, min_ms: float = 20.0, limit: int = 200) -> str:
     return "\n".join(lines) + "\n"
 
 
-def record_iteration(cfg: BenchConfig, spec, actor, res: PolicyResult, result, decode_steps: int, policy: str) -> None:
-    """Add one timed iteration to the policy's result."""
+def record_iteration(cfg: BenchConfig, spec, weight_bytes: int, res: PolicyResult, result, decode_steps: int,
+                     policy: str) -> None:
+    """Add one timed iteration to the policy's result. ``weight_bytes``: the LM weights a decode step
+    reads (the vision tower is not read)."""
     from rollplex.pipeline.trace import chrome_trace, overlap_seconds, seconds_by_kind
 
     res.seconds.append(result.seconds)
@@ -163,8 +165,7 @@ def record_iteration(cfg: BenchConfig, spec, actor, res: PolicyResult, result, d
     res.trace = trace
     prompt_len = cfg.vision_tokens + cfg.text_tokens + 2
     kv_reads = sum(prompt_len * len(r["response_token_ids"]) + len(r["response_token_ids"]) ** 2 / 2 for r in rows)
-    weights = sum(p.numel() * p.element_size() for n, p in actor.module.named_parameters() if "visual" not in n)
-    res.read_bytes.append(decode_steps * weights + kv_reads * spec.kv_bytes_per_token(2))
+    res.read_bytes.append(decode_steps * weight_bytes + kv_reads * spec.kv_bytes_per_token(2))
 
 
 def allocator_backend() -> str:
