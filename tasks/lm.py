@@ -237,10 +237,12 @@ def suffix_logits_batch(model: torch.nn.Module, prefixes: list[PrefixState], tok
             ks, vs = [], []
             for p, t in zip(prefixes, tokens):
                 k, v = p.kv[layer]
-                pad = (0, 0, 0, longest - p.length)
-                ks.append(torch.nn.functional.pad(k, pad).expand(t.shape[0], -1, -1, -1))
-                vs.append(torch.nn.functional.pad(v, pad).expand(t.shape[0], -1, -1, -1))
-            layers.append((torch.cat(ks), torch.cat(vs)))
+                if p.length != longest:  # eager scoring is launch-bound: no op for a pad of nothing
+                    pad = (0, 0, 0, longest - p.length)
+                    k, v = torch.nn.functional.pad(k, pad), torch.nn.functional.pad(v, pad)
+                ks.append(k.expand(t.shape[0], -1, -1, -1))
+                vs.append(v.expand(t.shape[0], -1, -1, -1))
+            layers.append((torch.cat(ks), torch.cat(vs)) if len(ks) > 1 else (ks[0].contiguous(), vs[0].contiguous()))
         feed = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]))[:, :-1] for t in tokens])
         steps = torch.arange(width - 1, device=device)
         pos = torch.cat([(p.length + p.rope_delta + steps).view(1, -1).expand(t.shape[0], -1)
