@@ -170,7 +170,8 @@ def _host(cfg: BenchConfig, actor_engine, ref_engine, decode, policy: str, strea
 
 def compile_for(cfg: BenchConfig, policy: str, config):
     """``disaggregated`` runs serial's graph (its rollout GPU is a placement, not a graph change);
-    ``rollplex-dp2`` runs rollplex's over two ranks, without stage fusion (ranks decode apart)."""
+    ``rollplex-dp2`` runs rollplex's over two ranks, each scoring its own chunks' samples (stage
+    fusion per rank; train fusion stays on one rank)."""
     from rollplex.dags.grpo import grpo
     from rollplex.pipeline.compiler import BatchShape, EngineChoice, ModelDims, compile_iteration
     from rollplex.pipeline.ranks import distribute, fit_prompts_per_node
@@ -185,7 +186,7 @@ def compile_for(cfg: BenchConfig, policy: str, config):
                        prompt_tokens=cfg.vision_tokens + cfg.text_tokens + 2, vision_tokens=cfg.vision_tokens,
                        prefix_sharing=policy != "serial-noshare",
                        prompts_per_node=fit_prompts_per_node(per_node, cfg.prompts // ranks),
-                       stage_fusion=cfg.stage_fusion and policy == "rollplex",
+                       stage_fusion=cfg.stage_fusion and policy in ("rollplex", "rollplex-dp2"),
                        train_fusion=bool(options.get("tf", cfg.train_fusion)) and policy == "rollplex",
                        window_chunks=options.get("wc", 0))
     engines = EngineChoice({"decode": "torch-graph", "train": cfg.train_engine, "score": "transformers"})

@@ -108,6 +108,9 @@ def distribute(graph: IterationGraph, ranks: int) -> IterationGraph:
         out.add(node, **{o: {"nbytes": infos[o].nbytes, "device": infos[o].device, "what": infos[o].what}
                          for o in node.outputs})
 
+    if any(n.kind == "loss" and "handoff_chunk" in n.args for n in graph):
+        raise GraphError("train fusion (train_c nodes) cannot be split over data-parallel ranks yet: each chunk's "
+                         "update spans every rank's groups; set train.train_fusion: false")
     decode = [graph.nodes[n] for n in graph.topological_order() if graph.nodes[n].kind == "decode_chunk"]
     for name in graph.topological_order():
         node = graph.nodes[name]
@@ -117,6 +120,9 @@ def distribute(graph: IterationGraph, ranks: int) -> IterationGraph:
             continue
         if node.kind in REPLICATED:
             _replicate(graph, node, layout, add, renamed, rank_of_value)
+            continue
+        if "handoff_chunk" in node.args or (node.kind == "join" and node.args.get("samples")):
+            _split_fused_scoring(graph, node, layout, add, rank_of_value)
             continue
         owners = {layout.rank_of(p) for p in _prompts(node)}
         rank = owners.pop() if len(owners) == 1 else 0
@@ -145,14 +151,19 @@ def _split_decode(graph: IterationGraph, chain: list[Node], layout: RankLayout, 
         mine = layout.prompts_of(r)
         state = None
         for node in chain:
-            last = node is chain[-1]
+            last, chunk = node is chain[-1], node.args["chunk"]
             inputs = ([f"prompt_p{p}" for p in mine] + [f"vis_p{p}" for p in mine]) if state is None else [state]
             outputs = [f"responses_p{p}" for p in mine] + [f"rollout_stats_r{r}"] if last else \
-                [f"decode_state_r{r}_c{node.args['chunk']}"]
+                [f"decode_state_r{r}_c{chunk}"]
             infos = {o: graph.values.get(o) or Value(o, node.name, 64, "host", "scalars") for o in outputs}
             if not last:
                 old = graph.values[node.outputs[0]]
                 infos = {outputs[0]: Value(outputs[0], None, old.nbytes // layout.ranks, old.device, old.what)}
+            handed = f"finished_c{chunk}"  # stage fusion: the samples this chunk finished, per rank
+            if handed in node.outputs:
+                outputs.append(f"{handed}_r{r}")
+                infos[outputs[-1]] = graph.values[handed]
+                rank_of_value[outputs[-1]] = r
             add(Node(f"decode_r{r}_c{node.args['chunk']}", node.kind, tuple(inputs), tuple(outputs), node.model,
                      node.engine, {**node.args, "prompts": mine}, dict(node.meta)), r, infos)
             for o in outputs:
@@ -163,6 +174,28 @@ def _split_decode(graph: IterationGraph, chain: list[Node], layout: RankLayout, 
     add(Node("gather_rollout_stats", "gather", tuple(stats_parts), ("rollout_stats",), args={"what": "rollout_stats"}),
         0, {"rollout_stats": info})
     rank_of_value["rollout_stats"] = None  # read on every rank (host data)
+
+
+def _split_fused_scoring(graph: IterationGraph, node: Node, layout: RankLayout, add, rank_of_value) -> None:
+    """Stage fusion per rank: a frozen model's scoring of a chunk's finished samples (over every
+    prompt) becomes one node per rank over its prompts, fed by its own decode chain's hand-off, and
+    the join that restores the per-prompt names splits the same way."""
+    for r in range(layout.ranks):
+        mine = layout.prompts_of(r)
+        if node.kind == "join":
+            inputs = tuple(f"{v}_r{r}" for v in node.inputs)
+            outputs = tuple(o for p, o in zip(node.args["prompts"], node.outputs) if p in mine)
+            infos = {o: graph.values[o] for o in outputs}
+        else:
+            n = len(node.args["prompts"])
+            kvs = tuple(v for p, v in zip(node.args["prompts"], node.inputs[:n]) if p in mine)
+            inputs = kvs + tuple(f"{v}_r{r}" for v in node.inputs[n:])
+            outputs = tuple(f"{o}_r{r}" for o in node.outputs)
+            infos = {f"{o}_r{r}": graph.values[o] for o in node.outputs}
+        add(Node(f"{node.name}_r{r}", node.kind, inputs, outputs, node.model, node.engine,
+                 {**node.args, "prompts": mine}, dict(node.meta)), r, infos)
+        for o in outputs:
+            rank_of_value[o] = r
 
 
 def _replicate(graph: IterationGraph, node: Node, layout: RankLayout, add, renamed, rank_of_value) -> None:

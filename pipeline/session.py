@@ -136,7 +136,7 @@ class Session:
             prefix_sharing=cfg.train.prefix_sharing,
             # The serial schedule scores after the rollout by definition; data-parallel ranks split
             # decode per rank (pipeline/ranks.py), which hands groups on only after the last chunk.
-            stage_fusion=cfg.train.stage_fusion and cfg.schedule == "rollplex" and cfg.cluster.workers == 1,
+            stage_fusion=cfg.train.stage_fusion and cfg.schedule == "rollplex",
             train_fusion=cfg.train.train_fusion,
             window_chunks=cfg.train.window_chunks,
         )

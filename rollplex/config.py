@@ -88,8 +88,8 @@ class TrainConfig:
     zero_stage: int = f(2, lo=0, hi=3, doc="DeepSpeed ZeRO stage")
     prefix_sharing: bool = f(True, doc="score the prompt prefix once per group (else full sequences)")
     stage_fusion: bool = f(True, doc="rollplex schedule: frozen models score the samples each decode chunk "
-                           "finished while decode goes on (one worker; vLLM hands an n-sample request's "
-                           "samples on together, torch-graph each as it finishes)")
+                           "finished while decode goes on (each data-parallel rank its own; vLLM hands an "
+                           "n-sample request's samples on together, torch-graph each as it finishes)")
     train_fusion: bool = f(False, doc="with stage fusion, the policy also trains on each chunk's finished groups "
                            "in the decode window, its gradient normalised at the step (needs engines.train: "
                            "torch and a per-group algorithm; otherwise the graph trains after decode)")

@@ -128,7 +128,9 @@ def decode_chunk(ctx, node, inputs):
     # A rank's decode (pipeline/ranks.py) holds a slice of the batch: outputs by position, and the
     # prompts' global indices from args.
     index = node.args.get("prompts", range(num_prompts))
-    groups_out, samples_out = f"handoff_c{chunk}", f"finished_c{chunk}"
+    groups_out = f"handoff_c{chunk}"
+    # A rank's chain (pipeline/ranks.py) names its hand-off finished_c{chunk}_r{rank}.
+    samples_out = next((o for o in node.outputs if o.split("_r")[0] == f"finished_c{chunk}"), None)
     fused = groups_out in node.outputs
 
     def group(p: int) -> Responses | None:
@@ -154,7 +156,7 @@ def decode_chunk(ctx, node, inputs):
             done = {p: r for p in range(num_prompts) if p not in handed and (r := group(p)) is not None}
             handed = handed | done.keys()
             out[groups_out] = {index[p]: r for p, r in done.items()}
-        if samples_out in node.outputs:
+        if samples_out is not None:
             out[samples_out], keys = new_samples()
             handed_samples = handed_samples | keys
         out[node.outputs[0]] = {"finished": finished, "expected": expected, "handed": handed,
@@ -174,7 +176,7 @@ def decode_chunk(ctx, node, inputs):
                                       "max_len": max(lengths, default=0)}
     if fused:
         out[groups_out] = {index[p]: out[node.outputs[p]] for p in range(num_prompts) if p not in handed}
-    if samples_out in node.outputs:
+    if samples_out is not None:
         out[samples_out] = new_samples()[0]
     return out
 

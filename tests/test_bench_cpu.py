@@ -100,8 +100,8 @@ def test_replay_returns_recorded_samples_and_names_a_missing_one():
 @pytest.mark.slow
 def test_bench_two_gpu_policies_on_cpu_match_serial(tmp_path):
     """disaggregated (rollout on its own copy, weights shipped back) and rollplex-dp2 (two ranks, an
-    in-process all-reduce) run on two CPU "devices"; on serial's replayed rollout both compute serial's
-    update, and the two ranks end the step with equal weights."""
+    in-process all-reduce, stage fusion per rank) run on two CPU "devices"; on serial's replayed
+    rollout both compute serial's update, and the two ranks end the step with equal weights."""
     config = resolve_model_path(load_config(None, [])) + "/config.json"
     out = run(BenchConfig(model=config, device="cpu", dtype="float32", prompts=4, samples=2, vision_tokens=16,
                           text_tokens=8, max_new_tokens=8, mean_new_tokens=4, chunk_tokens=4, iterations=2,
@@ -116,8 +116,10 @@ def test_bench_two_gpu_policies_on_cpu_match_serial(tmp_path):
     assert updates["disaggregated"]["replayed"] <= 1e-6 and updates["rollplex-nofusion"]["replayed"] <= 1e-6
     assert "join" not in rows["rollplex-nofusion"]["seconds_by_kind"]  # no per-chunk scoring to join
     assert updates["disaggregated"]["identical_responses"] == updates["disaggregated"]["responses"]
-    # Two ranks sum their halves' gradients instead of accumulating all micro-batches in one order.
-    assert updates["rollplex-dp2"]["replayed"] <= 1e-4
+    # Two ranks sum their halves' gradients instead of accumulating all micro-batches in one order,
+    # and each scores its own chunks' samples (stage fusion per rank: the join of their scores runs),
+    # which rounds as rollplex's per-sample scoring does (1e-2, see the first test).
+    assert updates["rollplex-dp2"]["replayed"] <= 1e-2 and "join" in rows["rollplex-dp2"]["seconds_by_kind"]
     assert any(line.startswith("rollplex-dp2 is") for line in out["speedups"])
     # A variant (prefix work gated until at most 4 of the 8 rows decode) is its own row, compared with serial.
     assert updates["rollplex-nofusion:gate=4"]["replayed"] <= 1e-6

@@ -66,6 +66,31 @@ def test_each_rank_decodes_its_prompts_and_steps_its_own_engine_and_one_report_m
     assert sinks == ["report"] and g.nodes["report"].kind == "gather"
 
 
+@pytest.mark.parametrize("window_chunks", [0, 1])
+def test_stage_fusion_splits_per_rank_each_scoring_its_own_chains_samples(window_chunks):
+    """A frozen model's per-chunk scoring over every prompt becomes one node per rank over its own
+    prompts, fed by that rank's decode chain; each rank's join names its own prompts' scores."""
+    shape = BatchShape(prompts=4, samples=2, max_new_tokens=6, chunk_tokens=2, micro_batch_groups=1,
+                       stage_fusion=True, window_chunks=window_chunks)
+    g = schedule(distribute(compile_iteration(load_algorithm("grpo"), shape, ENGINES, DIMS), 2), "rollplex")
+    check_placement(g)
+    scoring = [n for n in g if "handoff_chunk" in n.args]
+    assert len(scoring) == 2 * (3 if window_chunks == 0 else 2)
+    for node in scoring:
+        r = node.meta["rank"]
+        assert node.args["prompts"] == [2 * r, 2 * r + 1]
+        for v in node.inputs:  # its prompts' prefixes and its own chain's hand-offs
+            producer = g.nodes[g.values[v].producer]
+            assert producer.meta["rank"] == r and (producer.kind != "decode_chunk" or v.endswith(f"_r{r}"))
+    for r in range(2):
+        join = g.nodes[f"join_ref_logprobs_r{r}"]
+        assert join.outputs == tuple(f"ref_logprobs_p{p}" for p in (2 * r, 2 * r + 1))
+    train_fused = BatchShape(prompts=4, samples=2, max_new_tokens=4, chunk_tokens=2, micro_batch_groups=1,
+                             stage_fusion=True, train_fusion=True)
+    with pytest.raises(GraphError, match="train fusion"):
+        distribute(compile_iteration(load_algorithm("grpo"), train_fused, ENGINES, DIMS), 2)
+
+
 def test_one_rank_is_the_compiled_graph_itself():
     shape = BatchShape(prompts=4, samples=2, max_new_tokens=2, chunk_tokens=2)
     g = compile_iteration(load_algorithm("grpo"), shape, ENGINES, DIMS)
