@@ -30,6 +30,23 @@ def _requests(model, tiny_model_dir, temperature):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def _decode_all(model, tiny_model_dir, cuda, options: dict, tokens_per_call: int):
+    """A torch-graph engine with ``options`` on the tiny model; every request of ``_requests`` decoded
+    to its end, ``tokens_per_call`` at a time. Returns the engine and {(request, sample): sequence}."""
+    from rollplex.engines.base import EngineContext, get_engine
+
+    import rollplex.engines  # noqa: F401
+
+    engine = get_engine("torch-graph").factory(EngineContext(
+        str(tiny_model_dir), cuda, torch.float32, 0, {"share_model": model, "max_num_seqs": 16, "max_model_len": 128,
+                                                      **options}))
+    engine.add_requests(_requests(model, tiny_model_dir, temperature=1.0))
+    done = []
+    while engine.has_unfinished():
+        done += engine.step(tokens_per_call)
+    return engine, {(d.request_id, d.index): d for d in done}
+
+
 def test_cuda_graph_steps_equal_eager_steps(cuda, tiny_model_dir, dtype):
     """Replaying captured graphs (several batch sizes, rows packed as they finish) gives the eager
     step's tokens exactly."""
@@ -78,21 +95,9 @@ def test_compiled_layer_under_cuda_graphs_samples_what_the_eager_layer_does(cuda
     """``compile``: torch.compile of the decoder layer, then captured into the graphs as usual."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from rollplex.engines.base import EngineContext, get_engine
-
-    import rollplex.engines  # noqa: F401
-
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_model_dir, dtype=torch.float32).to(cuda).eval()
-    outs = {}
-    for compiled in (False, True):
-        engine = get_engine("torch-graph").factory(EngineContext(
-            str(tiny_model_dir), cuda, torch.float32, 0, {"share_model": model, "max_num_seqs": 16,
-                                                          "max_model_len": 128, "compile": compiled}))
-        engine.add_requests(_requests(model, tiny_model_dir, temperature=1.0))
-        done = []
-        while engine.has_unfinished():
-            done += engine.step(3)
-        outs[compiled] = {(d.request_id, d.index): d for d in done}
+    outs = {compiled: _decode_all(model, tiny_model_dir, cuda, {"compile": compiled}, 3)[1]
+            for compiled in (False, True)}
     for key, seq in outs[False].items():
         assert outs[True][key].token_ids == seq.token_ids
 
@@ -103,27 +108,16 @@ def test_several_steps_per_graph_sample_what_one_step_graphs_do(cuda, tiny_model
     with k = 4 runs one 4-step graph and three one-step ones."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from rollplex.engines.base import EngineContext, get_engine
-
-    import rollplex.engines  # noqa: F401
-
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_model_dir, dtype=torch.float32).to(cuda).eval()
     outs, launches = {}, {}
     for k in (1, 4):
-        engine = get_engine("torch-graph").factory(EngineContext(
-            str(tiny_model_dir), cuda, torch.float32, 0, {"share_model": model, "max_num_seqs": 16,
-                                                          "max_model_len": 128, "steps_per_graph": k}))
-        engine.add_requests(_requests(model, tiny_model_dir, temperature=1.0))
-        done = []
-        while engine.has_unfinished():
-            done += engine.step(7)
-        outs[k] = {(d.request_id, d.index): (d.token_ids, d.logprobs) for d in done}
+        engine, outs[k] = _decode_all(model, tiny_model_dir, cuda, {"steps_per_graph": k}, 7)
         launches[k] = {key[3] for key in engine._graphs}
     assert launches == {1: {1}, 4: {1, 4}}
     assert outs[4].keys() == outs[1].keys()
-    for key, (tokens, logprobs) in outs[1].items():
-        assert outs[4][key][0] == tokens
-        assert torch.allclose(torch.tensor(outs[4][key][1]), torch.tensor(logprobs), atol=1e-5)
+    for key, seq in outs[1].items():
+        assert outs[4][key].token_ids == seq.token_ids
+        assert torch.allclose(torch.tensor(outs[4][key].logprobs), torch.tensor(seq.logprobs), atol=1e-5)
 
 
 def _tiny_bench(tiny_model_dir, tmp_path, policies, **kw):
