@@ -229,14 +229,19 @@ class GraphDecodeEngine(DecodeEngine):
         with self._lock, torch.no_grad():
             self._admit()
             done: list[FinishedSequence] = []
-            # Rows leave only at _collect, so the batch size holds for the whole call and k steps
-            # can be one graph: the decode thread then launches once per k tokens, which a busy
-            # compute thread (the GIL, the driver) delays k times less often.
-            left = max_tokens
-            while left > 0 and self._live_count():
-                k = self.steps_per_graph if self.use_graphs and left >= self.steps_per_graph else 1
-                self._run_steps(self._graph_size(self._live_count()), k)
-                left -= k
+            # Rows leave only at _collect, so the batch (its graph size, whether any row samples
+            # with top-p) holds for the whole call, and k steps can be one graph: the decode thread
+            # then launches once per k tokens, which a busy compute thread (the GIL, the driver)
+            # delays k times less often.
+            live = self._live_count()
+            if live:
+                n = self._graph_size(live)
+                top_p = any(r is not None and r.request.top_p < 1.0 and r.request.temperature > 0 for r in self._live)
+                left = max_tokens
+                while left > 0:
+                    k = self.steps_per_graph if self.use_graphs and left >= self.steps_per_graph else 1
+                    self._run_steps(n, top_p, k)
+                    left -= k
             done += self._collect()
             return done
 
@@ -416,9 +421,8 @@ class GraphDecodeEngine(DecodeEngine):
         b.length[:n].add_(1)
         b.rope_pos[:n].add_(1)
 
-    def _run_steps(self, n: int, k: int = 1) -> None:
+    def _run_steps(self, n: int, top_p: bool, k: int) -> None:
         self.steps_run += k
-        top_p = any(r is not None and r.request.top_p < 1.0 and r.request.temperature > 0 for r in self._live)
         if not self.use_graphs:
             for _ in range(k):
                 self._step(n, top_p)

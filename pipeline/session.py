@@ -134,8 +134,8 @@ class Session:
             prompt_tokens=prompt_tokens,
             vision_tokens=vision_tokens,
             prefix_sharing=cfg.train.prefix_sharing,
-            # The serial schedule scores after the rollout by definition; data-parallel ranks split
-            # decode per rank (pipeline/ranks.py), which hands groups on only after the last chunk.
+            # The serial schedule scores after the rollout by definition; with data-parallel ranks,
+            # each rank scores its own decode chain's samples (pipeline/ranks.py).
             stage_fusion=cfg.train.stage_fusion and cfg.schedule == "rollplex",
             train_fusion=cfg.train.train_fusion,
             window_chunks=cfg.train.window_chunks,

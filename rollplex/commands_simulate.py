@@ -244,8 +244,9 @@ def _assumptions(scn, results) -> str:
          "and disaggregated+prefix add sharing (the bench's serial and disaggregated) to isolate the overlap gain",
          ""),
         ("rollplex", "prefix sharing, prefix work under light decode on SM partitions (gate chosen per plan), stage "
-         "fusion of finished groups, rollout weights per the sharing plan (views of the training shard where "
-         "layouts agree; `rollplex weights`)", "the runtime scores single finished samples; modelled per group"),
+         "fusion (frozen models score single finished samples per decode chunk, as the runtime does; train "
+         "fusion per finished group), rollout weights per the sharing plan (views of the training shard where "
+         "layouts agree; `rollplex weights`)", ""),
         ("disaggregated", "same GPU budget, best valid split, weights shipped over the network each step", ""),
         ("host nodes", ", ".join(f"{k} {v * 1e3:g} ms" for k, v in HOST_SECONDS.items()), "assumed"),
         ("transfers", "on a copy lane per GPU at PCIe speed; the iteration ends when its last offload does", ""),
