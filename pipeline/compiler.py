@@ -98,6 +98,13 @@ class BatchShape:
         return [part for mb in self.micro_batches() for part in _split(mb, self.prompts_per_node)]
 
 
+def scoring_tail(window_chunks: int, chunks: int) -> int:
+    """The decode chunk whose frozen-scoring node also takes every later chunk's samples
+    (``BatchShape.window_chunks``): that chunk where it leaves two or more to merge, else the last
+    one, so every chunk keeps its own node."""
+    return window_chunks if 0 < window_chunks < chunks - 1 else chunks - 1
+
+
 def _split(items, size: int) -> list[tuple[int, ...]]:
     items = tuple(items)
     return [items[i : i + size] for i in range(0, len(items), size)]
@@ -272,8 +279,7 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
             # Stage fusion: after each decode chunk, the samples it finished are scored on the compute
             # stream while decode goes on; a join hands each prompt's scores on under its usual name.
             kvs = [f"prefix_{s.model}_p{p}" for p in range(P)]
-            tail = shape.window_chunks if 0 < shape.window_chunks < shape.chunks - 1 and not train_fused \
-                else shape.chunks - 1
+            tail = shape.chunks - 1 if train_fused else scoring_tail(shape.window_chunks, shape.chunks)
             chunk_outs = [f"{s.as_}_c{c}" for c in range(tail + 1)]
             for c, out in enumerate(chunk_outs):
                 handed = range(c, shape.chunks) if c == tail else [c]  # the last node: every chunk left

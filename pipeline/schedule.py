@@ -37,6 +37,7 @@ from dataclasses import dataclass, field, replace
 import networkx as nx
 
 from rollplex.errors import GraphError
+from rollplex.pipeline.compiler import scoring_tail
 from rollplex.pipeline.hardware import Cluster, Layout
 from rollplex.pipeline.ir import IterationGraph, Node, gc_paused
 from rollplex.pipeline.timing import Job, Problem, Timing, dispatch, lane_orders, replay
@@ -536,7 +537,7 @@ def release_finished_samples(graph: IterationGraph, sample_chunks: Mapping[int, 
     hands on. Nodes whose samples all finish in one chunk stay as they are. Returns a new graph."""
     decodes = {n.args["chunk"]: n for n in graph.of_kind("decode_chunk")}
     last = max(decodes)
-    tail = window_chunks if 0 < window_chunks < last else last
+    tail = scoring_tail(window_chunks, last + 1)
     handed: dict[int, list[str]] = {c: [] for c in decodes}
     nodes, infos = [], {}
     for node in graph:
