@@ -36,24 +36,23 @@ GPU_KINDS = ("vit_encode", "prefix", "decode_chunk", "suffix_score", "loss", "op
 
 def scenario(cfg: dict, policy: str, calibration=None, cluster=None):
     """The simulator's scenario for one bench policy (``serial:ppn=8:mb=2``: its batching options)."""
-    from rollplex.pipeline.bench_results import parse_policy
+    from rollplex.pipeline.bench_results import policy_shape
     from rollplex.pipeline.costs import Workload
     from rollplex.pipeline.hardware import hardware
     from rollplex.pipeline.modelspec import load_model
     from rollplex.pipeline.simulator import Scenario
 
-    base, options = parse_policy(policy)
+    shape = policy_shape(policy, prompts_per_node=cfg.get("prompts_per_node", 1),
+                         stage_fusion=cfg.get("stage_fusion", False), train_fusion=cfg.get("train_fusion", False))
     w = Workload(prompts=cfg["prompts"], samples=cfg["samples"], text_tokens=cfg["text_tokens"] + 2,
                  vision_tokens=cfg["vision_tokens"], max_new_tokens=cfg["max_new_tokens"],
                  response=f"lognormal:{cfg['mean_new_tokens']}:0.8", chunk_tokens=cfg["chunk_tokens"],
                  zero=0 if cfg.get("train_engine", "torch") == "torch" else 2,
-                 micro_batch_groups=options.get("mb", 1),
-                 prompts_per_node=options.get("ppn", cfg.get("prompts_per_node", 1)),
+                 micro_batch_groups=shape["micro_batch_groups"], prompts_per_node=shape["prompts_per_node"],
                  checkpointing=False, actor_forward="keep", seed=cfg.get("seed", 0))
-    fused = base == "rollplex" and cfg.get("stage_fusion", False)
     return Scenario(load_model(cfg["model"]), cluster or hardware("h200", 1), w, calibration=calibration,
-                    memory=False, stage_fusion=fused, window_chunks=options.get("wc", 0),
-                    train_fusion=fused and bool(options.get("tf", cfg.get("train_fusion", False))))
+                    memory=False, stage_fusion=shape["stage_fusion"], window_chunks=shape["window_chunks"],
+                    train_fusion=shape["train_fusion"])
 
 
 def variant_of(policy: str) -> str | None:
@@ -134,7 +133,8 @@ def main() -> None:
         fitted = replace(c.interference, decode_slowdown=slowdown,
                          hidden_table=tuple((b, max(0.0, min(hidden, 0.99))) for b, _ in c.interference.hidden_table))
         rows["+contention"] = predict(cal, replace(c, interference=fitted))
-        contention = f"{pair[0]} against {pair[1]}: decode slowdown {slowdown:.2f}×, prefix/vision rate beside decode {rate:.2f} (H = {hidden:.2f})"
+        contention = (f"{pair[0]} against {pair[1]}: decode slowdown {slowdown:.2f}×, prefix/vision rate beside "
+                      f"decode {rate:.2f} (H = {hidden:.2f})")
     else:
         contention = f"no {pair[0]} + {pair[1]} pair in the run to measure contention"
 

@@ -42,6 +42,7 @@ from rollplex.pipeline.bench_results import (  # noqa: F401 - POLICIES, ALL_POLI
     compare_update,
     file_stem,
     parse_policy,
+    policy_shape,
     profile_iteration,
     record_iteration,
     report,
@@ -177,18 +178,15 @@ def compile_for(cfg: BenchConfig, policy: str, config):
     from rollplex.pipeline.ranks import distribute, fit_prompts_per_node
     from rollplex.pipeline.schedule import schedule
 
-    policy, options = parse_policy(policy)
+    fields = policy_shape(policy, prompts_per_node=cfg.prompts_per_node, stage_fusion=cfg.stage_fusion,
+                          train_fusion=cfg.train_fusion)
+    policy, _ = parse_policy(policy)
     ranks = 2 if policy == "rollplex-dp2" else 1
-    per_node = options.get("ppn", cfg.prompts_per_node)
+    for name in ("prompts_per_node", "micro_batch_groups"):  # no node or micro-batch spans two ranks
+        fields[name] = fit_prompts_per_node(fields[name], cfg.prompts // ranks)
     shape = BatchShape(prompts=cfg.prompts, samples=cfg.samples, max_new_tokens=cfg.max_new_tokens,
-                       chunk_tokens=cfg.chunk_tokens,
-                       micro_batch_groups=fit_prompts_per_node(options.get("mb", 1), cfg.prompts // ranks),
-                       prompt_tokens=cfg.vision_tokens + cfg.text_tokens + 2, vision_tokens=cfg.vision_tokens,
-                       prefix_sharing=policy != "serial-noshare",
-                       prompts_per_node=fit_prompts_per_node(per_node, cfg.prompts // ranks),
-                       stage_fusion=cfg.stage_fusion and policy in ("rollplex", "rollplex-dp2"),
-                       train_fusion=bool(options.get("tf", cfg.train_fusion)) and policy == "rollplex",
-                       window_chunks=options.get("wc", 0))
+                       chunk_tokens=cfg.chunk_tokens, prompt_tokens=cfg.vision_tokens + cfg.text_tokens + 2,
+                       vision_tokens=cfg.vision_tokens, prefix_sharing=policy != "serial-noshare", **fields)
     engines = EngineChoice({"decode": "torch-graph", "train": cfg.train_engine, "score": "transformers"})
     graph = distribute(compile_iteration(grpo, shape, engines, ModelDims.from_hf_config(config, 2)), ranks)
     return schedule(graph, "rollplex" if policy.startswith("rollplex") else "serial")

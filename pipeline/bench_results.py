@@ -26,10 +26,13 @@ ALL_POLICIES = POLICIES + ("rollplex-nofusion",) + TWO_GPU_POLICIES  # two-GPU o
 VARIANT_KEYS = {"gate": "prefix work waits until decode has at most this many live rows",
                 "sms": "decode's SMs while both streams are busy (0: re-chosen per chunk)",
                 "target": "1 (default): matmuls on a partition target its SMs through cuBLASLt; 0: plain cuBLAS",
-                "gp": "1: forwards kept for a backward (the policy's prefix) may run on a partition; 0 (default): whole GPU",
+                "gp": "1: forwards kept for a backward (the policy's prefix) may run on a partition; "
+                      "0 (default): whole GPU",
                 "pf": "1 (default): compute work waits out decode's prefill; 0: starts beside it",
-                "wc": "with stage fusion and tf=0, chunks from this one on are scored by one node after decode (0: per chunk)",
-                "tf": "train fusion: 1 trains finished groups inside the window, 0 after it (default: --train-fusion)"}
+                "wc": "with stage fusion and tf=0, chunks from this one on are scored by one node after decode "
+                      "(0: per chunk)",
+                "tf": "train fusion: 1 trains finished groups inside the window, 0 after it "
+                      "(default: --train-fusion)"}
 # Options of every policy: how the work is batched, so each policy can run at its best settings.
 SHAPE_KEYS = {"ppn": "prompts per vit/prefix/suffix node (batched forwards; default: --prompts-per-node)",
               "mb": "prompts per micro-batch: one loss and backward each (default 1)",
@@ -58,6 +61,19 @@ def parse_policy(name: str) -> tuple[str, dict[str, int]]:
             raise RollplexError(f"--policies: {name!r}: option {key!r} applies to the rollplex policies only")
         parsed[key] = int(value)
     return base, parsed
+
+
+def policy_shape(policy: str, *, prompts_per_node: int, stage_fusion: bool, train_fusion: bool) -> dict[str, Any]:
+    """The batch-shape fields a bench policy's name sets, its options over the bench's defaults:
+    prompts per node and per micro-batch, stage fusion (the rollplex policies that score in the
+    window), train fusion (one-GPU rollplex) and late-chunk scoring. The bench compiles with them and
+    ``benchmarks/predict_bench.py`` simulates with them."""
+    base, options = parse_policy(policy)
+    fused = stage_fusion and base in ("rollplex", "rollplex-dp2")
+    return {"prompts_per_node": options.get("ppn", prompts_per_node), "micro_batch_groups": options.get("mb", 1),
+            "stage_fusion": fused,
+            "train_fusion": fused and base == "rollplex" and bool(options.get("tf", train_fusion)),
+            "window_chunks": options.get("wc", 0)}
 
 
 @dataclass
