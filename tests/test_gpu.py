@@ -29,7 +29,6 @@ def _requests(model, tiny_model_dir, temperature):
             for i, (p, v) in enumerate(zip(prompts, visions))]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def _decode_all(model, tiny_model_dir, cuda, options: dict, tokens_per_call: int):
     """A torch-graph engine with ``options`` on the tiny model; every request of ``_requests`` decoded
     to its end, ``tokens_per_call`` at a time. Returns the engine and {(request, sample): sequence}."""
@@ -47,6 +46,7 @@ def _decode_all(model, tiny_model_dir, cuda, options: dict, tokens_per_call: int
     return engine, {(d.request_id, d.index): d for d in done}
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_graph_steps_equal_eager_steps(cuda, tiny_model_dir, dtype):
     """Replaying captured graphs (several batch sizes, rows packed as they finish) gives the eager
     step's tokens exactly."""
