@@ -58,11 +58,21 @@ def overlap_seconds(trace: dict, a: set[str], b: set[str]) -> float:
     worker (another worker's decode hides nothing of this one's work)."""
     total = 0.0
     for worker in {e.get("pid") for e in trace["traceEvents"] if e.get("ph") == "X"}:
-        ys = intervals(trace, b, worker)
+        ys = _union(intervals(trace, b, worker))  # two ranks' decode at once hide a node once, not twice
         for s1, e1, _ in intervals(trace, a, worker):
             for s2, e2, _ in ys:
                 total += max(0.0, min(e1, e2) - max(s1, s2))
     return total / 1e6
+
+
+def _union(spans: list[tuple[float, float, str]]) -> list[tuple[float, float, str]]:
+    merged: list[tuple[float, float, str]] = []
+    for start, end, name in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end), merged[-1][2])
+        else:
+            merged.append((start, end, name))
+    return merged
 
 
 def dispatch_gaps(events: list[dict], predecessors: dict[str, list[str]]) -> dict[str, float]:

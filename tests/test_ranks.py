@@ -185,6 +185,17 @@ def test_dispatch_gaps_count_only_time_a_ready_node_waited_on_an_idle_stream():
     assert gaps == pytest.approx({"b": 5e-6, "d": 2e-6})  # a, c, x have no predecessor: no reference
 
 
+def test_a_node_under_two_ranks_decode_at_once_is_hidden_once():
+    """  prefix [0, 10) on w0; rank 0 and rank 1 decode [0, 10) and [5, 15) on the same worker:
+    the prefix is hidden for 10 µs, not the 15 µs the two overlaps add to (the bench once printed 153%)."""
+    from rollplex.pipeline.trace import overlap_seconds
+
+    x = lambda cat, ts, dur, pid="w0": {"ph": "X", "cat": cat, "name": f"{cat}{ts}", "ts": ts, "dur": dur, "pid": pid}  # noqa: E731
+    trace = {"traceEvents": [x("prefix", 0, 10), x("decode_chunk", 0, 10), x("decode_chunk", 5, 10),
+                             x("decode_chunk", 0, 10, pid="w1")]}
+    assert overlap_seconds(trace, {"prefix"}, {"decode_chunk"}) == pytest.approx(10e-6)
+
+
 def test_the_placed_graph_prints_each_nodes_rank():
     text = str(compiled(prompts=4, ranks=2))
     assert re.search(r"^%decode_r1_c0 : rank1/decode ", text, re.M)
