@@ -223,19 +223,24 @@ def latest_name(run_dir: Path) -> str | None:
     return done[-1].name if done else None
 
 
-def rl_rewards(path: Path) -> list[float]:
-    """The mean reward of each RL iteration logged so far (a resumed run's stop_at_reward window)."""
+def rl_rows(path: Path) -> list[dict]:
+    """The metrics.jsonl rows of the RL iterations logged so far (a torn last line left out)."""
     if not path.exists():
         return []
-    rewards = []
+    rows = []
     for line in path.read_text().splitlines():
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
             continue
         if row.get("phase") == "rl":
-            rewards.append(float(row["reward_mean"]))
-    return rewards
+            rows.append(row)
+    return rows
+
+
+def rl_rewards(path: Path) -> list[float]:
+    """The mean reward of each RL iteration logged so far (a resumed run's stop_at_reward window)."""
+    return [float(row["reward_mean"]) for row in rl_rows(path)]
 
 
 def truncate_metrics(path: Path, iteration: int) -> None:

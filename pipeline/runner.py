@@ -161,9 +161,9 @@ def cluster_security(cfg: RunConfig):
 
 
 def _start_from(cfg: RunConfig, session: Session, executor, watch, state, metrics_path: Path, log, stop,
-                recovering: bool) -> tuple[int, list[float]]:
+                recovering: bool) -> tuple[int, list[dict]]:
     """Bring the driver (loader, RNG, metrics) and every host's engines to ``state``, a checkpoint or
-    the very beginning. Returns the first iteration to run and the RL rewards logged before it."""
+    the very beginning. Returns the first iteration to run and the RL metrics rows logged before it."""
     import random
 
     import torch
@@ -186,7 +186,7 @@ def _start_from(cfg: RunConfig, session: Session, executor, watch, state, metric
     reference = session.run_dir / "reference"
     watch.on_each(_restore, str(state.directory),
                   str(reference) if recovering and (reference / "config.json").exists() else None)
-    return state.iteration + 1, checkpoints.rl_rewards(metrics_path)
+    return state.iteration + 1, checkpoints.rl_rows(metrics_path)
 
 
 def _failure(exc: BaseException, where: str, run_dir: Path) -> BaseException:
@@ -218,8 +218,10 @@ def _train_loop(cfg: RunConfig, session: Session, client, state, metrics_path: P
     while True:
         try:
             if iteration is None:
-                iteration, rewards = _start_from(cfg, session, executor, watch, state, metrics_path, log, stop,
-                                                 recovering)
+                iteration, logged = _start_from(cfg, session, executor, watch, state, metrics_path, log, stop,
+                                                recovering)
+                rewards = [float(row["reward_mean"]) for row in logged]
+                timed = [(row.get("schedule", cfg.schedule), row["iter_seconds"]) for row in logged]
                 bar.n = iteration
                 bar.refresh()
             while iteration < cfg.iterations:
@@ -229,23 +231,29 @@ def _train_loop(cfg: RunConfig, session: Session, client, state, metrics_path: P
                 point("iteration:start")
                 batch = session.balanced(session.loader.next_batch())
                 inputs = {f"prompt_p{p}": prompt for p, prompt in enumerate(batch)}
-                result = executor.run(session.graph, iteration, inputs)
+                choice = session.schedule_for(timed)
+                result = executor.run(session.graphs[choice.schedule], iteration, inputs)
                 watch.check()  # results computed (even partly) on a replaced worker are not the run's
                 out = result.output["report"]
-                trace = chrome_trace(result.events, iteration, cfg.schedule)
+                trace = chrome_trace(result.events, iteration, choice.schedule)
                 write_iteration_files(run_dir, iteration, out["rows"], trace)
                 metrics = {"iteration": iteration, "phase": "rl", **out["metrics"],
-                           "iter_seconds": round(result.seconds, 4),
+                           "iter_seconds": round(result.seconds, 4), "schedule": choice.schedule,
                            "seconds_by_kind": seconds_by_kind(result.events),
                            "peak_memory_bytes": result.peak_memory_bytes, "reward_chance": session.task.chance,
                            **session.loader.metrics()}
                 append_line(metrics_path, json.dumps(metrics, sort_keys=True))
                 point("iteration:written")
                 rewards.append(metrics["reward_mean"])
+                timed.append((choice.schedule, metrics["iter_seconds"]))
                 iteration_seconds.append(result.seconds)
                 line = (f"it {iteration:4d}  reward {metrics['reward_mean']:.3f}  kl {metrics['kl']:.4f}  "
                         f"loss {metrics['loss']:+.4f}  |g| {metrics['grad_norm']:.3f}  "
                         f"len {metrics['response_len_mean']:.1f}  {result.seconds:.2f}s")
+                if len(session.schedules) > 1:  # schedule: auto
+                    line += f"  {choice.schedule}"
+                if not choice.decided and (kept := session.schedule_for(timed)).decided:
+                    line += "\n" + kept.describe(cfg.schedule_trials)
                 bar.write(line) if progress else log(line)
                 bar.update(1)
                 moving = sum(rewards[-MOVING_WINDOW:]) / len(rewards[-MOVING_WINDOW:])

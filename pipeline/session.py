@@ -6,12 +6,14 @@ stage fusion, the memory plan when asked) and schedules it. ``pipeline/runner.py
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
 from rollplex.config import RunConfig
 from rollplex.errors import ConfigError, EngineError, GraphError, RollplexError
 from rollplex.pipeline import checkpoints
+from rollplex.pipeline.autoschedule import CANDIDATES, Choice, next_schedule
 from rollplex.pipeline.hostops import _save
 from rollplex.pipeline.preflight import check_servable
 
@@ -134,9 +136,9 @@ class Session:
             prompt_tokens=prompt_tokens,
             vision_tokens=vision_tokens,
             prefix_sharing=cfg.train.prefix_sharing,
-            # The serial schedule scores after the rollout by definition; with data-parallel ranks,
-            # each rank scores its own decode chain's samples (pipeline/ranks.py).
-            stage_fusion=cfg.train.stage_fusion and cfg.schedule == "rollplex",
+            # Set per schedule below: serial scores after the rollout by definition; with data-parallel
+            # ranks, each rank scores its own decode chain's samples (pipeline/ranks.py).
+            stage_fusion=cfg.train.stage_fusion,
             train_fusion=cfg.train.train_fusion,
             window_chunks=cfg.train.window_chunks,
         )
@@ -146,8 +148,6 @@ class Session:
         # cluster.workers > 1: data-parallel ranks, one per worker, each with a share of the batch.
         self.world = cfg.cluster.workers
         if self.world > 1:
-            import dataclasses
-
             from rollplex.pipeline.ranks import check_data_parallel, fit_prompts_per_node
 
             check_data_parallel(self.world, shape.prompts, shape.micro_batch_groups, self.train_engine,
@@ -162,21 +162,32 @@ class Session:
         # After a warm-up the reference is the warmed-up policy, saved once in the run directory.
         warmed = run_dir / "reference"
         self.reference_path = str(warmed) if (warmed / "config.json").exists() else self.model_path
+        # schedule: auto times both schedules' graphs and keeps the faster (pipeline/autoschedule.py).
+        self.schedules = CANDIDATES if cfg.schedule == "auto" else (cfg.schedule,)
+        self.graphs, self.memory_plans, compiled_graphs = {}, {}, {}
         try:
             from rollplex.pipeline.ranks import distribute
 
-            self.compiled = distribute(compile_iteration(self.algorithm, shape, choice, dims), self.world)
-            self.memory_plan = self.plan_memory(self.compiled) if cfg.cluster.memory_plan else None
-            self.graph = schedule(self.memory_plan.graph if self.memory_plan else self.compiled, cfg.schedule)
+            for name in self.schedules:
+                fused = dataclasses.replace(shape, stage_fusion=shape.stage_fusion and name == "rollplex")
+                compiled = compiled_graphs[name] = distribute(compile_iteration(self.algorithm, fused, choice, dims),
+                                                              self.world)
+                plan = self.plan_memory(compiled, name) if cfg.cluster.memory_plan else None
+                self.memory_plans[name] = plan
+                self.graphs[name] = schedule(plan.graph if plan else compiled, name)
         except GraphError as exc:  # a user DAG file's cycle or dangling value: name the file too
             if not cfg.algorithm.endswith(".py") or cfg.algorithm in str(exc):
                 raise
             raise GraphError(f"{cfg.algorithm}: {exc}") from None
+        # The first schedule's: what `rollplex graph` prints and graph.txt holds.
+        self.compiled, self.graph = compiled_graphs[self.schedules[0]], self.graphs[self.schedules[0]]
+        self.memory_plan = self.memory_plans[self.schedules[0]]
         self.tokenizer = self.processor.tokenizer
         from rollplex.pipeline.weightshare import annotate_run  # weight_sync nodes: what is aliased, rebuilt
 
-        self.weight_plan = annotate_run(self.graph, self.model_path, self.decode_engine, self.train_engine,
-                                        cfg.model.dtype, cfg.train.zero_stage, cfg.engines.weight_sharing)
+        for graph in self.graphs.values():
+            self.weight_plan = annotate_run(graph, self.model_path, self.decode_engine, self.train_engine,
+                                            cfg.model.dtype, cfg.train.zero_stage, cfg.engines.weight_sharing)
 
     def checkpoint(self, executor, iteration: int, reward: float | None, pids: set[int]) -> Path:
         """The actor and optimizer (from the worker) plus the processor files, so that the
@@ -189,7 +200,7 @@ class Session:
         return checkpoints.save(self.run_dir, iteration, write, loader=self.loader.state_dict(),
                                 keep_last=self.cfg.checkpoint.keep_last, reward=reward)
 
-    def plan_memory(self, graph):
+    def plan_memory(self, graph, schedule_name: str):
         """Offload/prefetch nodes so one device fits ``cluster.memory_budget_gib`` (pipeline/residency.py)."""
         from rollplex.pipeline.residency import GiB, plan_residency
 
@@ -198,7 +209,7 @@ class Session:
             raise ConfigError("cluster.memory_plan needs cluster.memory_budget_gib: the memory each device may use")
         if self.world > 1:
             raise ConfigError(f"cluster.memory_plan plans one device; cluster.workers is {self.world}")
-        return plan_residency(graph, cfg.schedule, model_path=self.model_path, shape=self.shape,
+        return plan_residency(graph, schedule_name, model_path=self.model_path, shape=self.shape,
                               budget_bytes=cfg.cluster.memory_budget_gib * GiB, train_engine=self.train_engine,
                               score_engine=self.score_engine, zero_stage=cfg.train.zero_stage, device=self.device,
                               weight_sharing=cfg.engines.weight_sharing != "off")
@@ -248,4 +259,10 @@ class Session:
             ref_cache_bytes=int(cfg.train.ref_cache_gib * 2**30), world_size=self.world,
             weight_sharing=cfg.engines.weight_sharing,
             # Partitions serve work beside decode, which only the rollplex schedule runs.
-            sm_partitions=cfg.cluster.sm_partitions and cfg.schedule == "rollplex")
+            sm_partitions=cfg.cluster.sm_partitions and "rollplex" in self.schedules)
+
+    def schedule_for(self, history: list[tuple[str, float]]) -> Choice:
+        """The schedule of the next RL iteration, from the (schedule, seconds) of those before it."""
+        if len(self.schedules) == 1:
+            return Choice(self.schedules[0], True)
+        return next_schedule(history, self.cfg.schedule_trials, self.schedules)

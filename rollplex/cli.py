@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train with an RL algorithm (default: GRPO on the embedded task)")
     t.add_argument("config", nargs="?", help="a YAML config (default: the embedded defaults)")
-    t.add_argument("--schedule", choices=("serial", "rollplex"))
+    t.add_argument("--schedule", choices=("serial", "rollplex", "auto"))
     t.add_argument("--iterations", type=int)
     t.add_argument("--seed", type=int)
     t.add_argument("--out", help="run directory (default: runs/<algorithm>-seed<seed>)")

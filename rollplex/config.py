@@ -152,7 +152,11 @@ class CheckpointConfig:
 class RunConfig:
     seed: int = f(0, lo=0, hi=2**31 - 1, doc="run seed: data order, sampling, init")
     iterations: int = f(300, lo=0, hi=10**9, doc="RL iterations (at most; see stop_at_reward)")
-    schedule: str = f("rollplex", choices=("serial", "rollplex"), doc="iteration schedule policy")
+    schedule: str = f("rollplex", choices=("serial", "rollplex", "auto"),
+                      doc="iteration schedule policy; auto: alternate rollplex and serial first, then keep the "
+                          "faster (the update is the same under both)")
+    schedule_trials: int = f(3, lo=1, hi=1000, doc="schedule auto: timed iterations per schedule before keeping "
+                                                   "the faster median (each one's first iteration is not counted)")
     algorithm: str = f("grpo", doc="a dags/ name (grpo) or a path to a DAG .py file")
     params: dict = f({}, doc="algorithm hyperparameter overrides, e.g. {kl_coef: 0.0}")
     stop_at_reward: float | None = f(0.9, lo=0.0, hi=1.0,

@@ -179,7 +179,7 @@ def test_out_of_range_names_field_and_bound(override, message):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("schedule=overlap", r"^schedule: 'overlap' is not one of serial, rollplex$"),
+    ("schedule=overlap", r"^schedule: 'overlap' is not one of serial, rollplex, auto$"),
     ("model.dtype=float16", r"^model.dtype: 'float16' is not one of float32, bfloat16$"),
     ("model.device=tpu", r"^model.device: 'tpu' is not one of auto, cpu, cuda$"),
 ])

@@ -130,3 +130,30 @@ def test_run_directory_has_every_artefact(runs):
     assert sum(p.numel() for p in model.parameters()) > 0
     for name in ("state.json", "rng.pt", "manifest.json", "tokenizer_config.json"):
         assert (final / name).exists(), name
+
+
+def test_schedule_auto_alternates_keeps_the_faster_and_resumes_to_the_same_choice(runs, tmp_path):
+    """schedule: auto with one counted trial each: rollplex, serial (first runs, not counted), rollplex,
+    serial, then the lower of iterations 2 and 3 for good. Stopped after iteration 2 and resumed, the
+    choice is made from metrics.jsonl as an uninterrupted run would make it, and every update equals
+    the serial run's: both schedules apply the same synchronous step."""
+    base = ["schedule=auto", "schedule_trials=1", f"seed={SEED}", "warmup.steps=3", "stop_at_reward=null",
+            "checkpoint.every=1", "checkpoint.keep_last=10"]
+    run_dir = tmp_path / "auto"
+    train(load_config(None, base + ["iterations=3"]), run_dir, progress=False, log=lambda *a: None)
+    said: list[str] = []
+    train(load_config(None, base + ["iterations=6"]), run_dir, resume=True, progress=False,
+          log=lambda *a: said.append(" ".join(map(str, a))))
+    rl = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in rl if r["phase"] == "rl"]
+    assert [r["iteration"] for r in rl] == list(range(6))
+    ran = [r["schedule"] for r in rl]
+    faster = min(rl[2:4], key=lambda r: r["iter_seconds"])["schedule"]
+    assert ran == ["rollplex", "serial", "rollplex", "serial", faster, faster]
+    assert any(f"→ {faster} for the rest of the run" in line for line in said)
+    for iteration in range(ITERATIONS):
+        name = f"checkpoints/iter_{iteration:06d}"
+        a, b = _weights(runs["serial"] / name), _weights(run_dir / name)
+        for key in a:
+            scale = a[key].abs().max().clamp(min=1e-12)
+            assert float((a[key] - b[key]).abs().max() / scale) <= 1e-5, (iteration, key)

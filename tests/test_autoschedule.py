@@ -1,0 +1,71 @@
+"""``schedule: auto``'s choice as a pure function of the run's (schedule, seconds) history."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rollplex.pipeline.autoschedule import next_schedule
+
+
+def run(times: dict[str, list[float]], trials: int, iterations: int) -> list[tuple[str, float]]:
+    """Drive the chooser as the runner does: each schedule's iterations take the given times in turn."""
+    history: list[tuple[str, float]] = []
+    used = {name: 0 for name in times}
+    for _ in range(iterations):
+        name = next_schedule(history, trials).schedule
+        history.append((name, times[name][min(used[name], len(times[name]) - 1)]))
+        used[name] += 1
+    return history
+
+
+def test_the_schedules_alternate_then_the_faster_median_is_kept():
+    # Each first run (5.0 s: captures) is not counted; serial's counted median is lower.
+    history = run({"rollplex": [5.0, 0.40, 0.42, 0.41], "serial": [5.0, 0.38, 0.39, 0.50]}, trials=3, iterations=12)
+    names = [name for name, _ in history]
+    assert names[:8] == ["rollplex", "serial"] * 4
+    assert names[8:] == ["serial"] * 4
+    choice = next_schedule(history[:8], 3)
+    assert choice.decided and choice.medians == {"rollplex": 0.41, "serial": 0.39}
+    assert "serial 0.390 s" in choice.describe(3) and "→ serial" in choice.describe(3)
+
+
+def test_the_first_run_of_each_schedule_is_not_counted():
+    # Rollplex's first run is slow and serial's fast: counted, they would flip the choice.
+    history = run({"rollplex": [9.0, 0.30], "serial": [0.01, 0.35]}, trials=1, iterations=6)
+    assert [name for name, _ in history][4:] == ["rollplex", "rollplex"]
+
+
+def test_later_iterations_of_the_kept_schedule_never_reopen_the_choice():
+    history = [("rollplex", 1.0), ("serial", 1.0), ("rollplex", 0.3), ("serial", 0.4)]
+    history += [("rollplex", 50.0)] * 5  # the kept schedule slows down later: still kept
+    assert next_schedule(history, 1) == next_schedule(history[:4], 1)
+
+
+def test_schedules_it_does_not_know_are_ignored():
+    # An earlier stretch of the run under a fixed schedule name that is not a candidate.
+    assert next_schedule([("other", 0.1)] * 3, 1).schedule == "rollplex"
+
+
+def test_trials_must_be_positive():
+    with pytest.raises(ValueError, match="trials"):
+        next_schedule([], 0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(trials=st.integers(1, 4), seconds=st.lists(st.floats(0.01, 10.0), min_size=30, max_size=30))
+def test_invariants_for_any_timings(trials, seconds):
+    """Whatever the timings: both schedules get trials + 1 runs before a decision, the decision comes
+    right after, it is the lower median, and the history is never re-decided differently."""
+    history: list[tuple[str, float]] = []
+    decided_at = None
+    for step, s in enumerate(seconds):
+        choice = next_schedule(history, trials)
+        if choice.decided and decided_at is None:
+            decided_at = step
+            first = choice
+        if decided_at is not None:
+            assert choice == first
+        history.append((choice.schedule, s))
+    assert decided_at == 2 * (trials + 1)
+    assert first.medians[first.schedule] == min(first.medians.values())
