@@ -31,6 +31,7 @@ VARIANT_KEYS = {"gate": "prefix work waits until decode has at most this many li
                 "pf": "1 (default): compute work waits out decode's prefill; 0: starts beside it",
                 "wc": "with stage fusion and tf=0, chunks from this one on are scored by one node after decode "
                       "(0: per chunk)",
+                "gl": "the policy's prefix of micro-batch m waits for the loss of m - N (0, default: no bound)",
                 "tf": "train fusion: 1 trains finished groups inside the window, 0 after it "
                       "(default: --train-fusion)"}
 # Options of every policy: how the work is batched, so each policy can run at its best settings.
@@ -73,7 +74,7 @@ def policy_shape(policy: str, *, prompts_per_node: int, stage_fusion: bool, trai
     return {"prompts_per_node": options.get("ppn", prompts_per_node), "micro_batch_groups": options.get("mb", 1),
             "stage_fusion": fused,
             "train_fusion": fused and base == "rollplex" and bool(options.get("tf", train_fusion)),
-            "window_chunks": options.get("wc", 0)}
+            "window_chunks": options.get("wc", 0), "grad_prefix_lookahead": options.get("gl", 0)}
 
 
 @dataclass

@@ -72,6 +72,10 @@ class BatchShape:
     # after the last chunk: each chunk's node is a forward, and late chunks end after the window,
     # where one forward is cheaper than several. 0: every chunk has its own node.
     window_chunks: int = 0
+    # The policy's prefix forward of micro-batch m (its graph is kept for m's backward) waits for the
+    # loss of micro-batch m - k: at most k micro-batches of prefix graphs are alive beside the one
+    # training. 0: no bound, every prefix may run in the decode window.
+    grad_prefix_lookahead: int = 0
 
     @property
     def fused(self) -> bool:
@@ -367,12 +371,18 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
     # Not for scores the advantage or a node of the algorithm's own reads (GAE reads a critic's
     # values): they are scoring, needed before any loss, and all their graphs are alive at once.
     mb_of = {p: m for m, groups in enumerate(shape.micro_batches()) for p in groups}
+    lookahead = shape.grad_prefix_lookahead
     for (kind, as_), nodes in grad_nodes.items():
         if kind == "suffix" and not {as_, f"old_{as_}"} & early:
             for name in nodes:
                 first = g.nodes[name].args["prompts"][0]
                 if mb_of[first] > 0:
                     chains.append([loss_name(policy, g.nodes[name].model, mb_of[first] - 1), name])
+        elif kind == "prefix" and lookahead and as_ not in early_models:  # as_: the model, for prefixes
+            for name in nodes:
+                m = mb_of[g.nodes[name].args["prompts"][0]]
+                if m >= lookahead:
+                    chains.append([loss_name(policy, g.nodes[name].model, m - lookahead), name])
     steps = []
     for model, outs in loss_outputs.items():
         step = "step" if model == policy else f"step_{model}"

@@ -141,6 +141,7 @@ class Session:
             stage_fusion=cfg.train.stage_fusion,
             train_fusion=cfg.train.train_fusion,
             window_chunks=cfg.train.window_chunks,
+            grad_prefix_lookahead=cfg.train.grad_prefix_lookahead,
         )
         if cfg.train.train_fusion and self.train_engine != "torch":
             raise ConfigError(f"train.train_fusion: the {self.train_engine} train engine cannot rescale its "

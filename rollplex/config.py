@@ -96,6 +96,9 @@ class TrainConfig:
     window_chunks: int = f(0, lo=0, doc="with stage fusion and no train fusion, the decode chunks from this one "
                            "on are scored by one node after the last chunk (one forward instead of one per "
                            "chunk, for the chunks that end after the decode window); 0 = one node per chunk")
+    grad_prefix_lookahead: int = f(0, lo=0, doc="the policy's prefix forward of micro-batch m waits for the "
+                                   "loss of micro-batch m - N, so at most N micro-batches of its graphs are "
+                                   "held beside the one training; 0 = no bound (all may run in the decode window)")
     ref_cache_gib: float = f(1.0, lo=0.0, doc="host memory for frozen models' prefixes, reused across "
                              "epochs (0 disables)")
 

@@ -220,3 +220,26 @@ def test_invariants_hold_for_random_batch_shapes(prompts, samples, max_new_token
     planned = check_policy(graph, policy)
     other, new = renamed(graph)
     assert {new[n.name]: n.meta for n in planned} == {n.name: n.meta for n in schedule(other, policy)}
+
+
+@pytest.mark.parametrize("lookahead", [0, 1, 2])
+def test_grad_prefix_lookahead_bounds_the_policy_prefixes_ahead_of_training(lookahead):
+    """With lookahead k, the policy's prefix of micro-batch m (m ≥ k) follows the loss of m − k, so at
+    most k micro-batches of its graphs wait beside the one training; frozen prefixes stay free to
+    run in the decode window, and the rollplex schedule stays acyclic. k = 0 adds nothing."""
+    shape = BatchShape(prompts=8, samples=2, max_new_tokens=8, chunk_tokens=4, micro_batch_groups=2,
+                       prompts_per_node=2, grad_prefix_lookahead=lookahead)
+    g = schedule(compile_iteration(grpo, shape, ENGINES, DIMS), "rollplex")
+    losses = [n.name for n in g if n.kind == "loss"]
+    assert len(losses) == 4
+    for node in g:
+        if node.kind != "prefix":
+            continue
+        ancestors = nx.ancestors(g.g, node.name)
+        m = node.args["prompts"][0] // 2
+        if node.args.get("grad"):
+            after = set(losses[:m - lookahead + 1]) if lookahead and m >= lookahead else set()
+            assert {l for l in losses if l in ancestors} == after, node.name
+        else:
+            assert not any(l in ancestors for l in losses), node.name
+    assert nx.is_directed_acyclic_graph(g.g)
