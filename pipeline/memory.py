@@ -158,8 +158,11 @@ def tensors_of(plan: Plan, residents: list[Resident]) -> list[Tensor]:
         busy = _merge(uses)
         gaps = [Gap(x[1], y[0], x[3], y[2][0], False, before_all=y[2]) for x, y in zip(busy, busy[1:])
                 if y[0] - x[1] > EPS]
+        # A forward with grad hands on tensors tied to its autograd graph, whose saved activations stay
+        # on the device until the backward: a host copy would be detached and free nothing of them.
+        kept_for_backward = v.producer is not None and bool(graph.nodes[v.producer].args.get("grad"))
         out.append(Tensor(v.name, tuple(gpus), v.nbytes / len(gpus), [(a, b) for a, b, *_ in busy], gaps, False,
-                          what=v.what, rank=(0, tiebreak[v.producer or users[0].node])))
+                          what=v.what, rank=(0, tiebreak[v.producer or users[0].node]), movable=not kept_for_backward))
     for index, r in enumerate(residents):
         mode = dict(r.uses)
         unknown = [n for n in mode if n not in slots]

@@ -149,8 +149,9 @@ def test_planned_memory_never_exceeds_the_budget_under_two_namings(case):
     assert (outcomes[0] is None) == (outcomes[1] is None), outcomes
 
 
-def chain():
-    """A prefix's KV is made first and read last; decode holds its pool in between.
+def chain(grad: bool = False):
+    """A prefix's KV is made first and read last; decode holds its pool in between (``grad``: the
+    prefix is a forward whose graph a backward will walk).
 
         x -> prefix -(kv 8 GiB)----------------------------------------> suffix
                   \-> vit (1 s) -> decode (10 s) -> post (2 s) ----------^
@@ -158,7 +159,8 @@ def chain():
     g = IterationGraph("kv")
     g.add_input("x", 16, "host")
     small = dict(nbytes=1024, device="device")
-    g.add(Node("prefix", "prefix", ("x",), ("kv", "h")), kv=dict(nbytes=8 * GiB, device="device"), h=small)
+    g.add(Node("prefix", "prefix", ("x",), ("kv", "h"), args={"grad": grad}), kv=dict(nbytes=8 * GiB, device="device"),
+          h=small)
     g.add(Node("vit", "vit_encode", ("h",), ("vis",)), vis=small)
     g.add(Node("decode", "decode_chunk", ("vis",), ("resp",)), resp=dict(nbytes=0, device="host"))
     g.add(Node("post", "prefix", ("resp",), ("ready",)), ready=small)
@@ -184,6 +186,18 @@ def test_an_idle_value_is_offloaded_and_prefetched_before_its_consumer():
     assert "peak 28.0 GiB → 20.0 GiB" in mp.log
     assert g.nodes["prefix"].meta["residency"] == {"kv": f"offload by %{off.name}", "h": "keep"}
     assert g.meta["residency"]["pool"] == ["free between %decode and %decode"]
+
+
+def test_a_value_kept_for_a_backward_is_never_offloaded():
+    """The same idle KV, made by a forward with grad: its autograd graph (activations saved for the
+    backward) stays on the device whatever happens to the tensor, and a host copy would be detached
+    from it. The plan keeps it and names it when the budget cannot be met."""
+    p = chain(grad=True)
+    pool = Resident("pool", (0,), 20 * GiB, (("decode", "write"),))
+    with pytest.raises(MemoryPlanError, match=r"kv 8\.00 GiB"):
+        plan_memory(p, [pool], budget=25 * GiB)
+    mp = plan_memory(p, [pool], budget=29 * GiB)
+    assert not [n for n in mp.plan.graph if n.kind in ("offload", "prefetch")]
 
 
 def test_a_dead_resident_is_freed_without_copies():
