@@ -75,6 +75,11 @@ class BenchConfig:
     second_device: str = ""  # the two-GPU policies' other device; default cuda:1 (cpu: cpu, for tests)
     compile_decode: bool = False  # the decode engine's layer through torch.compile (compiled in warm-up)
     profile: tuple[str, ...] = ()  # policies to run once more under torch.profiler (untimed): profile_<policy>.txt
+    # One-GPU policies take turns iteration by iteration (every iteration starts from the same
+    # weights, so the order changes nothing they compute): a drift in the machine's speed, or the
+    # process's first-iteration costs, reach every policy alike. False: each policy's iterations in
+    # a row. The two-GPU policies always run in a row after them (their copies on the second GPU).
+    interleave: bool = True
 
     def __post_init__(self) -> None:
         if not self.second_device:
@@ -148,7 +153,9 @@ def make_prompts(cfg: BenchConfig, config, iteration: int) -> list:
                          torch.full((side * side // 4,), config.image_token_id),
                          torch.tensor([config.vision_end_token_id]), text])
         pixels = torch.randn(side * side, 3 * 2 * 14 * 14, generator=gen).to(getattr(torch, cfg.dtype))
-        lengths = torch.distributions.LogNormal(math.log(cfg.mean_new_tokens), 0.8).sample((cfg.samples,))
+        # Log-normal, from this iteration's generator: the workload of iteration i is the same under
+        # every policy whatever ran before it (torch.distributions would draw from the global RNG).
+        lengths = torch.exp(math.log(cfg.mean_new_tokens) + 0.8 * torch.randn(cfg.samples, generator=gen))
         lengths = [int(min(cfg.max_new_tokens, max(4, x))) for x in lengths.tolist()]
         prompts.append(PromptInputs(f"bench-{iteration}-{p}", ids, pixels, torch.tensor([[1, side, side]]),
                                     meta={"max_tokens": lengths}))
@@ -307,16 +314,22 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
     def inputs_for(iteration: int) -> dict[str, Any]:
         return {f"prompt_p{p}": x for p, x in enumerate(make_prompts(cfg, config, iteration))}
 
-    def run_policy(policy: str, graph, extra: bench_multi.Replicas | None) -> PolicyResult:
-        """Timed iterations, then iteration 0 again on serial's recorded rollout. Its own scope, so
-        that its hosts and executors are gone when the caller releases the second GPU's copies."""
+    def run_policy(policy: str, graph, extra: bench_multi.Replicas | None):
+        """A generator: each ``next`` runs one iteration (the first a warm-up), the one after the last
+        runs iteration 0 again on serial's recorded rollout and returns the ``PolicyResult``. Its own
+        scope, so that its hosts and executors are gone when the caller releases the second GPU's copies."""
         ranks = extra.hosts_engines if extra else [{"actor": actor, "ref": ref_engine, "decode": decode}]
         if policy == "serial":
             ranks = [dict(ranks[0], decode=recorder)]
         executor = executor_for(policy, ranks)
         decodes = [r["decode"] for r in ranks]
-        res = PolicyResult(policy)
+        res = running[policy] = PolicyResult(policy)
         for iteration in range(cfg.iterations):
+            yield
+            for engine in decodes:  # an engine-wide setting, and policies may take turns on the engine
+                engine = getattr(engine, "inner", engine)
+                if hasattr(engine, "steps_per_graph"):
+                    engine.steps_per_graph = parse_policy(policy)[1].get("spg", 1)
             restart(extra)
             synchronize()
             steps_before = sum(d.steps_run for d in decodes)
@@ -324,8 +337,8 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
             if iteration == 0:  # the update from the common start, compared across policies
                 if policy == "serial":
                     res.weights = host_copy(trained_weights())
-                elif "serial" in results:
-                    res.sampled_difference = update_difference(trained_weights(), results["serial"].weights,
+                elif "serial" in running:
+                    res.sampled_difference = update_difference(trained_weights(), running["serial"].weights,
                                                                start_state)
                 res.responses = [r["response_token_ids"] for r in result.output["report"]["rows"]]
                 res.ranks_disagree = bench_multi.ranks_disagree(extra) if extra else 0.0
@@ -345,33 +358,58 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
             if policy == "serial":  # the replay against its own sampled run: the replay itself
                 res.replayed_weights = host_copy(weights)
                 res.replayed_difference = update_difference(weights, res.weights, start_state)
-            elif "serial" in results and results["serial"].replayed_weights is not None:
-                res.replayed_difference = update_difference(weights, results["serial"].replayed_weights, start_state)
+            elif "serial" in running and running["serial"].replayed_weights is not None:
+                res.replayed_difference = update_difference(weights, running["serial"].replayed_weights, start_state)
         return res
 
     # Serial first: its recorded rollout is what the others replay right after their timed runs, and
     # its update is what theirs are compared with, once, as each policy ends.
     graphs = {policy: compile_for(cfg, policy, config) for policy in sorted(cfg.policies, key=lambda p: p != "serial")}
     failed: dict[str, str] = {}  # policy -> why it stopped (out of memory), reported with the rest
-    for policy, graph in graphs.items():
-        extra = replicas_for(policy)
+    running: dict[str, PolicyResult] = {}  # every started policy's result so far (serial's update is the reference)
+
+    def advance(policy: str, runner) -> bool:
+        """One ``next`` of the policy's run; True once it is over (finished, or out of memory)."""
         try:
-            res = run_policy(policy, graph, extra)
+            next(runner)
+            return False
+        except StopIteration as done:
+            res = done.value
+            res.comparison = compare_update(res, res if policy == "serial" else results.get("serial"))
+            results[policy] = res
+            log(f"  {policy:15s} {res.median:7.3f} s/it   "
+                + "  ".join(f"{k} {v:.2f}" for k, v in sorted(res.by_kind.items())))
         except Exception as exc:  # noqa: BLE001 - out of memory only; anything else propagates
             if not out_of_memory(exc):
                 raise
             failed[policy] = str(exc)
+            running.pop(policy, None)
             log(f"  {policy}: out of memory, skipped: {exc}")
+            runner.close()
             recover_from_failed_policy()
+        report(cfg, spec, results, out_dir, lambda *a: None, failed)  # partial results survive a later failure
+        return True
+
+    one_gpu = [p for p in graphs if parse_policy(p)[0] not in TWO_GPU_POLICIES]
+    if cfg.interleave and len(one_gpu) > 1:
+        turns = {policy: run_policy(policy, graphs[policy], None) for policy in one_gpu}
+        while turns:  # serial first in every round: its first iteration's update is the reference
+            for policy in [p for p, runner in turns.items() if advance(p, runner)]:
+                del turns[policy]
+    else:
+        one_gpu = []
+    for policy, graph in graphs.items():
+        if policy in one_gpu:
             continue
+        extra = replicas_for(policy)
+        try:
+            runner = run_policy(policy, graph, extra)
+            while not advance(policy, runner):
+                pass
         finally:
+            del runner  # its hosts and executors go before the second GPU's copies
             if extra is not None:
                 extra.release()
-        res.comparison = compare_update(res, res if policy == "serial" else results.get("serial"))
-        results[policy] = res
-        log(f"  {policy:15s} {res.median:7.3f} s/it   "
-            + "  ".join(f"{k} {v:.2f}" for k, v in sorted(res.by_kind.items())))
-        report(cfg, spec, results, out_dir, lambda *a: None, failed)  # partial results survive a later failure
     return report(cfg, spec, results, out_dir, log, failed)
 
 

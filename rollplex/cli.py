@@ -86,7 +86,8 @@ def cmd_bench(args) -> int:
                       dtype=args.dtype, layers=args.layers, prompts_per_node=args.prompts_per_node,
                       stage_fusion=not args.no_stage_fusion,
                       profile=tuple(args.profile.split(",")) if args.profile else (),
-                      compile_decode=args.compile_decode, train_fusion=args.train_fusion)
+                      compile_decode=args.compile_decode, train_fusion=args.train_fusion,
+                      interleave=not args.sequential)
     run(cfg)
     return 0
 
@@ -162,6 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rollplex: the policy also trains on each chunk's finished groups inside the decode window")
     b.add_argument("--compile-decode", action="store_true",
                    help="the decode engine's layer through torch.compile (compiled during the warm-up iteration)")
+    b.add_argument("--sequential", action="store_true",
+                   help="run each one-GPU policy's iterations in a row (default: they take turns per iteration)")
     b.add_argument("--profile", metavar="POLICIES", help="run these policies once more under torch.profiler "
                                                           "(untimed) and write profile_<policy>.txt")
     b.add_argument("--cuda-allocator", default="native", choices=("native", "async"),

@@ -126,6 +126,28 @@ def test_bench_two_gpu_policies_on_cpu_match_serial(tmp_path):
     assert any(line.startswith("rollplex-nofusion:gate=4 is") for line in out["speedups"])
 
 
+def test_an_iterations_prompts_and_lengths_do_not_depend_on_the_global_rng():
+    """Policies take turns, and each consumes the global RNG its own way: the workload of iteration i
+    must come from (seed, iteration) alone."""
+    import torch
+    from transformers import AutoConfig
+
+    from rollplex.pipeline.bench import make_prompts
+
+    path = resolve_model_path(load_config(None, []))
+    cfg = BenchConfig(model=path + "/config.json", device="cpu", prompts=3, samples=8, vision_tokens=16, text_tokens=8,
+                      max_new_tokens=256, mean_new_tokens=96)
+    hf = AutoConfig.from_pretrained(path)
+    drawn = []
+    for global_seed in (0, 1):
+        torch.manual_seed(global_seed)
+        drawn.append([(p.input_ids.tolist(), p.meta["max_tokens"]) for p in make_prompts(cfg, hf, 5)])
+    assert drawn[0] == drawn[1]
+    lengths = [n for _, caps in drawn[0] for n in caps]
+    assert len(set(lengths)) > 1 and all(4 <= n <= 256 for n in lengths)
+    assert make_prompts(cfg, hf, 6)[0].meta["max_tokens"] != drawn[0][0][1]
+
+
 def test_policy_options_batch_nodes_and_micro_batches():
     from transformers import AutoConfig
 
@@ -210,3 +232,34 @@ def test_a_slow_iteration_does_not_pull_the_breakdown_off_the_median():
     assert res.median == 5.2
     assert res.by_kind == {"decode_chunk": 2.2, "loss": 2.0} and res.decode_seconds == 2.2
     assert res.decode_bandwidth() == 2e9 and res.tokens == 620
+
+
+@pytest.mark.slow
+def test_interleaved_policies_take_turns_and_compute_what_they_compute_in_a_row(tmp_path, monkeypatch):
+    """Every iteration starts from the same weights, so taking turns changes no policy's rollout or
+    update: both orders give the same responses and the same update differences from serial."""
+    from rollplex.pipeline.local import LocalExecutor
+
+    config = resolve_model_path(load_config(None, [])) + "/config.json"
+    policies = ("serial", "serial:ppn=2:mb=2", "rollplex")
+    order: list[int] = []
+    timed = LocalExecutor.run
+
+    def run_and_note(self, graph, iteration, inputs):
+        order.append(iteration)
+        return timed(self, graph, iteration, inputs)
+
+    monkeypatch.setattr(LocalExecutor, "run", run_and_note)
+    outs = {}
+    for interleave in (True, False):
+        order.clear()
+        outs[interleave] = run(BenchConfig(model=config, device="cpu", dtype="float32", prompts=2, samples=2,
+                                           vision_tokens=16, text_tokens=8, max_new_tokens=8, mean_new_tokens=4,
+                                           chunk_tokens=4, iterations=3, policies=policies, interleave=interleave,
+                                           out=str(tmp_path / str(interleave))), log=lambda *a: None)
+        # Three policies × (3 iterations + the replay of iteration 0 right after a policy's last).
+        assert order == ([0, 0, 0, 1, 1, 1, 2, 0, 2, 0, 2, 0] if interleave else [0, 1, 2, 0] * 3), interleave
+    for a, b in zip(outs[True]["updates"], outs[False]["updates"]):
+        assert a["policy"] == b["policy"]
+        assert (a["sampled"], a["replayed"], a["identical_responses"]) == (b["sampled"], b["replayed"],
+                                                                          b["identical_responses"])
