@@ -52,7 +52,7 @@ def scenario(cfg: dict, policy: str, calibration=None, cluster=None):
                  checkpointing=False, actor_forward="keep", seed=cfg.get("seed", 0))
     return Scenario(load_model(cfg["model"]), cluster or hardware("h200", 1), w, calibration=calibration,
                     memory=False, stage_fusion=shape["stage_fusion"], window_chunks=shape["window_chunks"],
-                    train_fusion=shape["train_fusion"])
+                    train_fusion=shape["train_fusion"], grad_prefix_lookahead=shape["grad_prefix_lookahead"])
 
 
 def variant_of(policy: str) -> str | None:

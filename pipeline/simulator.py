@@ -47,6 +47,7 @@ class Scenario:
     stage_fusion: bool = True  # rollplex hands finished groups on before the last decode chunk
     train_fusion: bool = False  # and trains on them then (the loss's normaliser deferred to the step)
     window_chunks: int = 0  # frozen scoring of chunks from this one on in one node after decode (0: per chunk)
+    grad_prefix_lookahead: int = 0  # rollplex: the policy's prefix of micro-batch m waits for the loss of m - N
 
 
 @dataclass
@@ -78,7 +79,7 @@ def compile_for(scn: Scenario, layout: Layout, prefix_sharing: bool) -> Iteratio
     shape = BatchShape(prompts=w.prompts, samples=w.samples, max_new_tokens=w.max_new_tokens,
                        chunk_tokens=w.chunk_tokens, micro_batch_groups=w.micro_batch_groups or layout.train_dp,
                        prompt_tokens=w.prefix_tokens, vision_tokens=w.vision_total, prefix_sharing=prefix_sharing,
-                       prompts_per_node=w.prompts_per_node)
+                       prompts_per_node=w.prompts_per_node, grad_prefix_lookahead=scn.grad_prefix_lookahead)
     dims = ModelDims(m.hidden, m.layers, m.kv_heads, m.head_dim, m.vocab, m.params, 2)
     return compile_iteration(grpo, shape, ENGINES, dims, name=f"grpo-{m.name}")
 

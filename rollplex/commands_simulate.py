@@ -58,6 +58,8 @@ def add_parser(sub) -> None:
                    help="rollplex also trains on each chunk's finished groups in the decode window")
     x.add_argument("--window-chunks", type=int, default=0, metavar="N",
                    help="rollplex scores the samples of decode chunks N and later in one node after decode")
+    x.add_argument("--grad-prefix-lookahead", type=int, default=0, metavar="N",
+                   help="the policy's prefix of micro-batch m waits for the loss of m - N (0: no bound)")
     x.add_argument("--calibrate", metavar="TRACE", help="a run's traces/iter_N.json: per-kind factors")
     o = s.add_argument_group("output")
     o.add_argument("--json", metavar="PATH")
@@ -102,7 +104,7 @@ def cmd_simulate(args) -> int:
     cluster = hardware(hw, gpus, partitioned=not args.no_partition)
     scn = S.Scenario(model, cluster, workload, rollout_gpus=args.rollout_gpus, memory=not args.no_memory_plan,
                      budget=args.budget_gib * GiB if args.budget_gib else None, train_fusion=args.train_fusion,
-                     window_chunks=args.window_chunks)
+                     window_chunks=args.window_chunks, grad_prefix_lookahead=args.grad_prefix_lookahead)
     if args.calibrate:
         scn = replace(scn, calibration=_calibration(scn, names, Path(args.calibrate), Calibration))
     results = S.run(scn, names)

@@ -247,3 +247,13 @@ def test_simulate_errors_are_one_line_naming_the_flag(extra, message, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert __import__("re").search(message, err), err
+
+
+def test_the_scenarios_grad_prefix_lookahead_orders_the_policys_prefixes_after_earlier_losses():
+    w = Workload(prompts=4, samples=2, vision_tokens=16, text_tokens=8, max_new_tokens=8, chunk_tokens=4,
+                 micro_batch_groups=1)
+    for lookahead in (0, 1):
+        scn = S.Scenario(load_model("qwen2.5-vl-3b"), hardware("h200", 1), w, grad_prefix_lookahead=lookahead)
+        g = S.compile_for(scn, S.layout_for(scn, "rollplex"), True)
+        ordered = [(u, v) for u, v in g.g.edges if g.nodes[u].kind == "loss" and g.nodes[v].kind == "prefix"]
+        assert len(ordered) == (3 if lookahead else 0)  # micro-batches 1–3 each wait for the previous loss
