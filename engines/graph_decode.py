@@ -17,6 +17,11 @@ vLLM's (``DecodeEngine``). HF's eager decode is bound by kernel launches (tens o
   and the next step replays the smallest graph that holds them, so the long tail runs small graphs.
 - A request's samples are handed on one by one as each finishes (vLLM hands on a request whole),
   so stage fusion scores each sample in the decode window.
+- Tensor parallel (option ``tp_group``, a torch.distributed group): each rank's step reads its share
+  of the attention heads and MLP columns as views of its own full copy (a data-parallel trainer's
+  replica), its KV cache holds its heads only, and the attention output and MLP partial sums are
+  all-reduced. Every rank gets the same requests and samples the same tokens (replicated logits,
+  counter-based noise), so each hands on every sample. The prefill runs on the full copy.
 On CPU (and wherever CUDA graphs are off) the same step runs eagerly: CI tests this path.
 """
 from __future__ import annotations
@@ -40,6 +45,8 @@ from rollplex.engines.torch_decode import _apply_top_p, eos_token_ids
 from rollplex.errors import EngineError
 
 _MASK64 = (1 << 64) - 1
+# Stop tokens per row, EOS ids included: a fixed width, since the captured step compares against it.
+MAX_STOP_TOKENS = 64
 
 
 def _i64(x: int) -> int:
@@ -76,24 +83,58 @@ class _Row:
 
 
 class _Weights:
-    """The text model's tensors, referenced (not copied) from an HF Qwen2.5-VL model."""
+    """The text model's tensors, referenced (not copied) from an HF Qwen2.5-VL model; with
+    ``tp_size`` > 1, views of rank ``tp_rank``'s heads and MLP columns."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, tp_rank: int = 0, tp_size: int = 1) -> None:
         lm = model.model.language_model
         cfg = model.config.get_text_config()
         self.embed = lm.embed_tokens.weight
         self.norm_w, self.eps = lm.norm.weight, lm.norm.variance_epsilon
         self.lm_head = model.lm_head.weight
         self.layers = lm.layers
+        heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        for name, count in (("attention heads", heads), ("key/value heads", kv_heads),
+                            ("MLP columns", cfg.intermediate_size)):
+            if count % tp_size:
+                raise EngineError(f"engine 'torch-graph': tensor parallel {tp_size} does not divide the model's "
+                                  f"{count} {name}")
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        self.heads, self.kv_heads = heads // tp_size, kv_heads // tp_size  # this rank's
+        self.kv_slice = slice(tp_rank * self.kv_heads, (tp_rank + 1) * self.kv_heads)
+        share = _TensorShare(tp_rank, tp_size, self.head_dim, cfg.intermediate_size // tp_size)
         # Per layer, the decoder layer's tensors and its two norms' eps, looked up once, not per step.
-        self.layer_args = [(_layer_weights(layer), (layer.input_layernorm.variance_epsilon,
-                                                    layer.post_attention_layernorm.variance_epsilon))
+        self.layer_args = [(share.of(_layer_weights(layer)), (layer.input_layernorm.variance_epsilon,
+                                                              layer.post_attention_layernorm.variance_epsilon))
                            for layer in lm.layers]
-        self.heads = cfg.num_attention_heads
-        self.kv_heads = cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.inv_freq = lm.rotary_emb.inv_freq
         self.attn_scale = self.head_dim ** -0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class _TensorShare:
+    """Megatron's split of one decoder layer: q/k/v and gate/up by output rows (column-parallel),
+    o and down by input columns (row-parallel, their outputs summed over ranks). Views, not copies."""
+
+    rank: int
+    size: int
+    head_dim: int
+    mlp: int  # MLP columns per rank
+
+    def of(self, weights: tuple) -> tuple:
+        if self.size == 1:
+            return weights
+        ln1, q_w, q_b, k_w, k_b, v_w, v_b, o_w, ln2, gate_w, up_w, down_w = weights
+
+        def rows(t, per):
+            return None if t is None else t.narrow(0, self.rank * per, per)
+
+        q_rows, kv_rows = q_w.shape[0] // self.size, k_w.shape[0] // self.size
+        o_cols = o_w.narrow(1, self.rank * q_rows, q_rows)
+        down_cols = down_w.narrow(1, self.rank * self.mlp, self.mlp)
+        return (ln1, rows(q_w, q_rows), rows(q_b, q_rows), rows(k_w, kv_rows), rows(k_b, kv_rows),
+                rows(v_w, kv_rows), rows(v_b, kv_rows), o_cols, ln2, rows(gate_w, self.mlp),
+                rows(up_w, self.mlp), down_cols)
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -108,10 +149,12 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 def _decoder_layer(x, cos, sin, mask, where, k_cache, v_cache, layer_weights, eps: tuple[float, float],
-                   heads: int, kv_heads: int, head_dim: int, scale: float) -> torch.Tensor:
+                   heads: int, kv_heads: int, head_dim: int, scale: float, reduce=None) -> torch.Tensor:
     """One decoder layer for one token per row: writes this step's K/V into the row's slot and
     returns the new hidden state. A function of tensors, so that ``torch.compile`` makes one kernel
-    set for every layer (same shapes) instead of tracing the 36-layer loop."""
+    set for every layer (same shapes) instead of tracing the 36-layer loop. ``reduce``: the sum over
+    tensor-parallel ranks of a row-parallel projection's partial output (None: one rank)."""
+    reduce = reduce or (lambda t: t)
     ln1, q_w, q_b, k_w, k_b, v_w, v_b, o_w, ln2, gate_w, up_w, down_w = layer_weights
     n = x.shape[0]
     group = heads // kv_heads
@@ -126,9 +169,9 @@ def _decoder_layer(x, cos, sin, mask, where, k_cache, v_cache, layer_weights, ep
     # once for its `group` query heads (no repeat), under the additive length mask.
     out = F.scaled_dot_product_attention(q.reshape(n, heads, 1, head_dim), k_cache[:n], v_cache[:n],
                                          attn_mask=mask, scale=scale, enable_gqa=True)
-    x = x + F.linear(out.reshape(n, heads * head_dim), o_w)
+    x = x + reduce(F.linear(out.reshape(n, heads * head_dim), o_w))
     h = _rms(x, ln2, eps[1])
-    return x + F.linear(F.silu(F.linear(h, gate_w)) * F.linear(h, up_w), down_w)
+    return x + reduce(F.linear(F.silu(F.linear(h, gate_w)) * F.linear(h, up_w), down_w))
 
 
 def _layer_weights(layer) -> tuple:
@@ -151,7 +194,7 @@ class _Batch:
         self.rope_pos = z(torch.long)  # M-RoPE text position of the next token
         self.seed, self.n_gen, self.max_new = z(torch.long), z(torch.long), z(torch.long)
         self.temp, self.top_p, self.done = z(torch.float32), z(torch.float32), z(torch.bool)
-        self.stop = torch.full((rows, 4), -1, dtype=torch.long, device=device)
+        self.stop = torch.full((rows, MAX_STOP_TOKENS), -1, dtype=torch.long, device=device)
         # Sized for the longest response at once: graphs hold these buffers' addresses.
         self.tokens = torch.zeros(rows, max_len, dtype=torch.long, device=device)
         self.logps = torch.zeros(rows, max_len, dtype=torch.float32, device=device)
@@ -168,7 +211,8 @@ class GraphDecodeEngine(DecodeEngine):
     default powers of two up to max_num_seqs), cuda_graphs (default True on CUDA), steps_per_graph
     (decode steps per graph launch; default 1), compile (the
     decoder layer through torch.compile; default off), share_model (an HF model whose weights the
-    engine uses in place: no second copy)."""
+    engine uses in place: no second copy), tp_group (a torch.distributed group: tensor parallel over
+    its ranks, each with a full copy of the model)."""
 
     def __init__(self, ctx: EngineContext) -> None:
         opts = dict(ctx.options)
@@ -183,7 +227,14 @@ class GraphDecodeEngine(DecodeEngine):
         text = model.config.get_text_config()
         if set(getattr(text, "layer_types", ["full_attention"])) != {"full_attention"}:
             raise EngineError("engine 'torch-graph': only full-attention models are supported")
-        self.w = _Weights(model)
+        self.tp_group = opts.get("tp_group")
+        tp_rank, tp_size = 0, 1
+        if self.tp_group is not None:
+            import torch.distributed as dist
+
+            tp_rank, tp_size = dist.get_rank(self.tp_group), dist.get_world_size(self.tp_group)
+        self.w = _Weights(model, tp_rank, tp_size)
+        self._reduce = self._all_reduce if tp_size > 1 else None
         self.vocab = text.vocab_size
         self.dtype = self.w.embed.dtype
         self.eos_token_ids = eos_token_ids(ctx.model_path, model.config)
@@ -209,12 +260,22 @@ class GraphDecodeEngine(DecodeEngine):
         self._step_seconds: dict[int, dict[int, float]] = {}  # stream -> {graph batch: step seconds}
         self.steps_run = 0
 
+    def _all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        dist.all_reduce(partial, group=self.tp_group)  # NCCL's is captured into the step's CUDA graph
+        return partial
+
     # -- the interface -----------------------------------------------------------------------------
     def add_requests(self, requests: Sequence[DecodeRequest]) -> None:
         with self._lock:
             for req in requests:
                 if req.request_id in self._children:
                     raise EngineError(f"request {req.request_id}: a live request has this id already")
+                stops = set(req.stop_token_ids) | set(self.eos_token_ids)
+                if len(stops) > MAX_STOP_TOKENS:
+                    raise EngineError(f"request {req.request_id}: {len(stops)} stop tokens (EOS ids included); "
+                                      f"engine 'torch-graph' checks at most {MAX_STOP_TOKENS} per row")
                 if len(req.prompt_token_ids) + req.max_tokens > self.max_len:
                     raise EngineError(f"request {req.request_id}: prompt {len(req.prompt_token_ids)} + max_tokens "
                                       f"{req.max_tokens} exceeds max_model_len {self.max_len}")
@@ -331,9 +392,10 @@ class GraphDecodeEngine(DecodeEngine):
             b = self.batch
             for u, rows in rows_of.items():  # one KV copy per prompt and layer, broadcast over its rows
                 state, index = states[u], torch.tensor(rows, device=self.device)
+                heads = self.w.kv_slice  # this tensor-parallel rank's heads of the full prefill
                 for layer, (k, v) in enumerate(state.kv):
-                    b.k[layer][index, :, : state.length] = k
-                    b.v[layer][index, :, : state.length] = v
+                    b.k[layer][index, :, : state.length] = k[:, heads]
+                    b.v[layer][index, :, : state.length] = v[:, heads]
             if self.device.type == "cuda":  # prefilling() asks the device, not the host, when it is done
                 self._prefilled = torch.cuda.Event()
                 self._prefilled.record()
@@ -344,7 +406,7 @@ class GraphDecodeEngine(DecodeEngine):
     def _fill_rows(self, req: DecodeRequest, rows: list[int], state) -> None:
         """Per-row state of a request's n samples (the KV is copied per prompt, in ``_admit``)."""
         b = self.batch
-        stops = sorted(set(req.stop_token_ids) | set(self.eos_token_ids))[: b.stop.shape[1]]
+        stops = sorted(set(req.stop_token_ids) | set(self.eos_token_ids))  # at most the width (add_requests)
         index = torch.tensor(rows, device=self.device)
         for sample, row in enumerate(rows):
             self._live[row] = _Row(req.request_id, sample, req.n, req)
@@ -416,7 +478,7 @@ class GraphDecodeEngine(DecodeEngine):
         where = (rows.view(-1, 1), torch.arange(w.kv_heads, device=x.device).view(1, -1), slot.view(-1, 1))
         for i, (weights, eps) in enumerate(w.layer_args):
             x = self._layer(x, cos, sin, mask, where, b.k[i], b.v[i], weights, eps,
-                            w.heads, w.kv_heads, w.head_dim, w.attn_scale)
+                            w.heads, w.kv_heads, w.head_dim, w.attn_scale, self._reduce)
         b.logits[:n].copy_(F.linear(_rms(x, w.norm_w, w.eps), w.lm_head).float())
         b.length[:n].add_(1)
         b.rope_pos[:n].add_(1)

@@ -371,3 +371,20 @@ def test_graph_engine_hands_each_sample_on_as_it_finishes(graph_engine, prompts)
     assert sorted(handed_at) == list(range(8))
     assert all(at == length for at, length in handed_at.values())
     assert len({at for at, _ in handed_at.values()}) > 1  # some samples left before the others
+
+
+def test_graph_engine_refuses_more_stop_tokens_than_its_step_checks(graph_engine, prompts):
+    """The captured step compares each token against a fixed-width row of stop ids; a request with
+    more is refused by name rather than silently losing some (it kept 4 until 2026-11-30)."""
+    from rollplex.engines.graph_decode import MAX_STOP_TOKENS
+
+    reqs = requests(prompts, stop=tuple(range(100, 101 + MAX_STOP_TOKENS)))
+    with pytest.raises(EngineError, match=rf"request p0-0: \d+ stop tokens \(EOS ids included\); engine "
+                                          rf"'torch-graph' checks at most {MAX_STOP_TOKENS} per row"):
+        graph_engine.add_requests(reqs[:1])
+    assert not graph_engine.has_unfinished()
+    stop = set(range(100, 100 + MAX_STOP_TOKENS - 2))  # every one of them ends a row, not the first 4
+    done = run(graph_engine, requests(prompts, stop=tuple(stop), max_tokens=16))
+    for d in done.values():
+        assert not set(d.token_ids[:-1]) & stop
+        assert (d.token_ids[-1] in stop) == (d.finish_reason == "stop")
