@@ -62,13 +62,17 @@ def _decode(engine, requests) -> dict:
     return {d.request_id: (list(d.token_ids), list(d.logprobs)) for d in done}
 
 
-def _rank(rank: int, world: int, init: str, model_dir: str, requests, out: str) -> None:
+def _rank(rank: int, world: int, init: str, model_dir: str, requests, out: str, device: str = "cpu") -> None:
     import torch.distributed as dist
 
     runtime.configure(threads=1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    device = torch.device(f"cuda:{rank}") if device == "cuda" else torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init, rank=rank,
+                            world_size=world, **({"device_id": device} if device.type == "cuda" else {}))
     try:
-        ctx = EngineContext(model_dir, torch.device("cpu"), torch.float32, seed=0,
+        ctx = EngineContext(model_dir, device, torch.float32, seed=0,
                             options={"max_num_seqs": 8, "max_model_len": 256, "tp_group": dist.group.WORLD})
         engine = get_engine("torch-graph", "decode").factory(ctx)
         torch.save(_decode(engine, requests), f"{out}.{rank}")
@@ -106,3 +110,22 @@ def test_a_tensor_parallel_degree_must_divide_the_heads(model_dir):
     half = _Weights(model, 1, 2)
     q_w = model.model.language_model.layers[0].self_attn.q_proj.weight
     assert half.layer_args[0][0][1].data_ptr() == q_w[q_w.shape[0] // 2:].data_ptr()  # a view: no copy
+
+
+@pytest.mark.gpu
+def test_two_tensor_parallel_gpus_under_cuda_graphs_sample_what_one_gpu_samples(model_dir, tmp_path):
+    """The same check on two GPUs: NCCL all-reduces captured inside each rank's step graphs."""
+    if torch.cuda.device_count() < 2:
+        pytest.fail(f"needs 2 CUDA devices, found {torch.cuda.device_count()}; run it on the 2-GPU machine")
+    requests = _requests(model_dir)
+    one = get_engine("torch-graph", "decode").factory(EngineContext(
+        str(model_dir), torch.device("cuda:0"), torch.float32, seed=0, options={"max_num_seqs": 8, "max_model_len": 256}))
+    expected = _decode(one, requests)
+    out = str(tmp_path / "tp")
+    mp.start_processes(_rank, args=(2, f"file://{tmp_path / 'rendezvous'}", str(model_dir), requests, out, "cuda"),
+                       nprocs=2, start_method="spawn")
+    for rank in range(2):
+        got = torch.load(f"{out}.{rank}")
+        for key, (tokens, logprobs) in expected.items():
+            assert got[key][0] == tokens, (rank, key)
+            assert torch.allclose(torch.tensor(got[key][1]), torch.tensor(logprobs), atol=1e-4), (rank, key)
