@@ -245,15 +245,22 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
     results: dict[str, PolicyResult] = {}
     recorder = Recorder(decode)  # serial's rollouts, replayed below so updates compare on one rollout
 
+    def use_steps_per_graph(policy: str, decodes: list) -> None:
+        """The policy's decode steps per graph launch (``spg``), an engine-wide setting: set before a
+        host captures its graphs, and again before each of the policy's iterations, since policies
+        take turns on one engine."""
+        for engine in decodes:
+            engine = getattr(engine, "inner", engine)  # through serial's Recorder
+            if hasattr(engine, "steps_per_graph"):
+                engine.steps_per_graph = parse_policy(policy)[1].get("spg", 1)
+
     def executor_for(policy: str, ranks: list[dict]) -> LocalExecutor:
         """One host per rank: ``ranks[r]`` holds its actor, ref and decode engines; a decode engine on
         another device than the trainer's (disaggregated) gets its stream there."""
         hosts = []
         base, options = parse_policy(policy)
+        use_steps_per_graph(policy, [engines["decode"] for engines in ranks])
         for rank, engines in enumerate(ranks):
-            engine = getattr(engines["decode"], "inner", engines["decode"])  # through serial's Recorder
-            if hasattr(engine, "steps_per_graph"):  # before the host captures its graphs
-                engine.steps_per_graph = options.get("spg", 1)
             home = cfg.device if rank == 0 else cfg.second_device
             streams = {}
             if cfg.device == "cuda":
@@ -326,10 +333,7 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
         res = running[policy] = PolicyResult(policy)
         for iteration in range(cfg.iterations):
             yield
-            for engine in decodes:  # an engine-wide setting, and policies may take turns on the engine
-                engine = getattr(engine, "inner", engine)
-                if hasattr(engine, "steps_per_graph"):
-                    engine.steps_per_graph = parse_policy(policy)[1].get("spg", 1)
+            use_steps_per_graph(policy, decodes)
             restart(extra)
             synchronize()
             steps_before = sum(d.steps_run for d in decodes)
