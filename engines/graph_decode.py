@@ -102,7 +102,7 @@ class _Weights:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         self.heads, self.kv_heads = heads // tp_size, kv_heads // tp_size  # this rank's
         self.kv_slice = slice(tp_rank * self.kv_heads, (tp_rank + 1) * self.kv_heads)
-        share = _TensorShare(tp_rank, tp_size, self.head_dim, cfg.intermediate_size // tp_size)
+        share = _TensorShare(tp_rank, tp_size, cfg.intermediate_size // tp_size)
         # Per layer, the decoder layer's tensors and its two norms' eps, looked up once, not per step.
         self.layer_args = [(share.of(_layer_weights(layer)), (layer.input_layernorm.variance_epsilon,
                                                               layer.post_attention_layernorm.variance_epsilon))
@@ -118,7 +118,6 @@ class _TensorShare:
 
     rank: int
     size: int
-    head_dim: int
     mlp: int  # MLP columns per rank
 
     def of(self, weights: tuple) -> tuple:
