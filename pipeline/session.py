@@ -186,9 +186,8 @@ class Session:
         self.tokenizer = self.processor.tokenizer
         from rollplex.pipeline.weightshare import annotate_run  # weight_sync nodes: what is aliased, rebuilt
 
-        for graph in self.graphs.values():
-            self.weight_plan = annotate_run(graph, self.model_path, self.decode_engine, self.train_engine,
-                                            cfg.model.dtype, cfg.train.zero_stage, cfg.engines.weight_sharing)
+        self.weight_plan = annotate_run(self.graphs.values(), self.model_path, self.decode_engine, self.train_engine,
+                                        cfg.model.dtype, cfg.train.zero_stage, cfg.engines.weight_sharing)
 
     def checkpoint(self, executor, iteration: int, reward: float | None, pids: set[int]) -> Path:
         """The actor and optimizer (from the worker) plus the processor files, so that the

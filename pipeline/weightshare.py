@@ -370,17 +370,18 @@ def annotate(graph, plan: GangPlan | None, reason: str = "") -> None:
                                 f"sync copies {local / 2**20:.1f}MiB, gathers {peer / 2**20:.1f}MiB")
 
 
-def annotate_run(graph, model_path: str, decode_engine: str, train_engine: str, dtype: str, zero_stage: int,
+def annotate_run(graphs, model_path: str, decode_engine: str, train_engine: str, dtype: str, zero_stage: int,
                  mode: str) -> GangPlan | None:
-    """Plan a ``rollplex train`` run's sharing (one GPU, TP 1) and annotate its weight_sync nodes."""
+    """Plan a ``rollplex train`` run's sharing (one GPU, TP 1) once and annotate the weight_sync
+    nodes of each of its ``graphs`` (one per schedule it may run)."""
     from rollplex.pipeline.modelspec import from_config
     from rollplex.pipeline.tensorlayouts import actor_layouts
 
     why = "engines.weight_sharing is off" if mode == "off" else sharing_refusal(decode_engine, train_engine, zero_stage)
-    if why:
-        annotate(graph, None, why)
-        return None
-    trainer, rollout = run_sides(decode_engine, train_engine, dtype, zero_stage)
-    plan = plan_gang(actor_layouts(from_config(model_path)), trainer, rollout)
-    annotate(graph, plan)
+    plan = None
+    if not why:
+        trainer, rollout = run_sides(decode_engine, train_engine, dtype, zero_stage)
+        plan = plan_gang(actor_layouts(from_config(model_path)), trainer, rollout)
+    for graph in graphs:
+        annotate(graph, plan, why or "")
     return plan

@@ -353,9 +353,9 @@ def test_weight_sync_node_carries_the_plan(tiny_model_dir):
     graph = compile_iteration(grpo, BatchShape(prompts=2, samples=2, max_new_tokens=8, chunk_tokens=4,
                                                micro_batch_groups=1),
                               EngineChoice({"decode": "vllm", "train": "deepspeed", "score": "transformers"}), dims)
-    plan = annotate_run(graph, str(tiny_model_dir), "vllm", "deepspeed", "float32", 2, "auto")
+    plan = annotate_run([graph], str(tiny_model_dir), "vllm", "deepspeed", "float32", 2, "auto")
     assert plan is not None and plan.saved_per_gpu() == plan.per_gpu("nbytes")  # TP 1: everything a view
     line = next(ln for ln in str(graph).splitlines() if ln.startswith("%weight_sync"))
     assert "aliased 2." in line and "rebuilt 0.0MiB" in line
-    annotate_run(graph, str(tiny_model_dir), "vllm", "deepspeed", "float32", 3, "auto")
+    annotate_run([graph], str(tiny_model_dir), "vllm", "deepspeed", "float32", 3, "auto")
     assert "ZeRO-3" in next(ln for ln in str(graph).splitlines() if ln.startswith("%weight_sync"))
