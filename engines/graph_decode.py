@@ -242,7 +242,14 @@ class GraphDecodeEngine(DecodeEngine):
         self.use_graphs = bool(opts.get("cuda_graphs", self.device.type == "cuda"))
         # compile: the decoder layer through torch.compile (fused norm/rope/residual kernels), compiled
         # once per batch size on first use (warm-up), then captured into the CUDA graphs as usual.
-        self._layer = torch.compile(_decoder_layer, dynamic=False) if opts.get("compile") else _decoder_layer
+        self._layer = _decoder_layer
+        if opts.get("compile"):
+            from torch._dynamo import config as dynamo_config
+
+            # One compiled layer per (batch size, device): 8 sizes on each of a process's engines
+            # passes dynamo's default limit of 8, past which it would fall back to eager silently.
+            dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
+            self._layer = torch.compile(_decoder_layer, dynamic=False)
         sizes = opts.get("graph_batch_sizes") or [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b < self.rows]
         self.sizes = sorted({int(b) for b in sizes if b <= self.rows} | {self.rows})
         self.batch = _Batch(self.w, self.rows, self.max_len, len(self.w.layers), self.vocab, self.dtype, self.device)
