@@ -73,7 +73,9 @@ class BenchConfig:
     stage_fusion: bool = True  # rollplex: the reference scores the samples each decode chunk finished
     train_fusion: bool = False  # rollplex: and the policy trains on them (compiler.train_fusable)
     second_device: str = ""  # the two-GPU policies' other device; default cuda:1 (cpu: cpu, for tests)
-    compile_decode: bool = False  # the decode engine's layer through torch.compile (compiled in warm-up)
+    # The decode engine's layer through torch.compile; None: on for CUDA (a 3B step at 64 rows 8.2 ->
+    # 5.4 ms, benchmarks/decode_profile.py), off for the CPU (compile time outweighs a smoke run).
+    compile_decode: bool | None = None
     profile: tuple[str, ...] = ()  # policies to run once more under torch.profiler (untimed): profile_<policy>.txt
     # One-GPU policies take turns iteration by iteration (every iteration starts from the same
     # weights, so the order changes nothing they compute): a drift in the machine's speed, or the
@@ -82,6 +84,8 @@ class BenchConfig:
     interleave: bool = True
 
     def __post_init__(self) -> None:
+        if self.compile_decode is None:
+            self.compile_decode = self.device == "cuda"
         if not self.second_device:
             self.second_device = "cuda:1" if self.device == "cuda" else self.device
 

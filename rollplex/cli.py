@@ -161,8 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rollplex: score the reference after the last decode chunk, not per chunk")
     b.add_argument("--train-fusion", action="store_true",
                    help="rollplex: the policy also trains on each chunk's finished groups inside the decode window")
-    b.add_argument("--compile-decode", action="store_true",
-                   help="the decode engine's layer through torch.compile (compiled during the warm-up iteration)")
+    b.add_argument("--compile-decode", action=argparse.BooleanOptionalAction, default=None,
+                   help="the decode engine's layer through torch.compile, compiled at start (default: on for "
+                        "CUDA, where it made a step 1.5x faster; off for CPU)")
     b.add_argument("--sequential", action="store_true",
                    help="run each one-GPU policy's iterations in a row (default: they take turns per iteration)")
     b.add_argument("--profile", metavar="POLICIES", help="run these policies once more under torch.profiler "
