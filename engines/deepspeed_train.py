@@ -51,11 +51,13 @@ def init_distributed(device: torch.device) -> None:
     import deepspeed
 
     if not torch.distributed.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in os.environ:
-            os.environ["MASTER_PORT"] = str(_free_port())
         for var, default in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
             os.environ.setdefault(var, default)
+        if "MASTER_PORT" not in os.environ:
+            # No launcher: a one-rank group on a free port, named here rather than in MASTER_PORT,
+            # which every process this one starts (Dask workers) would inherit and try to listen on.
+            torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                                 init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     # Idempotent; adopts an existing torch.distributed group instead of creating one.
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo",
                                auto_mpi_discovery=False, verbose=False)
