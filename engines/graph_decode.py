@@ -232,6 +232,7 @@ class GraphDecodeEngine(DecodeEngine):
             import torch.distributed as dist
 
             tp_rank, tp_size = dist.get_rank(self.tp_group), dist.get_world_size(self.tp_group)
+        self.tensor_parallel = (tp_rank, tp_size)  # this rank's share of the heads, of how many
         self.w = _Weights(model, tp_rank, tp_size)
         self._reduce = self._all_reduce if tp_size > 1 else None
         self.vocab = text.vocab_size

@@ -31,6 +31,7 @@ REPLICATED = ("optimizer_step", "weight_sync", "report")  # one per rank: each r
 class RankLayout:
     prompts: int
     ranks: int
+    tp_rollout: int = 1  # ranks per tensor-parallel decode group: consecutive ranks decode together
 
     @property
     def per_rank(self) -> int:
@@ -42,6 +43,16 @@ class RankLayout:
     def prompts_of(self, rank: int) -> list[int]:
         return list(range(rank * self.per_rank, (rank + 1) * self.per_rank))
 
+    def tp_peers(self, rank: int) -> list[int]:
+        """The ranks of ``rank``'s tensor-parallel decode group, itself included."""
+        first = rank - rank % self.tp_rollout
+        return list(range(first, first + self.tp_rollout))
+
+    def decoded_by(self, rank: int) -> list[int]:
+        """The prompts ``rank``'s decode engine samples: its own, and with tensor parallelism its
+        group's, since every rank of a group runs every step of the same batch."""
+        return [p for peer in self.tp_peers(rank) for p in self.prompts_of(peer)]
+
 
 def fit_prompts_per_node(prompts_per_node: int, per_rank: int) -> int:
     """The largest prompts-per-node ≤ the wish that divides a rank's prompts (no node spans ranks)."""
@@ -49,8 +60,15 @@ def fit_prompts_per_node(prompts_per_node: int, per_rank: int) -> int:
 
 
 def check_data_parallel(workers: int, prompts: int, micro_batch_groups: int, train_engine: str,
-                        zero_stage: int, decode_engine: str, processes: bool = True) -> None:
+                        zero_stage: int, decode_engine: str, processes: bool = True, tp_rollout: int = 1) -> None:
     """Refuse settings a multi-rank run cannot honour, naming the config field."""
+    if tp_rollout > 1:
+        if workers % tp_rollout:
+            raise ConfigError(f"cluster.tp_rollout ({tp_rollout}) must divide cluster.workers ({workers}): each "
+                              f"tensor-parallel decode group is that many workers")
+        if decode_engine != "torch-graph":
+            raise ConfigError(f"cluster.tp_rollout={tp_rollout} needs engines.decode=torch-graph, the decode engine "
+                              f"that splits its heads over ranks; engines.decode is {decode_engine!r}")
     if workers <= 1:
         return
     if not processes:
@@ -84,14 +102,19 @@ def _prompts(node: Node) -> list[int]:
     return []
 
 
-def distribute(graph: IterationGraph, ranks: int) -> IterationGraph:
-    """The R-rank iteration of a compiled single-rank one (see the module docstring)."""
+def distribute(graph: IterationGraph, ranks: int, tp_rollout: int = 1) -> IterationGraph:
+    """The R-rank iteration of a compiled single-rank one (see the module docstring). With
+    ``tp_rollout`` K > 1, each K consecutive ranks decode their prompts together as one tensor-parallel
+    engine: a rank's decode chain takes its group's prompts and hands on only its own, and each
+    group prompt's vision encoding runs on every rank of the group (device tensors stay on their rank)."""
     if ranks <= 1:
         return graph
     prompts = len([v for v in graph.inputs if v.startswith("prompt_p")])
     if prompts % ranks:
         raise GraphError(f"{prompts} prompts cannot be split evenly over {ranks} ranks")
-    layout = RankLayout(prompts, ranks)
+    if tp_rollout < 1 or ranks % tp_rollout:
+        raise GraphError(f"tensor-parallel rollout of {tp_rollout} ranks does not divide {ranks} ranks")
+    layout = RankLayout(prompts, ranks, tp_rollout)
     out = IterationGraph(graph.name)
     out.meta.update(graph.meta, ranks=ranks)
     renamed: dict[tuple[str, int], str] = {}  # (value, rank) -> its name on that rank (replicas)
@@ -132,6 +155,15 @@ def distribute(graph: IterationGraph, ranks: int) -> IterationGraph:
         add(replace(node, args=args, meta=dict(node.meta)), rank, graph.values)
         for o in node.outputs:
             rank_of_value[o] = rank
+        if node.kind == "vit_encode":
+            for peer in layout.tp_peers(rank):
+                if peer != rank:  # the peer's decode engine needs these embeddings on its own device
+                    outputs = tuple(_on_peer(o, peer) for o in node.outputs)
+                    add(Node(f"{node.name}_tp{peer}", node.kind, node.inputs, outputs, node.model, node.engine,
+                             dict(node.args), dict(node.meta)), peer,
+                        {_on_peer(o, peer): graph.values[o] for o in node.outputs})
+                    for o in outputs:
+                        rank_of_value[o] = peer
     out.connect()
     for u, v, data in graph.g.edges(data=True):
         if data.get("reason") == "value" or u not in out.nodes or v not in out.nodes:
@@ -144,15 +176,22 @@ def distribute(graph: IterationGraph, ranks: int) -> IterationGraph:
     return out
 
 
+def _on_peer(value: str, peer: int) -> str:
+    """The name of a vision encoding's copy on a tensor-parallel peer's rank."""
+    return f"{value}_tp{peer}"
+
+
 def _split_decode(graph: IterationGraph, chain: list[Node], layout: RankLayout, add, rank_of_value) -> None:
-    """One decode chain per rank over its own prompts; ``rollout_stats`` becomes a host gather."""
+    """One decode chain per rank over its own prompts (with tensor parallelism: over its group's,
+    handing on its own); ``rollout_stats`` becomes a host gather."""
     stats_parts = []
     for r in range(layout.ranks):
-        mine = layout.prompts_of(r)
+        mine, decoded = layout.prompts_of(r), layout.decoded_by(r)
+        vis = [f"vis_p{p}" if layout.rank_of(p) == r else _on_peer(f"vis_p{p}", r) for p in decoded]
         state = None
         for node in chain:
             last, chunk = node is chain[-1], node.args["chunk"]
-            inputs = ([f"prompt_p{p}" for p in mine] + [f"vis_p{p}" for p in mine]) if state is None else [state]
+            inputs = ([f"prompt_p{p}" for p in decoded] + vis) if state is None else [state]
             outputs = [f"responses_p{p}" for p in mine] + [f"rollout_stats_r{r}"] if last else \
                 [f"decode_state_r{r}_c{chunk}"]
             infos = {o: graph.values.get(o) or Value(o, node.name, 64, "host", "scalars") for o in outputs}
@@ -164,8 +203,9 @@ def _split_decode(graph: IterationGraph, chain: list[Node], layout: RankLayout, 
                 outputs.append(f"{handed}_r{r}")
                 infos[outputs[-1]] = graph.values[handed]
                 rank_of_value[outputs[-1]] = r
+            args = {**node.args, "prompts": decoded} | ({"keep": mine} if decoded != mine else {})
             add(Node(f"decode_r{r}_c{node.args['chunk']}", node.kind, tuple(inputs), tuple(outputs), node.model,
-                     node.engine, {**node.args, "prompts": mine}, dict(node.meta)), r, infos)
+                     node.engine, args, dict(node.meta)), r, infos)
             for o in outputs:
                 rank_of_value[o] = r
             state = None if last else outputs[0]

@@ -124,6 +124,12 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = 
 
             ranks = form_ranks(client, spec, session.world)
             log(f"{session.world} data-parallel ranks: {', '.join(ranks)}")
+            if spec.tp_rollout > 1:
+                from rollplex.pipeline.worker import decode_tensor_parallel
+
+                shares = client.run(decode_tensor_parallel)
+                log("decode tensor parallel: " + ", ".join(
+                    f"rank{r} {shares[a][0] + 1}/{shares[a][1]}" for r, a in enumerate(ranks)))
         client.run(quiet_task_errors)
         if faults.active():
             client.run(faults.install_task_hooks)

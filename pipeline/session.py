@@ -148,12 +148,13 @@ class Session:
                               "accumulated gradients at the step; set engines.train: torch or train.train_fusion: false")
         # cluster.workers > 1: data-parallel ranks, one per worker, each with a share of the batch.
         self.world = cfg.cluster.workers
-        if self.world > 1:
-            from rollplex.pipeline.ranks import check_data_parallel, fit_prompts_per_node
+        from rollplex.pipeline.ranks import check_data_parallel, fit_prompts_per_node
 
-            check_data_parallel(self.world, shape.prompts, shape.micro_batch_groups, self.train_engine,
-                                cfg.train.zero_stage, self.decode_engine,
-                                processes=cfg.cluster.processes or bool(cfg.cluster.scheduler))
+        check_data_parallel(self.world, shape.prompts, shape.micro_batch_groups, self.train_engine,
+                            cfg.train.zero_stage, self.decode_engine,
+                            processes=cfg.cluster.processes or bool(cfg.cluster.scheduler),
+                            tp_rollout=cfg.cluster.tp_rollout)
+        if self.world > 1:
             shape = dataclasses.replace(shape, prompts_per_node=fit_prompts_per_node(
                 shape.prompts_per_node, shape.prompts // self.world))
         choice = EngineChoice({"decode": self.decode_engine, "train": self.train_engine, "score": self.score_engine},
@@ -172,7 +173,7 @@ class Session:
             for name in self.schedules:
                 fused = dataclasses.replace(shape, stage_fusion=shape.stage_fusion and name == "rollplex")
                 compiled = compiled_graphs[name] = distribute(compile_iteration(self.algorithm, fused, choice, dims),
-                                                              self.world)
+                                                              self.world, cfg.cluster.tp_rollout)
                 plan = self.plan_memory(compiled, name) if cfg.cluster.memory_plan else None
                 self.memory_plans[name] = plan
                 self.graphs[name] = schedule(plan.graph if plan else compiled, name)
@@ -257,6 +258,7 @@ class Session:
             algorithm=cfg.algorithm, reward=cfg.task.reward, settings=settings,
             trainable=tuple(alg.trainable), frozen=tuple(m for m in alg.models if m not in alg.trainable),
             ref_cache_bytes=int(cfg.train.ref_cache_gib * 2**30), world_size=self.world,
+            tp_rollout=cfg.cluster.tp_rollout,
             weight_sharing=cfg.engines.weight_sharing,
             # Partitions serve work beside decode, which only the rollplex schedule runs.
             sm_partitions=cfg.cluster.sm_partitions and "rollplex" in self.schedules)

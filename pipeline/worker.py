@@ -76,6 +76,7 @@ class HostSpec:
     frozen: tuple[str, ...] = ("ref",)
     ref_cache_bytes: int = 0  # cross-iteration cache of frozen models' prefixes; 0 disables it
     world_size: int = 1  # data-parallel ranks; >1: engines are built by cluster.form_ranks, not the plugin
+    tp_rollout: int = 1  # ranks per tensor-parallel decode engine (consecutive ranks; pipeline/ranks.py)
     weight_sharing: str = "off"  # auto: the decode engine runs on the policy trainer's storage (engines/sharing.py)
     sm_partitions: bool = False  # green-context SM partitions on CUDA (pipeline/partitions.py)
 
@@ -125,8 +126,12 @@ class WorkerHost:
                 self.engines[model] = build((decl and decl.engine) or spec.score_engine, "score",
                                             (decl and decl.path) or spec.reference_path, options)
         self.sharing_note = ""
-        self.decode = decode if decode is not None else build(spec.decode_engine, "decode", spec.model_path,
-                                                               self._decode_options(spec))
+        if decode is None:
+            options = self._decode_options(spec)
+            if spec.tp_rollout > 1:
+                options = {**options, "tp_group": tensor_parallel_group(spec.tp_rollout)}
+            decode = build(spec.decode_engine, "decode", spec.model_path, options)
+        self.decode = decode
         self.streams = streams if streams is not None else self._make_streams()
         self.refcache = None
         if spec.ref_cache_bytes and self.engines and spec.frozen:
@@ -388,6 +393,27 @@ def current_host() -> WorkerHost:
     if _HOST is None:
         raise RuntimeError("this worker has no Rollplex engines; was the RollplexPlugin registered?")
     return _HOST
+
+
+def tensor_parallel_group(size: int):
+    """This rank's group of ``size`` consecutive ranks. Every rank makes every group, in one order,
+    since torch.distributed.new_group is collective over the whole world."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() % size:
+        raise RollplexError(f"cluster.tp_rollout={size}: needs a process group of a multiple of {size} ranks "
+                            f"(cluster.workers)")
+    mine = None
+    for first in range(0, dist.get_world_size(), size):
+        group = dist.new_group(list(range(first, first + size)))
+        if first <= dist.get_rank() < first + size:
+            mine = group
+    return mine
+
+
+def decode_tensor_parallel() -> tuple[int, int]:
+    """This worker's decode engine's (share, shares) of a tensor-parallel group; (0, 1) alone."""
+    return tuple(getattr(current_host().decode, "tensor_parallel", (0, 1)))
 
 
 def install_host(spec: HostSpec, name: str) -> None:

@@ -127,6 +127,9 @@ class ClusterConfig:
     scheduler: str | None = f(None, doc="address of an existing Dask scheduler; null starts a LocalCluster")
     workers: int = f(1, lo=1, hi=4096, doc="data-parallel ranks, one Dask worker (GPU) each; a LocalCluster "
                      "starts this many, an external cluster must have this many (docs/distributed.md)")
+    tp_rollout: int = f(1, lo=1, hi=64, doc="ranks per tensor-parallel decode engine (torch-graph): each group of "
+                        "this many consecutive workers decodes its prompts together, one share of the heads per "
+                        "rank; it divides cluster.workers")
     threads: int = f(1, lo=1, hi=256, doc="torch/OMP threads per stream thread; streams × threads ≤ cores")
     processes: bool = f(True, doc="LocalCluster workers in separate processes")
     dashboard: bool = f(False, doc="serve the Dask dashboard")

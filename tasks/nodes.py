@@ -128,6 +128,9 @@ def decode_chunk(ctx, node, inputs):
     # A rank's decode (pipeline/ranks.py) holds a slice of the batch: outputs by position, and the
     # prompts' global indices from args.
     index = node.args.get("prompts", range(num_prompts))
+    # A tensor-parallel rank decodes its group's prompts and hands on only its own ("keep").
+    keep = set(node.args.get("keep", index))
+    kept = [p for p in range(num_prompts) if index[p] in keep]
     groups_out = f"handoff_c{chunk}"
     # A rank's chain (pipeline/ranks.py) names its hand-off finished_c{chunk}_r{rank}.
     samples_out = next((o for o in node.outputs if o.split("_r")[0] == f"finished_c{chunk}"), None)
@@ -142,7 +145,7 @@ def decode_chunk(ctx, node, inputs):
         frozen models score single samples, which need no group. Also their keys, now handed."""
         by_prompt: dict[int, dict[int, FinishedSequence]] = {}
         keys = set()
-        for p in range(num_prompts):
+        for p in kept:
             for g in range(s.samples):
                 key = (request_id(ctx.iteration, index[p]), g)
                 if key in finished and key not in handed_samples:
@@ -153,7 +156,7 @@ def decode_chunk(ctx, node, inputs):
     out: dict[str, Any] = {}
     if chunk < chunks - 1:
         if fused:  # stage fusion: groups whose every sample finished in this chunk go on now
-            done = {p: r for p in range(num_prompts) if p not in handed and (r := group(p)) is not None}
+            done = {p: r for p in kept if p not in handed and (r := group(p)) is not None}
             handed = handed | done.keys()
             out[groups_out] = {index[p]: r for p, r in done.items()}
         if samples_out is not None:
@@ -167,15 +170,14 @@ def decode_chunk(ctx, node, inputs):
             finished[_sample_key(seq)] = seq
     if len(finished) != expected:
         raise RuntimeError(f"decode finished {len(finished)} of {expected} sequences")
-    lengths = []
-    for p in range(num_prompts):
-        responses = group(p)
-        out[node.outputs[p]] = responses
-        lengths += [len(q) for q in responses.token_ids]
-    out[node.outputs[num_prompts]] = {"tokens": sum(lengths), "sequences": len(lengths),
-                                      "max_len": max(lengths, default=0)}
+    responses = {p: group(p) for p in kept}
+    for position, p in enumerate(kept):
+        out[node.outputs[position]] = responses[p]
+    lengths = [len(q) for p in kept for q in responses[p].token_ids]
+    out[node.outputs[len(kept)]] = {"tokens": sum(lengths), "sequences": len(lengths),
+                                    "max_len": max(lengths, default=0)}
     if fused:
-        out[groups_out] = {index[p]: out[node.outputs[p]] for p in range(num_prompts) if p not in handed}
+        out[groups_out] = {index[p]: responses[p] for p in kept if p not in handed}
     if samples_out is not None:
         out[samples_out] = new_samples()[0]
     return out

@@ -164,3 +164,42 @@ def test_a_killed_rank_worker_is_replaced_and_no_update_is_lost_or_applied_twice
     assert "ranks formed again" in log
     assert [r["iteration"] for r in rl_rows(runs["killed"])] == [0, 1]  # no gap, no duplicate
     assert_equal_to_rounding(final_weights(runs["two"]), final_weights(runs["killed"]))
+
+
+def test_a_tensor_parallel_rollout_trains_as_the_data_parallel_one(tmp_path):
+    """cluster.tp_rollout=2: both ranks' torch-graph engines decode all 4 prompts together, each with
+    half the heads, and each rank trains on its own 2. Against the same 2 ranks each decoding its own
+    prompts: the same samples (decode's log-probs differ by fp32 summation order, two partial
+    products summed by the all-reduce), so the same rewards and lengths, and the same weights."""
+    graph = ("--workers", "2", "--set", "engines.decode=torch-graph")
+    jobs = {"dp": graph, "tp": (*graph, "--set", "cluster.tp_rollout=2")}
+    errors: list[BaseException] = []
+    logs: dict[str, str] = {}
+
+    def go(name: str, extra: tuple[str, ...]) -> None:
+        try:
+            result = train(tmp_path / name, *extra)
+            logs[name] = result.stdout + result.stderr
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=go, args=job) for job in jobs.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    dp, tp = rl_rows(tmp_path / "dp"), rl_rows(tmp_path / "tp")
+    assert [r["iteration"] for r in tp] == [0, 1]
+    for a, b in zip(dp, tp):
+        assert a["reward_mean"] == b["reward_mean"] and a["response_len_mean"] == b["response_len_mean"]
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+    assert dp[1]["grad_norm"] > 0.1  # the update is real
+    assert_equal_to_rounding(final_weights(tmp_path / "dp"), final_weights(tmp_path / "tp"))
+    assert "decode tensor parallel: rank0 1/2, rank1 2/2" in logs["tp"], logs["tp"][-2000:]
+    assert "decode tensor parallel" not in logs["dp"]
+    first_chunks = [line for line in (tmp_path / "tp" / "graph.txt").read_text().splitlines()
+                    if line.startswith("%decode_r") and "_c0 :" in line]
+    assert len(first_chunks) == 2  # each rank's chain starts from all four prompts
+    assert all("(%prompt_p0, %prompt_p1, %prompt_p2, %prompt_p3," in line for line in first_chunks)

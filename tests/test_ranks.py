@@ -201,3 +201,42 @@ def test_the_placed_graph_prints_each_nodes_rank():
     assert re.search(r"^%decode_r1_c0 : rank1/decode ", text, re.M)
     assert re.search(r"^%optimizer_step_r0 : rank0/compute ", text, re.M)
     assert re.search(r"^%report : rank0/host .* = gather\(%rollout_stats, %report_r0, %report_r1\)$", text, re.M)
+
+
+def test_tensor_parallel_decode_groups_decode_their_prompts_together_and_hand_on_their_own():
+    """4 ranks in 2 tensor-parallel decode groups: every rank of a group runs a decode chain over the
+    group's prompts, on vision encodings made on its own rank; everything else is the data-parallel graph."""
+    shape = BatchShape(prompts=8, samples=2, max_new_tokens=4, chunk_tokens=2, prompts_per_node=2)
+    single = compile_iteration(load_algorithm("grpo"), shape, EngineChoice(
+        {"decode": "torch-graph", "train": "deepspeed", "score": "transformers"}), DIMS)
+    dp, tp = distribute(single, 4), distribute(single, 4, tp_rollout=2)
+    check_placement(tp)
+    for r in range(4):
+        group = [0, 1] if r < 2 else [2, 3]
+        decoded = [p for peer in group for p in range(2 * peer, 2 * peer + 2)]
+        chain = [n for n in tp if n.kind == "decode_chunk" and n.meta["rank"] == r]
+        assert chain and all(n.args["prompts"] == decoded and n.args["keep"] == [2 * r, 2 * r + 1] for n in chain)
+        assert chain[-1].outputs[:2] == ("responses_p%d" % (2 * r), "responses_p%d" % (2 * r + 1))
+        for v in chain[0].inputs:  # each vision encoding the chain reads was made on its own rank
+            producer = tp.values[v].producer
+            assert producer is None or tp.nodes[producer].meta["rank"] == r, (r, v)
+    for p in range(8):  # each prompt's responses come from exactly one chain, on the prompt's rank
+        (producer,) = {tp.values[f"responses_p{p}"].producer}
+        assert tp.nodes[producer].meta["rank"] == p // 2
+    replicas = {n.name for n in tp} - {n.name for n in dp}
+    assert all(tp.nodes[n].kind == "vit_encode" for n in replicas) and len(replicas) == 4
+    for name in {n.name for n in dp} & {n.name for n in tp}:
+        if tp.nodes[name].kind != "decode_chunk":
+            assert tp.nodes[name].meta["rank"] == dp.nodes[name].meta["rank"], name
+    schedule(tp, "rollplex")  # the scheduler takes the placed graph as it takes a data-parallel one
+
+
+def test_a_tensor_parallel_rollout_is_checked_by_name():
+    with pytest.raises(ConfigError, match="cluster.tp_rollout \\(3\\) must divide cluster.workers \\(4\\)"):
+        check_data_parallel(4, 8, 1, "deepspeed", 2, "torch-graph", tp_rollout=3)
+    with pytest.raises(ConfigError, match="cluster.tp_rollout=2 needs engines.decode=torch-graph"):
+        check_data_parallel(2, 8, 1, "deepspeed", 2, "hf", tp_rollout=2)
+    with pytest.raises(ConfigError, match="must divide cluster.workers \\(1\\)"):
+        check_data_parallel(1, 8, 1, "deepspeed", 2, "torch-graph", tp_rollout=2)
+    with pytest.raises(GraphError, match="tensor-parallel rollout of 3 ranks does not divide 4 ranks"):
+        distribute(compiled(ranks=1), 4, tp_rollout=3)
