@@ -31,3 +31,19 @@ def test_one_worker_per_gpu_equals_one_gpu_with_the_same_global_batch(tmp_path):
     assert_equal_to_rounding(final_weights(one), final_weights(two))
     trace = (two / "traces" / "iter_000001.json").read_text()
     assert '"rank0"' in trace and '"rank1"' in trace
+
+
+def test_a_tensor_parallel_rollout_over_two_gpus_trains_as_the_data_parallel_one(tmp_path):
+    """cluster.tp_rollout=2 on two GPUs: the torch-graph engines' NCCL all-reduces run inside their
+    CUDA graphs while DeepSpeed all-reduces gradients on the same ranks."""
+    if torch.cuda.device_count() < 2:
+        pytest.fail(f"needs 2 CUDA devices, found {torch.cuda.device_count()}; run it on the 2-GPU machine")
+    common = (*GPU, "--workers", "2", "--set", "engines.decode=torch-graph")
+    dp, tp = tmp_path / "dp", tmp_path / "tp"
+    train(dp, *common)
+    log = train(tp, *common, "--set", "cluster.tp_rollout=2")
+    assert "decode tensor parallel: rank0 1/2, rank1 2/2" in log.stdout + log.stderr
+    for x, y in zip(rl_rows(dp), rl_rows(tp)):
+        assert y["reward_mean"] == x["reward_mean"] and y["response_len_mean"] == x["response_len_mean"]
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-4)
+    assert_equal_to_rounding(final_weights(dp), final_weights(tp))
