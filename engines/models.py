@@ -15,6 +15,8 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from rollplex.errors import ConfigError
+
 # Qwen2.5-VL's special tokens, in its own order. The ids follow the BPE vocabulary.
 QWEN_VL_SPECIAL_TOKENS = (
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
@@ -51,6 +53,12 @@ class TinyVLMSpec:
     max_pixels: int = 112 * 112
     seed: int = 0
     corpus: tuple[str, ...] = field(default=())
+    # Preset-shaped models (``preset_spec``): a full-size vocabulary and ViT, their RoPE base and dtype.
+    vocab_size: int = 0  # rows of the embedding and LM head; 0: the tokenizer's size
+    vision_intermediate_size: int = 0  # 0: twice vision_hidden_size
+    tie_word_embeddings: bool = False
+    rope_theta: float = 10000.0
+    dtype: str = "float32"
 
     def fingerprint(self) -> str:
         blob = json.dumps(asdict(self), sort_keys=True).encode()
@@ -79,6 +87,41 @@ def ensure_tiny_vlm(spec: TinyVLMSpec, cache_dir: Path | None = None) -> Path:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return target
+
+
+def preset_spec(name: str, corpus: tuple[str, ...], layers: int | None = None,
+                vision_layers: int | None = None, dtype: str = "bfloat16", seed: int = 0) -> TinyVLMSpec:
+    """A model of a preset's architecture (``pipeline.modelspec.PRESETS``: widths, heads, vocabulary,
+    ViT) with random weights and the task's own tokenizer; ``layers``/``vision_layers`` cut the depth."""
+    from rollplex.pipeline.modelspec import load_model
+
+    m = load_model(name)
+    return TinyVLMSpec(hidden_size=m.hidden, intermediate_size=m.intermediate, num_hidden_layers=layers or m.layers,
+                       num_attention_heads=m.heads, num_key_value_heads=m.kv_heads,
+                       vision_depth=vision_layers or m.vit_depth, vision_hidden_size=m.vit_hidden,
+                       vision_heads=m.vit_heads, vision_intermediate_size=m.vit_intermediate,
+                       min_pixels=56 * 56, max_pixels=28 * 28 * 1280, seed=seed, corpus=tuple(corpus),
+                       vocab_size=m.vocab, tie_word_embeddings=m.tied, rope_theta=1e6, dtype=dtype)
+
+
+def write_vlm(spec: TinyVLMSpec, out_dir: Path) -> Path:
+    """Build ``spec`` into ``out_dir``, which must not exist yet: built in a sibling temp directory
+    and renamed into place, so an interrupted build leaves nothing that looks like a model."""
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        raise ConfigError(f"--out {out_dir}: exists already; name a new directory")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    try:
+        build_tiny_vlm(spec, staging)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(staging, 0o777 & ~umask)  # mkdtemp's 0700 is for the staging only
+        os.rename(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out_dir
 
 
 def _train_tokenizer(spec: TinyVLMSpec):
@@ -118,7 +161,9 @@ def build_tiny_vlm(spec: TinyVLMSpec, out_dir: Path) -> None:
 
     tokenizer = _train_tokenizer(spec)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_VL_SPECIAL_TOKENS}
-    vocab_size = len(tokenizer)
+    if spec.vocab_size and spec.vocab_size < len(tokenizer):
+        raise ConfigError(f"vocab_size {spec.vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens")
+    vocab_size = spec.vocab_size or len(tokenizer)
     head_dim = spec.hidden_size // spec.num_attention_heads
     # M-RoPE splits head_dim/2 rotary frequencies over (temporal, height, width).
     half = head_dim // 2
@@ -131,9 +176,9 @@ def build_tiny_vlm(spec: TinyVLMSpec, out_dir: Path) -> None:
             num_hidden_layers=spec.num_hidden_layers,
             num_attention_heads=spec.num_attention_heads,
             num_key_value_heads=spec.num_key_value_heads,
-            max_position_embeddings=2048,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope},
-            tie_word_embeddings=False,
+            max_position_embeddings=max(2048, 32768 if spec.vocab_size else 0),
+            rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta, "mrope_section": mrope},
+            tie_word_embeddings=spec.tie_word_embeddings,
             bos_token_id=ids["<|endoftext|>"],
             eos_token_id=ids["<|im_end|>"],
             pad_token_id=ids["<|endoftext|>"],
@@ -141,10 +186,11 @@ def build_tiny_vlm(spec: TinyVLMSpec, out_dir: Path) -> None:
         vision_config=dict(
             depth=spec.vision_depth,
             hidden_size=spec.vision_hidden_size,
-            intermediate_size=spec.vision_hidden_size * 2,
+            intermediate_size=spec.vision_intermediate_size or spec.vision_hidden_size * 2,
             num_heads=spec.vision_heads,
             out_hidden_size=spec.hidden_size,
-            fullatt_block_indexes=[spec.vision_depth - 1],
+            # Qwen2.5-VL's 32-block ViT attends fully in blocks 7, 15, 23, 31; shallower ones in the last.
+            fullatt_block_indexes=[i for i in (7, 15, 23, 31) if i < spec.vision_depth] or [spec.vision_depth - 1],
             window_size=112,
             patch_size=14,
             spatial_merge_size=2,
@@ -157,10 +203,16 @@ def build_tiny_vlm(spec: TinyVLMSpec, out_dir: Path) -> None:
         bos_token_id=ids["<|endoftext|>"],
         eos_token_id=ids["<|im_end|>"],
         pad_token_id=ids["<|endoftext|>"],
-        tie_word_embeddings=False,
+        tie_word_embeddings=spec.tie_word_embeddings,
     )
     torch.manual_seed(spec.seed)
-    model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+    dtype = getattr(torch, spec.dtype)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in its dtype: a 7B model in fp32 would need 30 GiB of host memory
+    try:
+        model = Qwen2_5_VLForConditionalGeneration(config).to(dtype)
+    finally:
+        torch.set_default_dtype(default)
     model.generation_config.eos_token_id = ids["<|im_end|>"]
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
     model.save_pretrained(out_dir)

@@ -1,4 +1,5 @@
-"""`rollplex plot` and `rollplex export-task`: look at a run, and write the embedded task as a dataset.
+"""`rollplex plot`, `rollplex export-task` and `rollplex init-model`: look at a run, write the embedded
+task as a dataset, and write a random-weight model of a preset's architecture to train at scale.
 
 Heavy imports (matplotlib, PIL, pyarrow) happen inside the commands, so `rollplex --help` stays fast.
 """
@@ -25,6 +26,19 @@ def cmd_export_task(args) -> int:
     return 0
 
 
+def cmd_init_model(args) -> int:
+    from rollplex.engines.models import preset_spec, write_vlm
+    from rollplex.tasks.data import SyntheticVisualTask, task_corpus
+
+    spec = preset_spec(args.preset, task_corpus(SyntheticVisualTask()), layers=args.layers,
+                       vision_layers=args.vision_layers, dtype=args.dtype, seed=args.seed)
+    path = write_vlm(spec, args.out)
+    layers = spec.num_hidden_layers
+    print(f"wrote {path} ({args.preset} architecture, {layers} decoder layer{'s' * (layers != 1)}, random weights, "
+          f"{args.dtype}; train on it with --set model.path={path} --set model.dtype={args.dtype})")
+    return 0
+
+
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plot", help="PNGs of a run: reward/KL/loss curves, time per node kind, an iteration's Gantt")
     p.add_argument("run_dir", help="a run directory written by `rollplex train`")
@@ -42,3 +56,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--video-frames", type=int, default=0,
                    help="> 0: each row holds a video of this many frames instead of an image")
     e.set_defaults(fn=cmd_export_task)
+
+    m = sub.add_parser("init-model", help="write a random-weight Qwen2.5-VL of a preset's shape (HF format), "
+                                          "with the embedded task's tokenizer, for runs at scale")
+    m.add_argument("out", help="a new directory")
+    m.add_argument("--preset", default="qwen2.5-vl-7b", help="qwen2.5-vl-3b, qwen2.5-vl-7b, qwen2.5-vl-32b")
+    m.add_argument("--layers", type=int, help="decoder layers (default: the preset's)")
+    m.add_argument("--vision-layers", type=int, help="ViT blocks (default: the preset's)")
+    m.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    m.add_argument("--seed", type=int, default=0)
+    m.set_defaults(fn=cmd_init_model)
