@@ -11,6 +11,9 @@
               rank's loss is scaled by R because DeepSpeed averages gradients over ranks, so the
               all-reduced update equals the single-rank one. A ``gather`` report merges the ranks'.
               Accumulation-order edges between ranks are dropped: each rank sums its own micro-batches.
+              With ``tp_rollout`` K, each K consecutive ranks form one tensor-parallel decode engine:
+              every rank's chain decodes the group's prompts (a step needs every rank of the group)
+              and hands on its own; each vision node gets a copy on the group's other ranks.
     ensures   ``node.meta["rank"]`` (and "placement", ``rankR``) on every node; ``check_placement``: a value read on another rank
               than its producer's is host data (and its producer's other outputs too, since Dask moves
               a node's whole output bundle), so device tensors never leave their worker.
