@@ -19,6 +19,8 @@ def main() -> None:
     ap.add_argument("--bandwidth", type=float, default=4.3e12, help="measured device copy bandwidth, B/s")
     ap.add_argument("--compile", default="off", choices=("off", "on", "both"),
                     help="the decoder layer through torch.compile; both: eager and compiled side by side")
+    ap.add_argument("--compile-mode", default="default", choices=("default", "max-autotune-no-cudagraphs"),
+                    help="torch.compile's mode for the compiled runs")
     args = ap.parse_args()
 
     from rollplex.engines.base import DecodeRequest, EngineContext
@@ -33,7 +35,8 @@ def main() -> None:
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
     for n, compiled in ((n, c) for n in sizes for c in modes):
         engine = GraphDecodeEngine(EngineContext("", device, torch.bfloat16, 0, {
-            "share_model": model, "max_num_seqs": n, "max_model_len": args.prompt_len + 300, "compile": compiled}))
+            "share_model": model, "max_num_seqs": n, "max_model_len": args.prompt_len + 300,
+            "compile": args.compile_mode if compiled else False}))
         ids = torch.randint(100, 100000, (args.prompt_len,)).tolist()
         engine.add_requests([DecodeRequest(f"r{i}", ids, None, None, max_tokens=256, seed=i, n=1) for i in range(n)])
         engine.step(4)  # prefill, capture

@@ -147,6 +147,21 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + rotated * sin
 
 
+def _sample(logits, temp, top_p, seed, n_gen, use_top_p: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's next token and its log-prob: greedy where ``temp`` <= 0, else Gumbel-max over the
+    temperature- (and with ``use_top_p``, nucleus-) processed logits with the row's counter noise.
+    A function of tensors, so that ``torch.compile`` fuses the noise, softmax and argmax over the
+    vocabulary instead of writing [rows, vocab] intermediates between a dozen kernels."""
+    greedy = temp <= 0
+    scaled = logits / torch.where(greedy, torch.ones_like(temp), temp).view(-1, 1)
+    if use_top_p:  # vLLM's nucleus: mask the tail, keep the top token; log-probs are under what is drawn from
+        scaled = _apply_top_p(scaled, torch.where(greedy, torch.ones_like(temp), top_p))
+    logp = F.log_softmax(scaled, dim=-1)
+    gumbel = -torch.log(-torch.log(counter_uniform(seed, n_gen, logits.shape[-1])))
+    token = torch.where(greedy, logits.argmax(-1), (scaled + gumbel).argmax(-1))
+    return token, logp.gather(1, token.view(-1, 1)).view(-1)
+
+
 def _decoder_layer(x, cos, sin, mask, where, k_cache, v_cache, layer_weights, eps: tuple[float, float],
                    heads: int, kv_heads: int, head_dim: int, scale: float, reduce=None) -> torch.Tensor:
     """One decoder layer for one token per row: writes this step's K/V into the row's slot and
@@ -209,7 +224,7 @@ class GraphDecodeEngine(DecodeEngine):
     """Options: max_num_seqs (rows), max_model_len (KV slots per row), graph_batch_sizes (captured;
     default powers of two up to max_num_seqs), cuda_graphs (default True on CUDA), steps_per_graph
     (decode steps per graph launch; default 1), compile (the
-    decoder layer through torch.compile; default off), share_model (an HF model whose weights the
+    decoder layer and the sampler through torch.compile, true or a compile mode; default off), share_model (an HF model whose weights the
     engine uses in place: no second copy), tp_group (a torch.distributed group: tensor parallel over
     its ranks, each with a full copy of the model)."""
 
@@ -243,14 +258,21 @@ class GraphDecodeEngine(DecodeEngine):
         self.use_graphs = bool(opts.get("cuda_graphs", self.device.type == "cuda"))
         # compile: the decoder layer through torch.compile (fused norm/rope/residual kernels), compiled
         # once per batch size on first use (warm-up), then captured into the CUDA graphs as usual.
-        self._layer = _decoder_layer
+        self._layer, self._sample = _decoder_layer, _sample
         if opts.get("compile"):
             from torch._dynamo import config as dynamo_config
 
             # One compiled layer per (batch size, device): 8 sizes on each of a process's engines
             # passes dynamo's default limit of 8, past which it would fall back to eager silently.
             dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
-            self._layer = torch.compile(_decoder_layer, dynamic=False)
+            # compile: true, or a torch.compile mode ("max-autotune-no-cudagraphs": Triton GEMMs
+            # tuned for the step's skinny shapes; the engine captures CUDA graphs itself).
+            mode = None if opts["compile"] is True or opts["compile"] in ("true", "default") else str(opts["compile"])
+            if mode not in (None, "max-autotune-no-cudagraphs"):  # the others capture CUDA graphs of their own
+                raise EngineError(f"engine 'torch-graph': compile {opts['compile']!r} is not one of true, default, "
+                                  f"max-autotune-no-cudagraphs")
+            self._layer = torch.compile(_decoder_layer, dynamic=False, mode=mode)
+            self._sample = torch.compile(_sample, dynamic=False, mode=mode)
         sizes = opts.get("graph_batch_sizes") or [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b < self.rows]
         self.sizes = sorted({int(b) for b in sizes if b <= self.rows} | {self.rows})
         self.batch = _Batch(self.w, self.rows, self.max_len, len(self.w.layers), self.vocab, self.dtype, self.device)
@@ -454,19 +476,11 @@ class GraphDecodeEngine(DecodeEngine):
     def _step(self, n: int, top_p: bool) -> None:
         """Sample a token for rows [0, n) from their logits, then feed it to get the next logits."""
         b, w = self.batch, self.w
-        logits, temp = b.logits[:n], b.temp[:n]
-        greedy = temp <= 0
-        scaled = logits / torch.where(greedy, torch.ones_like(temp), temp).view(-1, 1)
-        if top_p:  # vLLM's nucleus: mask the tail, keep the top token; log-probs are under what is drawn from
-            scaled = _apply_top_p(scaled, torch.where(greedy, torch.ones_like(temp), b.top_p[:n]))
-        logp = F.log_softmax(scaled, dim=-1)
-        gumbel = -torch.log(-torch.log(counter_uniform(b.seed[:n], b.n_gen[:n], self.vocab)))
-        token = torch.where(greedy, logits.argmax(-1), (scaled + gumbel).argmax(-1))
+        token, token_logp = self._sample(b.logits[:n], b.temp[:n], b.top_p[:n], b.seed[:n], b.n_gen[:n], top_p)
         active = ~b.done[:n]
         col = b.n_gen[:n].clamp(max=b.tokens.shape[1] - 1).view(-1, 1)
         b.tokens[:n].scatter_(1, col, torch.where(active, token, b.tokens[:n].gather(1, col).view(-1)).view(-1, 1))
-        b.logps[:n].scatter_(1, col, torch.where(active, logp.gather(1, token.view(-1, 1)).view(-1),
-                                                 b.logps[:n].gather(1, col).view(-1)).view(-1, 1))
+        b.logps[:n].scatter_(1, col, torch.where(active, token_logp, b.logps[:n].gather(1, col).view(-1)).view(-1, 1))
         n_gen = b.n_gen[:n] + active.long()
         b.n_gen[:n].copy_(n_gen)
         stopped = (token.view(-1, 1) == b.stop[:n]).any(-1)

@@ -316,12 +316,21 @@ def test_graph_engine_compiled_layer_samples_what_the_eager_one_does(model_dir, 
         assert got[rid].token_ids == seq.token_ids
         assert got[rid].logprobs == pytest.approx(seq.logprobs, abs=1e-4)
     assert compiled._layer is not eager_layer_of(compiled)
+    assert compiled._sample is not eager_sampler_of(compiled)  # the sampler is compiled too
+    with pytest.raises(EngineError, match="compile 'reduce-overhead' is not one of"):
+        get_engine("torch-graph").factory(ctx(model_dir, max_num_seqs=8, compile="reduce-overhead"))
 
 
 def eager_layer_of(engine):
     from rollplex.engines.graph_decode import _decoder_layer
 
     return _decoder_layer
+
+
+def eager_sampler_of(engine):
+    from rollplex.engines.graph_decode import _sample
+
+    return _sample
 
 
 def test_graph_engine_prefills_a_shared_prompt_once_and_counts_its_rows_meanwhile(graph_engine, prompts,
