@@ -24,8 +24,13 @@ def resolve_engines(cfg: RunConfig, device: str) -> tuple[str, str, str]:
     # decode_chunk is the decode role's only node kind, so its override picks the engine the workers build.
     decode, train = cfg.engines.overrides.get("decode_chunk", cfg.engines.decode), cfg.engines.train
     if decode == "auto":
-        # In-process vLLM sets up torch.distributed state of its own: not shared with data-parallel ranks yet.
-        decode = "vllm" if get_engine("vllm").installed() and device == "cpu" and cfg.cluster.workers == 1 else "hf"
+        if device != "cpu" or cfg.cluster.tp_rollout > 1:
+            # vLLM's CUDA build is not assumed: torch-graph is the GPU engine (CUDA graphs, static KV)
+            # and the one that decodes tensor-parallel over ranks.
+            decode = "torch-graph"
+        else:
+            # In-process vLLM sets up torch.distributed state of its own: not shared with data-parallel ranks yet.
+            decode = "vllm" if get_engine("vllm").installed() and cfg.cluster.workers == 1 else "hf"
     if train == "auto":
         train = "deepspeed" if get_engine("deepspeed").installed() else "torch"
     for name, role in ((decode, "decode"), (train, "train"), (cfg.engines.score, "score")):

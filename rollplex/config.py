@@ -112,7 +112,8 @@ class WarmupConfig:
 
 @dataclass
 class EnginesConfig:
-    decode: str = f("auto", doc="decode engine: vllm | hf | auto (vllm when installed)")
+    decode: str = f("auto", doc="decode engine: vllm | hf | torch-graph | auto (on the CPU vllm when installed "
+                    "and one worker, else hf; on CUDA or with cluster.tp_rollout, torch-graph)")
     train: str = f("auto", doc="train engine: deepspeed | torch | auto (deepspeed when installed)")
     score: str = f("transformers", doc="engine for frozen models (reference, vision tower)")
     overrides: dict = f({}, doc="per-node-kind engine, e.g. {decode_chunk: hf}")

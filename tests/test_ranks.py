@@ -240,3 +240,20 @@ def test_a_tensor_parallel_rollout_is_checked_by_name():
         check_data_parallel(1, 8, 1, "deepspeed", 2, "torch-graph", tp_rollout=2)
     with pytest.raises(GraphError, match="tensor-parallel rollout of 3 ranks does not divide 4 ranks"):
         distribute(compiled(ranks=1), 4, tp_rollout=3)
+
+
+@pytest.mark.parametrize("device, workers, tp, expected", [
+    ("cpu", 1, 1, "vllm"), ("cpu", 2, 1, "hf"), ("cpu", 2, 2, "torch-graph"), ("cuda", 1, 1, "torch-graph"),
+    ("cuda", 4, 2, "torch-graph")])
+def test_the_automatic_decode_engine_is_one_that_serves_the_cluster(device, workers, tp, expected):
+    from rollplex.config import RunConfig
+    from rollplex.engines.base import get_engine
+    from rollplex.pipeline.session import resolve_engines
+
+    import rollplex.engines  # noqa: F401
+
+    if expected == "vllm" and not get_engine("vllm").installed():
+        expected = "hf"
+    cfg = RunConfig()
+    cfg.cluster.workers, cfg.cluster.tp_rollout = workers, tp
+    assert resolve_engines(cfg, device)[0] == expected
