@@ -188,3 +188,18 @@ def test_bench_runs_on_the_stream_ordered_allocator(cuda, tiny_model_dir, tmp_pa
     saved = json.loads((out / "bench.json").read_text())
     assert saved["cuda_allocator"] == "cudaMallocAsync"
     assert {u["policy"]: u["replayed"] for u in saved["updates"]}["rollplex"] <= 1e-2
+
+
+def test_a_training_run_on_cuda_decodes_with_the_graph_engine_by_default(cuda, tmp_path):
+    """`rollplex train` on CUDA with every engine left on auto: torch-graph decodes (shared with the
+    trainer's weights, graphs captured on the worker's decode stream), and the run ends normally."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "rollplex.cli", "train", "--out", str(out), "--iterations", "3", "--no-progress",
+           "--set", "model.device=cuda", "--set", "warmup.steps=2", "--set", "stop_at_reward=null"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "@torch-graph" in (out / "graph.txt").read_text()
+    assert len((out / "metrics.jsonl").read_text().splitlines()) >= 3
