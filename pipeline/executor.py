@@ -95,6 +95,7 @@ def lower(graph: IterationGraph, iteration: int, inputs: dict[str, Any],
                 if token not in dsk:
                     dsk[token] = Task(token, _done, TaskRef(ref))
                     workers[token] = [ranks[rank_of[p]]]
+                    resources[token] = {}  # no stream: Dask asserts that a resources annotation is a dict
                 ref = token
             ordering.append(ref)
         key = task_key(iteration, node_name)

@@ -130,6 +130,8 @@ def test_lowering_pins_each_task_to_its_ranks_worker_and_orders_across_ranks_by_
                 producer = g.nodes[dep.split("/", 1)[1]]
                 assert all(g.values[o].device == "host" for o in producer.outputs), (key, dep)
     assert any(k.endswith("/done") for k in low.graph)
+    # Every task's resources annotation is a dict, tokens' included (Dask's scheduler asserts it).
+    assert all(isinstance(low.resources.get(k), dict) for k in low.graph)
     # Without ranks nothing is pinned (the single-worker path is unchanged).
     assert not lower(compiled(ranks=1), 3, inputs).workers
 
