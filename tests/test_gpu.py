@@ -121,8 +121,11 @@ def test_several_steps_per_graph_sample_what_one_step_graphs_do(cuda, tiny_model
 
 
 def _tiny_bench(tiny_model_dir, tmp_path, policies, **kw):
+    """The bench in-process on the tiny model, with the eager decode layer unless ``kw`` says
+    otherwise: the compiled default's path is the CLI run of the allocator test below."""
     from rollplex.pipeline.bench import BenchConfig, run
 
+    kw.setdefault("compile_decode", False)
     return run(BenchConfig(model=str(tiny_model_dir / "config.json"), device="cuda", dtype="float32", prompts=4,
                            samples=2, vision_tokens=16, text_tokens=8, max_new_tokens=8, mean_new_tokens=4,
                            chunk_tokens=2, iterations=2, policies=policies, out=str(tmp_path), **kw),
@@ -173,7 +176,8 @@ def test_partition_streams_get_every_graph_before_the_window(cuda, tiny_model_di
 
 def test_bench_runs_on_the_stream_ordered_allocator(cuda, tiny_model_dir, tmp_path):
     """``--cuda-allocator async`` reaches torch before it loads (a fresh process), green-context
-    partitions and CUDA graphs run on cudaMallocAsync, and bench.json records the backend."""
+    partitions and CUDA graphs run on cudaMallocAsync, and bench.json records the backend. The CLI's
+    default compiles the decode layer and sampler on CUDA, so this also runs the compiled bench."""
     import json
     import subprocess
     import sys
@@ -188,6 +192,7 @@ def test_bench_runs_on_the_stream_ordered_allocator(cuda, tiny_model_dir, tmp_pa
     saved = json.loads((out / "bench.json").read_text())
     assert saved["cuda_allocator"] == "cudaMallocAsync"
     assert {u["policy"]: u["replayed"] for u in saved["updates"]}["rollplex"] <= 1e-2
+    assert saved["config"]["compile_decode"] is True
 
 
 def test_a_training_run_on_cuda_decodes_with_the_graph_engine_by_default(cuda, tmp_path):
