@@ -65,13 +65,13 @@ def _measure(engine, device, sizes: list[int], prompt_len: int, rollout: list, r
         sync()
         t = time.perf_counter()
         engine.add_requests(rollout)
-        tokens = 0
+        samples = {}
         while engine.has_unfinished():
-            tokens += sum(len(f.token_ids) for f in engine.step(32))
+            samples.update({f.request_id: list(f.token_ids) for f in engine.step(32)})
         sync()
         seconds.append(time.perf_counter() - t)
     return {"ms_per_step": {n: s * 1e3 for n, s in steps.items()}, "rollout_s": statistics.median(seconds[1:]),
-            "rollout_runs_s": seconds[1:], "rollout_tokens": tokens}
+            "rollout_runs_s": seconds[1:], "rollout_tokens": sum(map(len, samples.values())), "samples": samples}
 
 
 def _engine(args, device, tp_group=None):
@@ -148,7 +148,14 @@ def main() -> None:
     a, b = one["rollout_s"], split["rollout_s"]
     print(f"{f'rollout {args.prompts}×{args.samples} (s)':>22} {a:9.3f} {b:9.3f} {a / b:8.2f}×   "
           f"({one['rollout_tokens']} tokens; runs {one['rollout_runs_s']} / {split['rollout_runs_s']})")
+    # The split step sums two partial products where one GPU sums one: a near-tie between two tokens
+    # may flip, so sampled sequences are compared, not assumed equal.
+    differ = [r for r, tokens in one["samples"].items() if split["samples"].get(r) != tokens]
+    print(f"samples: {len(one['samples']) - len(differ)} of {len(one['samples'])} sequences the same under TP={args.tp}")
     if args.json:
+        for result in (one, split):
+            result["samples_differing"] = differ
+            del result["samples"]
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "device": device_name, "tp1": one,
                        f"tp{args.tp}": split}, f, indent=1)
