@@ -48,13 +48,18 @@ class RankLayout:
 
     def tp_peers(self, rank: int) -> list[int]:
         """The ranks of ``rank``'s tensor-parallel decode group, itself included."""
-        first = rank - rank % self.tp_rollout
-        return list(range(first, first + self.tp_rollout))
+        return next(group for group in tp_groups(self.ranks, self.tp_rollout) if rank in group)
 
     def decoded_by(self, rank: int) -> list[int]:
         """The prompts ``rank``'s decode engine samples: its own, and with tensor parallelism its
         group's, since every rank of a group runs every step of the same batch."""
         return [p for peer in self.tp_peers(rank) for p in self.prompts_of(peer)]
+
+
+def tp_groups(ranks: int, size: int) -> list[list[int]]:
+    """The tensor-parallel decode groups: each ``size`` consecutive ranks. The graph (which prompts a
+    rank decodes) and the workers (which ranks a process group joins) both read it."""
+    return [list(range(first, first + size)) for first in range(0, ranks, size)]
 
 
 def fit_prompts_per_node(prompts_per_node: int, per_rank: int) -> int:

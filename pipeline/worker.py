@@ -396,17 +396,19 @@ def current_host() -> WorkerHost:
 
 
 def tensor_parallel_group(size: int):
-    """This rank's group of ``size`` consecutive ranks. Every rank makes every group, in one order,
-    since torch.distributed.new_group is collective over the whole world."""
+    """This rank's tensor-parallel decode group (``ranks.tp_groups``). Every rank makes every group,
+    in one order, since torch.distributed.new_group is collective over the whole world."""
     import torch.distributed as dist
+
+    from rollplex.pipeline.ranks import tp_groups
 
     if not dist.is_initialized() or dist.get_world_size() % size:
         raise RollplexError(f"cluster.tp_rollout={size}: needs a process group of a multiple of {size} ranks "
                             f"(cluster.workers)")
     mine = None
-    for first in range(0, dist.get_world_size(), size):
-        group = dist.new_group(list(range(first, first + size)))
-        if first <= dist.get_rank() < first + size:
+    for members in tp_groups(dist.get_world_size(), size):
+        group = dist.new_group(members)
+        if dist.get_rank() in members:
             mine = group
     return mine
 
