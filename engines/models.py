@@ -71,22 +71,31 @@ def default_cache_dir() -> Path:
 
 def ensure_tiny_vlm(spec: TinyVLMSpec, cache_dir: Path | None = None) -> Path:
     """Build the tiny model once per spec and return its directory (atomic: temp dir + rename)."""
-    root = Path(cache_dir or default_cache_dir())
-    target = root / f"tiny-qwen2.5-vl-{spec.fingerprint()}"
-    if (target / "config.json").exists():
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".building-", dir=root))
+    target = Path(cache_dir or default_cache_dir()) / f"tiny-qwen2.5-vl-{spec.fingerprint()}"
+    if not (target / "config.json").exists():
+        _build_then_rename(spec, target)  # False: another process finished first; its copy is as good
+    return target
+
+
+def _build_then_rename(spec: TinyVLMSpec, target: Path) -> bool:
+    """Build ``spec`` in a temp directory beside ``target`` and rename it into place, so an interrupted
+    build leaves nothing that looks like a model. False where ``target`` appeared meanwhile."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         build_tiny_vlm(spec, staging)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(staging, 0o777 & ~umask)  # mkdtemp's 0700 is for the staging only
         try:
             os.rename(staging, target)
-        except OSError:  # another process finished first; its copy is as good as ours
+        except OSError:
             shutil.rmtree(staging, ignore_errors=True)
+            return False
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return target
+    return True
 
 
 def preset_spec(name: str, corpus: tuple[str, ...], layers: int | None = None,
@@ -105,22 +114,10 @@ def preset_spec(name: str, corpus: tuple[str, ...], layers: int | None = None,
 
 
 def write_vlm(spec: TinyVLMSpec, out_dir: Path) -> Path:
-    """Build ``spec`` into ``out_dir``, which must not exist yet: built in a sibling temp directory
-    and renamed into place, so an interrupted build leaves nothing that looks like a model."""
+    """Build ``spec`` into ``out_dir``, which must not exist yet (atomic: temp dir + rename)."""
     out_dir = Path(out_dir)
-    if out_dir.exists():
+    if out_dir.exists() or not _build_then_rename(spec, out_dir):
         raise ConfigError(f"--out {out_dir}: exists already; name a new directory")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
-    try:
-        build_tiny_vlm(spec, staging)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(staging, 0o777 & ~umask)  # mkdtemp's 0700 is for the staging only
-        os.rename(staging, out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return out_dir
 
 
