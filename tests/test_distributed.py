@@ -97,6 +97,29 @@ def assert_equal_to_rounding(a: dict[str, torch.Tensor], b: dict[str, torch.Tens
     assert worst[0] <= 1e-2 * LR, f"{worst[1]} differs by {worst[0]:.3g}"
 
 
+def train_side_by_side(root: Path, jobs: dict[str, tuple[str, ...]],
+                       env: dict[str, dict[str, str]] | None = None) -> dict[str, subprocess.CompletedProcess]:
+    """``rollplex train`` once per job, into ``root / name``, all at once (most of a launch is
+    single-threaded imports); the first failure is raised in the caller's thread."""
+    results: dict[str, subprocess.CompletedProcess] = {}
+    errors: list[BaseException] = []
+
+    def go(name: str, extra: tuple[str, ...]) -> None:
+        try:
+            results[name] = train(root / name, *extra, env=(env or {}).get(name))
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=go, args=job) for job in jobs.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
 FAULT = {"ROLLPLEX_TEST_FAULT": "task:optimizer_step:before#2", "ROLLPLEX_TEST_FAULT_KILL": "self"}
 
 
@@ -111,28 +134,13 @@ def runs(tmp_path_factory) -> dict:
     clusters = [StockCluster(root / "a", workers=2), StockCluster(root / "b", workers=2, env=fault)]
     jobs = {"one": (), "two": ("--scheduler", clusters[0].address, "--workers", "2"),
             "killed": ("--scheduler", clusters[1].address, "--workers", "2")}
-    results: dict = {"fired": root / "fired"}
-    errors: list[BaseException] = []
-
-    def go(name: str, extra: tuple[str, ...]) -> None:
-        try:
-            results[f"{name}-log"] = train(root / name, *extra, env=fault if name == "killed" else None)
-            results[name] = root / name
-        except BaseException as exc:  # noqa: BLE001 - re-raised below, in the test's thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=go, args=job) for job in jobs.items()]
     try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        logs = train_side_by_side(root, jobs, env={"killed": fault})
     finally:
         for c in clusters:
             c.close()
-    if errors:
-        raise errors[0]
-    return results
+    return {"fired": root / "fired", **{name: root / name for name in jobs},
+            **{f"{name}-log": log for name, log in logs.items()}}
 
 
 def test_two_data_parallel_ranks_equal_one_worker_with_the_same_global_batch(runs):
@@ -175,23 +183,7 @@ def test_a_tensor_parallel_rollout_trains_as_the_data_parallel_one(tmp_path):
     # The serial schedule orders nodes across ranks by token tasks (its phase barriers): same update.
     jobs = {"dp": graph, "tp": (*graph, "--set", "cluster.tp_rollout=2"),
             "tp-serial": (*graph, "--set", "cluster.tp_rollout=2", "--schedule", "serial")}
-    errors: list[BaseException] = []
-    logs: dict[str, str] = {}
-
-    def go(name: str, extra: tuple[str, ...]) -> None:
-        try:
-            result = train(tmp_path / name, *extra)
-            logs[name] = result.stdout + result.stderr
-        except BaseException as exc:  # noqa: BLE001 - re-raised below, in the test's thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=go, args=job) for job in jobs.items()]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    logs = {name: r.stdout + r.stderr for name, r in train_side_by_side(tmp_path, jobs).items()}
     dp = rl_rows(tmp_path / "dp")
     assert dp[1]["grad_norm"] > 0.1  # the update is real
     for name in ("tp", "tp-serial"):
