@@ -211,66 +211,116 @@ def pad_responses(responses: list[list[int]], pad_id: int) -> tuple[torch.Tensor
     return tokens, mask
 
 
-def suffix_logits(model: torch.nn.Module, prefix: PrefixState, tokens: torch.Tensor, *, grad: bool) -> torch.Tensor:
-    """Logits [G, R, V] predicting each response token, from the shared prefix KV."""
-    return suffix_logits_batch(model, [prefix], [tokens], grad=grad)[0]
+@dataclass
+class PackedSuffix:
+    """The last hidden state at every response token that predicts another, without padding.
+
+    Row n is response token ``cols[n] - 1`` of stacked row ``rows[n]`` (the groups' responses one
+    after another); it predicts ``targets[n]``, the token at ``cols[n]``.
+    """
+
+    hidden: torch.Tensor  # [N, hidden]
+    targets: torch.Tensor  # [N] long
+    rows: torch.Tensor  # [N] long
+    cols: torch.Tensor  # [N] long
 
 
-def suffix_logits_batch(model: torch.nn.Module, prefixes: list[PrefixState], tokens: list[torch.Tensor], *,
-                        grad: bool) -> list[torch.Tensor]:
-    """Logits [G_i, R_i, V] for several prompt groups in one LM forward.
+def suffix_forward_packed(model: torch.nn.Module, prefixes: list[PrefixState], responses: list[list[list[int]]], *,
+                          grad: bool, pad_id: int = 0) -> PackedSuffix | None:
+    """One LM forward over every response of several prompt groups, each group's responses packed
+    into one row on top of its prefix KV.
 
-    Row r of group i attends to group i's prefix KV (``expand``ed, so gradients add up into the one
-    prefix) and then causally to its own response. Prefixes of different lengths are right-padded to
-    the longest and the padding columns are masked out; equal lengths need no mask at all.
+    A token attends to its group's prefix and causally to its own response only (a block-diagonal
+    mask), so the result equals one forward per response. Packing instead of padding each response
+    to the longest costs no compute for padding (responses have a long tail) and reads each prefix
+    KV once per group rather than once per response; gradients reach the one prefix directly.
+    ``None`` when no response has a second token.
     """
     device = _device_of(model)
-    tokens = [t.to(device) for t in tokens]
-    width = max(t.shape[1] for t in tokens)
-    firsts = [p.last_logits.view(1, 1, -1).expand(t.shape[0], 1, -1) for p, t in zip(prefixes, tokens)]
-    if width == 1:
-        return firsts
+    feed, seg, pos, targets, rows, cols = [], [], [], [], [], []
+    row = 0
+    for p, group in zip(prefixes, responses):
+        f, s_, q = [], [], []
+        for j, r in enumerate(group):
+            n = len(r) - 1
+            if n > 0:
+                f += r[:-1]
+                s_ += [j] * n
+                q += range(n)
+                targets += r[1:]
+                rows += [row + j] * n
+                cols += range(1, n + 1)
+        row += len(group)
+        feed.append(f)
+        seg.append(s_)
+        pos.append([p.length + int(p.rope_delta) + k for k in q])
+    width = max(len(f) for f in feed)
+    if width == 0:
+        return None
+    pad = lambda xs, v: torch.tensor([x + [v] * (width - len(x)) for x in xs], dtype=torch.long, device=device)
+    feed_t, seg_t, pos_t = pad(feed, pad_id), pad(seg, -1), pad(pos, 0)
+    lengths = torch.tensor([p.length for p in prefixes], device=device)
     longest = max(p.length for p in prefixes)
     with torch.set_grad_enabled(grad):
         layers = []
         for layer in range(len(prefixes[0].kv)):
             ks, vs = [], []
-            for p, t in zip(prefixes, tokens):
+            for p in prefixes:
                 k, v = p.kv[layer]
-                if p.length != longest:  # eager scoring is launch-bound: no op for a pad of nothing
-                    pad = (0, 0, 0, longest - p.length)
-                    k, v = torch.nn.functional.pad(k, pad), torch.nn.functional.pad(v, pad)
-                ks.append(k.expand(t.shape[0], -1, -1, -1))
-                vs.append(v.expand(t.shape[0], -1, -1, -1))
-            layers.append((torch.cat(ks), torch.cat(vs)) if len(ks) > 1 else (ks[0].contiguous(), vs[0].contiguous()))
-        feed = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]))[:, :-1] for t in tokens])
-        steps = torch.arange(width - 1, device=device)
-        pos = torch.cat([(p.length + p.rope_delta + steps).view(1, -1).expand(t.shape[0], -1)
-                         for p, t in zip(prefixes, tokens)]).unsqueeze(0).expand(3, -1, -1)
-        mask = None
-        if any(p.length != longest for p in prefixes):
-            dtype = layers[0][0].dtype
-            valid = torch.cat([(torch.arange(longest, device=device) < p.length).expand(t.shape[0], -1)
-                               for p, t in zip(prefixes, tokens)])  # [rows, longest]
-            causal = torch.ones(width - 1, width - 1, dtype=torch.bool, device=device).tril()
-            allowed = torch.cat([valid.view(-1, 1, longest).expand(-1, width - 1, -1),
-                                 causal.expand(valid.shape[0], -1, -1)], dim=2)
-            mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
-            mask = {t: mask.unsqueeze(1) for t in set(model.config.get_text_config().layer_types)}
+                if p.length != longest:
+                    k = torch.nn.functional.pad(k, (0, 0, 0, longest - p.length))
+                    v = torch.nn.functional.pad(v, (0, 0, 0, longest - p.length))
+                ks.append(k)
+                vs.append(v)
+            layers.append((torch.cat(ks), torch.cat(vs)) if len(ks) > 1 else (ks[0], vs[0]))
+        dtype = layers[0][0].dtype
+        # Padding queries (segment -1) see only the prefix, so no row of the mask is empty.
+        same = (seg_t[:, :, None] == seg_t[:, None, :]) & (seg_t[:, :, None] >= 0)
+        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+        in_prefix = (torch.arange(longest, device=device) < lengths[:, None])[:, None, :].expand(-1, width, -1)
+        allowed = torch.cat([in_prefix, same & causal], dim=2)
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+        mask = {t: mask.unsqueeze(1) for t in set(model.config.get_text_config().layer_types)}
         out = model.model.language_model(
-            inputs_embeds=model.get_input_embeddings()(feed),
-            position_ids=pos,
+            inputs_embeds=model.get_input_embeddings()(feed_t),
+            position_ids=pos_t.unsqueeze(0).expand(3, -1, -1),
             past_key_values=DynamicCache(ddp_cache_data=layers),
             attention_mask=mask,
             use_cache=True,
         )
-        rest = model.lm_head(out.last_hidden_state).float()
-    result, row = [], 0
-    for first, t in zip(firsts, tokens):
-        n, r = t.shape
-        result.append(torch.cat([first, rest[row : row + n, : r - 1]], dim=1))
+        real = seg_t >= 0
+        hidden = out.last_hidden_state[real]
+    as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)
+    return PackedSuffix(hidden, as_long(targets), as_long(rows), as_long(cols))
+
+
+def _response_rows(responses: list[list[list[int]]]) -> tuple[list[int], int]:
+    """Each group's row count, and the widest response (at least 1, as ``pad_responses`` pads)."""
+    return [len(g) for g in responses], max(1, max((len(r) for g in responses for r in g), default=0))
+
+
+def suffix_logits(model: torch.nn.Module, prefix: PrefixState, tokens: torch.Tensor, *, grad: bool) -> torch.Tensor:
+    """Logits [G, R, V] predicting each response token of ``tokens`` [G, R] (every column a token)."""
+    return suffix_logits_batch(model, [prefix], [tokens.tolist()], grad=grad)[0]
+
+
+def suffix_logits_batch(model: torch.nn.Module, prefixes: list[PrefixState], responses: list[list[list[int]]], *,
+                        grad: bool) -> list[torch.Tensor]:
+    """Logits [G_i, R_i, V] for several prompt groups' responses in one packed forward; zeros past
+    each response's end. Position 0 is the prefix's last logits, which the group shares."""
+    counts, width = _response_rows(responses)
+    packed = suffix_forward_packed(model, prefixes, responses, grad=grad)
+    with torch.set_grad_enabled(grad):
+        first = torch.cat([p.last_logits.view(1, -1).expand(n, -1) for p, n in zip(prefixes, counts)]).float()
+        rest = first.new_zeros(sum(counts), width - 1, first.shape[-1])
+        if packed is not None:
+            rest = rest.index_put((packed.rows, packed.cols - 1), model.lm_head(packed.hidden).float())
+        full = torch.cat([first.unsqueeze(1), rest], dim=1)
+    out, row = [], 0
+    for group, n in zip(responses, counts):
+        out.append(full[row : row + n, : max(1, max((len(r) for r in group), default=0))])
         row += n
-    return result
+    return out
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -303,15 +353,46 @@ def suffix_logprobs_batch(
     temperature: float = 1.0,
     grad: bool,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``suffix_logprobs`` for several prompt groups, in one forward."""
-    padded = [pad_responses(r, pad_id) for r in responses]
-    logits = suffix_logits_batch(model, prefixes, [t for t, _ in padded], grad=grad)
-    out = []
+    """``suffix_logprobs`` for several prompt groups, in one packed forward.
+
+    Full-vocabulary logits are made only at real response tokens, and log p(token) is the gathered
+    logit less the log-sum-exp, so no log-softmax of the logits' size is kept either.
+    """
+    counts, width = _response_rows(responses)
+    packed = suffix_forward_packed(model, prefixes, responses, grad=grad, pad_id=pad_id)
+    device = prefixes[0].last_logits.device
+    first_rows, first_tokens, first_logits = [], [], []
+    row = 0
+    for p, group in zip(prefixes, responses):
+        for j, r in enumerate(group):
+            if r:
+                first_rows.append(row + j)
+                first_tokens.append(r[0])
+                first_logits.append(p.last_logits)
+        row += len(group)
     with torch.set_grad_enabled(grad):
-        for lg, (tokens, mask) in zip(logits, padded):
-            logprobs = token_logprobs(lg, tokens, temperature)
-            out.append((logprobs, mask.to(logprobs.device)))
+        rows = torch.tensor(first_rows, dtype=torch.long, device=device)
+        cols = torch.zeros_like(rows)
+        targets = torch.tensor(first_tokens, dtype=torch.long, device=device)
+        logits = torch.stack(first_logits).float() if first_logits else torch.zeros(0, 1, device=device)
+        values = _gathered_logprobs(logits, targets, temperature) if first_logits else logits.new_zeros(0)
+        if packed is not None:
+            rest = _gathered_logprobs(model.lm_head(packed.hidden).float(), packed.targets, temperature)
+            rows, cols, values = torch.cat([rows, packed.rows]), torch.cat([cols, packed.cols]), torch.cat([values, rest])
+        full = torch.zeros(sum(counts), width, device=device).index_put((rows, cols), values)
+    out, row = [], 0
+    for group, n in zip(responses, counts):
+        _, mask = pad_responses(group, pad_id)
+        out.append((full[row : row + n, : mask.shape[1]], mask.to(device)))
+        row += n
     return out
+
+
+def _gathered_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log softmax(logits / temperature)[token] per row of [N, V], without a [N, V] log-softmax."""
+    if temperature != 1.0:
+        logits = logits / temperature
+    return logits.gather(-1, tokens.view(-1, 1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
 def full_sequence_logprobs(

@@ -220,8 +220,7 @@ def suffix_score(ctx, node, inputs):
                   for p, v, r in zip(prompts, visions, responses)]
     elif head == "value":
         states = [inputs[v] for v in node.inputs[:n]]
-        padded = [lm.pad_responses(r, s.pad_id)[0] for r in responses]
-        values = [out.squeeze(-1) for out in lm.suffix_logits_batch(model, states, padded, grad=grad)]
+        values = [out.squeeze(-1) for out in lm.suffix_logits_batch(model, states, responses, grad=grad)]
     else:
         states = [inputs[v] for v in node.inputs[:n]]
         values = [lp for lp, _ in lm.suffix_logprobs_batch(model, states, responses, pad_id=s.pad_id,

@@ -63,6 +63,22 @@ def test_first_token_is_scored_from_the_prefix_last_logits(model_and_prompt):
     assert logp[0, 0] == expected[7] and logp[1, 0] == expected[9]
 
 
+def test_packed_scoring_ignores_empty_responses_and_zeroes_past_each_end(model_and_prompt):
+    """Responses are packed into one row per group: an empty one adds no token, and every value past
+    a response's end is zero (logits too), whatever the other responses' lengths."""
+    model, prompt = model_and_prompt
+    with torch.no_grad():
+        state = lm.prefix_forward(model, prompt, lm.vision_embeds(model, prompt), grad=False)
+        alone, _ = lm.suffix_logprobs(model, state, [[5, 6, 7]], pad_id=0, grad=False)
+        mixed, mask = lm.suffix_logprobs(model, state, [[], [5, 6, 7], [8]], pad_id=0, grad=False)
+        logits = lm.suffix_logits_batch(model, [state], [[[], [5, 6, 7], [8]]], grad=False)[0]
+    assert mask.tolist() == [[0, 0, 0], [1, 1, 1], [1, 0, 0]]
+    assert torch.allclose(mixed[1], alone[0], atol=1e-6, rtol=0)
+    assert not mixed[mask == 0].any() and not logits[1:, 1:][mask[1:, 1:] == 0].any()
+    assert torch.allclose(torch.log_softmax(logits[1], -1).gather(1, torch.tensor([[5], [6], [7]])).view(-1),
+                          alone[0], atol=1e-5, rtol=0)
+
+
 def test_prefix_plus_suffix_gradient_equals_full_sequence_gradient(model_and_prompt):
     """One backward through the shared prefix (its KV used by G suffixes) = the sum over G full
     sequences, for every trainable parameter."""
