@@ -271,6 +271,13 @@ class GraphDecodeEngine(DecodeEngine):
             if mode not in (None, "max-autotune-no-cudagraphs"):  # the others capture CUDA graphs of their own
                 raise EngineError(f"engine 'torch-graph': compile {opts['compile']!r} is not one of true, default, "
                                   f"max-autotune-no-cudagraphs")
+            if self.use_graphs and torch.cuda.get_allocator_backend() == "cudaMallocAsync":
+                # Measured on an H200: Triton kernels captured in a step graph get pointers the
+                # stream-ordered pool maps only at replay, and refuse them ("Pointer argument
+                # cannot be accessed from Triton"); the process then aborts.
+                raise EngineError("engine 'torch-graph': compile needs the native CUDA allocator; under "
+                                  "cudaMallocAsync (cluster.cuda_allocator / --cuda-allocator async) set "
+                                  "compile: false")
             self._layer = torch.compile(_decoder_layer, dynamic=False, mode=mode)
             self._sample = torch.compile(_sample, dynamic=False, mode=mode)
         sizes = opts.get("graph_batch_sizes") or [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b < self.rows]

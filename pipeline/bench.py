@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,8 +85,9 @@ class BenchConfig:
     interleave: bool = True
 
     def __post_init__(self) -> None:
-        if self.compile_decode is None:
-            self.compile_decode = self.device == "cuda"
+        if self.compile_decode is None:  # not under the stream-ordered pool: engines/graph_decode.py says why
+            self.compile_decode = self.device == "cuda" and "cudaMallocAsync" not in os.environ.get(
+                "PYTORCH_CUDA_ALLOC_CONF", "")
         if not self.second_device:
             self.second_device = "cuda:1" if self.device == "cuda" else self.device
 

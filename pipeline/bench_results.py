@@ -317,6 +317,8 @@ def update_lines(rows: list[dict]) -> list[str]:
 
 
 def _plot(results: dict[str, PolicyResult], out_dir: Path) -> None:
+    if not results:  # every policy failed so far: bench.json says why, there is nothing to draw
+        return
     try:
         import matplotlib
     except ImportError:  # a bare GPU machine: the traces are written, the PNG is drawn elsewhere

@@ -176,8 +176,8 @@ def test_partition_streams_get_every_graph_before_the_window(cuda, tiny_model_di
 
 def test_bench_runs_on_the_stream_ordered_allocator(cuda, tiny_model_dir, tmp_path):
     """``--cuda-allocator async`` reaches torch before it loads (a fresh process), green-context
-    partitions and CUDA graphs run on cudaMallocAsync, and bench.json records the backend. The CLI's
-    default compiles the decode layer and sampler on CUDA, so this also runs the compiled bench."""
+    partitions and CUDA graphs run on cudaMallocAsync, and bench.json records the backend. Compiled
+    decode is off by default there: its Triton kernels refuse the pool's pointers under capture."""
     import json
     import subprocess
     import sys
@@ -188,11 +188,11 @@ def test_bench_runs_on_the_stream_ordered_allocator(cuda, tiny_model_dir, tmp_pa
            "--vision-tokens", "16", "--max-new-tokens", "8", "--mean-new-tokens", "4", "--chunk-tokens", "2",
            "--iterations", "2", "--policies", "serial,rollplex", "--out", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, "\n".join(line for line in done.stderr.splitlines() if "frame #" not in line)
     saved = json.loads((out / "bench.json").read_text())
     assert saved["cuda_allocator"] == "cudaMallocAsync"
     assert {u["policy"]: u["replayed"] for u in saved["updates"]}["rollplex"] <= 1e-2
-    assert saved["config"]["compile_decode"] is True
+    assert saved["config"]["compile_decode"] is False
 
 
 def test_a_training_run_on_cuda_decodes_with_the_graph_engine_by_default(cuda, tmp_path):
