@@ -38,10 +38,10 @@ def train_handoff(ctx, node, inputs) -> dict:
     record = {"loss": 0.0, "tokens": 0.0, "sums": {}, "scalars": {}, "deferred": count_of(agg)}
     scalars: dict[str, list[float]] = {}
     ready = sorted(handoff)
-    shapes = [(len(handoff[p].token_ids), max(1, *map(len, handoff[p].token_ids))) for p in ready]
+    tokens = [sum(map(len, handoff[p].token_ids)) for p in ready]
     # Groups share a forward and a backward as far as the logits budget allows: eager scoring is
     # host-bound, and each group's loss sums into one backward that reaches every group's prefix.
-    for run in lm.batches_within(shapes, model.config.get_text_config().vocab_size, grad=True):
+    for run in lm.batches_within(tokens, model.config.get_text_config().vocab_size, grad=True):
         batch = [ready[i] for i in run]
         scored = lm.suffix_logprobs_batch(model, [inputs[f"prefix_{node.model}_p{p}"] for p in batch],
                                           [handoff[p].token_ids for p in batch], pad_id=s.pad_id,

@@ -176,27 +176,27 @@ def prefix_forward_batch(model: torch.nn.Module, prompts: list[PromptInputs], vi
             for i, n in enumerate(lengths)]
 
 
-# Full-vocabulary fp32 logits are the largest tensors of a suffix forward: [rows, R, V], 10 GB for
-# 64 rows of 256 tokens on a 152k vocabulary. A forward that batches groups keeps them under this
-# many elements (8 GiB in fp32); one with grad keeps half, as its backward holds several such
-# tensors at once (bf16 and fp32 logits, log-softmax, their gradient).
+# Full-vocabulary fp32 logits are the largest tensors of a suffix forward: [tokens, V], 4.7 GB for
+# 64 responses of 120 tokens on a 152k vocabulary. A forward that batches groups keeps them under
+# this many elements (8 GiB in fp32); one with grad keeps half, as its backward holds several such
+# tensors at once (bf16 and fp32 logits, their gradient).
 LOGITS_BUDGET = 2**31
 
 
-def batches_within(shapes: list[tuple[int, int]], vocab: int, *, grad: bool, budget: int = LOGITS_BUDGET) -> list[list[int]]:
-    """Runs of consecutive items, given as (rows, response width), whose batched forward stays within
-    the logits budget: rows summed × the widest width × vocab. Every item gets a batch, even one over
+def batches_within(tokens: list[int], vocab: int, *, grad: bool, budget: int = LOGITS_BUDGET) -> list[list[int]]:
+    """Runs of consecutive groups, given by their response tokens, whose packed forward's logits
+    (tokens summed × vocab) stay within the logits budget. Every group gets a batch, even one over
     the budget on its own."""
     limit = budget // 2 if grad else budget
     out: list[list[int]] = []
-    rows = width = 0
-    for i, (n, w) in enumerate(shapes):
-        if out and (rows + n) * max(width, w) * vocab <= limit:
+    total = 0
+    for i, n in enumerate(tokens):
+        if out and (total + n) * vocab <= limit:
             out[-1].append(i)
-            rows, width = rows + n, max(width, w)
+            total += n
         else:
             out.append([i])
-            rows, width = n, w
+            total = n
     return out
 
 

@@ -201,8 +201,8 @@ def suffix_score(ctx, node, inputs):
         # As few forwards as the logits budget allows, each over every prompt with samples finished
         # in this chunk: eager scoring is host-bound, so one forward per prompt would cost the window
         # a launch sequence each. A sample's row is cut to its own length (join_samples pads back).
-        shapes = [(len(samples[p]), max(len(handoff[p][g].token_ids) for g in samples[p])) for p in ready]
-        for run in lm.batches_within(shapes, model.config.get_text_config().vocab_size, grad=False):
+        tokens = [sum(len(handoff[p][g].token_ids) for g in samples[p]) for p in ready]
+        for run in lm.batches_within(tokens, model.config.get_text_config().vocab_size, grad=False):
             batch = [ready[i] for i in run]
             logprobs = lm.suffix_logprobs_batch(model, [inputs[kv_of[p]] for p in batch],
                                                 [[handoff[p][g].token_ids for g in samples[p]] for p in batch],

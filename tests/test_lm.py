@@ -159,18 +159,16 @@ def test_scoring_batches_stay_within_the_logits_budget_and_cover_every_group_in_
 
     rng = random.Random(0)
     for _ in range(200):
-        shapes = [(rng.randint(1, 8), rng.randint(1, 256)) for _ in range(rng.randint(1, 12))]
+        tokens = [rng.randint(1, 8) * rng.randint(1, 256) for _ in range(rng.randint(1, 12))]
         vocab, budget, grad = rng.choice([1000, 151936]), rng.choice([2**20, 2**31]), rng.random() < 0.5
-        runs = batches_within(shapes, vocab, grad=grad, budget=budget)
-        assert [i for run in runs for i in run] == list(range(len(shapes)))
+        runs = batches_within(tokens, vocab, grad=grad, budget=budget)
+        assert [i for run in runs for i in run] == list(range(len(tokens)))
         limit = budget // 2 if grad else budget
         for run in runs:  # within the budget, unless one group alone is over it
-            rows, width = sum(shapes[i][0] for i in run), max(shapes[i][1] for i in run)
-            assert len(run) == 1 or rows * width * vocab <= limit
+            assert len(run) == 1 or sum(tokens[i] for i in run) * vocab <= limit
         for a, b in zip(runs, runs[1:]):  # greedy: the next group did not fit
-            rows = sum(shapes[i][0] for i in a) + shapes[b[0]][0]
-            assert rows * max(shapes[i][1] for i in a + b[:1]) * vocab > limit
-    # The bench's shape: 8 groups of 8 rows, 128 wide, on Qwen's vocabulary: six groups in the first
-    # forward with grad (6·8·128·151936 ≈ 0.93·2^30 elements), all eight without.
-    assert batches_within([(8, 128)] * 8, 151936, grad=True) == [[0, 1, 2, 3, 4, 5], [6, 7]]
-    assert batches_within([(8, 128)] * 8, 151936, grad=False) == [list(range(8))]
+            assert (sum(tokens[i] for i in a) + tokens[b[0]]) * vocab > limit
+    # Eight groups of 8 responses of 128 tokens on Qwen's vocabulary: six groups in the first
+    # forward with grad (6·1024·151936 ≈ 0.93·2^30 elements), all eight without.
+    assert batches_within([8 * 128] * 8, 151936, grad=True) == [[0, 1, 2, 3, 4, 5], [6, 7]]
+    assert batches_within([8 * 128] * 8, 151936, grad=False) == [list(range(8))]
