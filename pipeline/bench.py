@@ -193,7 +193,7 @@ def compile_for(cfg: BenchConfig, policy: str, config):
 
     fields = policy_shape(policy, prompts_per_node=cfg.prompts_per_node, stage_fusion=cfg.stage_fusion,
                           train_fusion=cfg.train_fusion)
-    policy, _ = parse_policy(policy)
+    label, (policy, _) = policy, parse_policy(policy)
     ranks = 2 if policy == "rollplex-dp2" else 1
     for name in ("prompts_per_node", "micro_batch_groups"):  # no node or micro-batch spans two ranks
         fields[name] = fit_prompts_per_node(fields[name], cfg.prompts // ranks)
@@ -201,7 +201,10 @@ def compile_for(cfg: BenchConfig, policy: str, config):
                        chunk_tokens=cfg.chunk_tokens, prompt_tokens=cfg.vision_tokens + cfg.text_tokens + 2,
                        vision_tokens=cfg.vision_tokens, prefix_sharing=policy != "serial-noshare", **fields)
     engines = EngineChoice({"decode": "torch-graph", "train": cfg.train_engine, "score": "transformers"})
-    graph = distribute(compile_iteration(grpo, shape, engines, ModelDims.from_hf_config(config, 2)), ranks)
+    compiled = compile_iteration(grpo, shape, engines, ModelDims.from_hf_config(config, 2))
+    if "train_fusion_off" in compiled.meta:  # a policy named tf=1 that trains after decode would mislabel its row
+        raise RollplexError(f"--policies: {label!r}: train fusion is off: {compiled.meta['train_fusion_off']}")
+    graph = distribute(compiled, ranks)
     return schedule(graph, "rollplex" if policy.startswith("rollplex") else "serial")
 
 

@@ -11,6 +11,7 @@ With ``prefix_sharing=False`` each model scores every response over its full seq
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -99,6 +100,10 @@ class BatchShape:
         two micro-batches: each micro-batch's backward must free exactly its own graphs."""
         if not grad:
             return _split(range(self.prompts), self.prompts_per_node)
+        if self.train_fusion and self.fused:
+            # Each group trains in the node of the chunk it finished in, alone: its backward must
+            # free exactly its own prefix graph (frozen prefixes stay batched).
+            return [(p,) for p in range(self.prompts)]
         return [part for mb in self.micro_batches() for part in _split(mb, self.prompts_per_node)]
 
 
@@ -137,26 +142,33 @@ class EngineChoice:
         return self.by_role[role]
 
 
-def train_fusable(alg: Algorithm, shape: BatchShape) -> bool:
-    """Whether a group's whole update (reward, advantage, the policy's suffix with grad, loss and
-    backward) can run as soon as its responses are done: stage fusion on; one trained model, the
-    policy, scoring an lm head; every frozen score fused; advantages per group from rewards alone; no
-    node of the algorithm's own; and each grad prefix over one prompt, so that one group's backward
-    frees exactly its own graph."""
-    if not (shape.train_fusion and shape.fused) or alg.custom:
-        return False
+def train_fusion_blocker(alg: Algorithm, shape: BatchShape) -> str | None:
+    """Why a group's whole update (reward, advantage, the policy's suffix with grad, loss and
+    backward) cannot run as soon as its responses are done, or None when it can: that needs stage
+    fusion; one trained model, the policy, scoring an lm head; every frozen score fused; advantages
+    per group from rewards alone; and no node of the algorithm's own."""
+    if not shape.train_fusion:
+        return "train fusion is off"
+    if not shape.fused:
+        return "it needs stage fusion, prefix sharing and two decode chunks or more"
+    if alg.custom:
+        return f"the algorithm has nodes of its own ({', '.join(d.fn.__name__ for d in alg.custom)})"
     policy, advantage = alg.rollout_model, alg.advantage_fn
     if alg.trainable != [policy] or list(alg.losses()) != [policy] or alg.models[policy].head != "lm":
-        return False
+        return f"it trains {alg.trainable}, not the policy {policy!r} alone through its lm head"
     if [s.model for s in alg.scores if s.grad] != [policy]:
-        return False
+        return "a score other than the policy's keeps a graph"
     if any(alg.models[s.model].head != "lm" for s in alg.scores):
-        return False
+        return "a scoring model has a value head"
     if advantage.options["scope"] != "group" or set(advantage.reads) - {"rewards", "responses", "mask"}:
-        return False
+        return f"the advantage {advantage.fn.__name__!r} is not per group from rewards alone"
     if set(alg.loss_fn.reads) - {"responses", "rewards", "advantages", "mask", *alg.scored_values()}:
-        return False
-    return all(len(ps) == 1 for ps in shape.node_groups(grad=True))
+        return f"the loss {alg.loss_fn.fn.__name__!r} reads values that are not per group"
+    return None
+
+
+def train_fusable(alg: Algorithm, shape: BatchShape) -> bool:
+    return train_fusion_blocker(alg, shape) is None
 
 
 def loss_name(policy: str, model: str, micro_batch: int) -> str:
@@ -179,6 +191,10 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
              name: str | None) -> IterationGraph:
     alg.validate()
     g = IterationGraph(name or alg.name)
+    blocker = train_fusion_blocker(alg, shape)
+    if shape.train_fusion and blocker:  # asked for, not possible: trained after decode, and said why
+        shape = dataclasses.replace(shape, train_fusion=False)
+        g.meta["train_fusion_off"] = blocker
     g.meta.update(algorithm=alg.name, shape=shape, rollout_model=alg.rollout_model)
     P, G, K = shape.prompts, shape.samples, shape.chunk_tokens
     policy = alg.rollout_model

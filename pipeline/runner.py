@@ -102,6 +102,8 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = 
         from rollplex.pipeline.weightshare import sharing_refusal
 
         log(f"weight sharing off: {sharing_refusal(session.decode_engine, session.train_engine, cfg.train.zero_stage)}")
+    if session.train_fusion_off:  # asked for, but this algorithm or shape cannot: say why
+        log(f"train fusion off: {session.train_fusion_off}; the policy trains after decode")
     stop = StopSignals()
     with contextlib.ExitStack() as stack:
         # A task on a dead worker fails at once (KilledWorker) instead of being re-run on a fresh

@@ -172,13 +172,16 @@ class Session:
         # schedule: auto times both schedules' graphs and keeps the faster (pipeline/autoschedule.py).
         self.schedules = CANDIDATES if cfg.schedule == "auto" else (cfg.schedule,)
         self.graphs, self.memory_plans, compiled_graphs = {}, {}, {}
+        self.train_fusion_off: str | None = None  # asked for, but the rollplex graph trains after decode: why
         try:
             from rollplex.pipeline.ranks import distribute
 
             for name in self.schedules:
                 fused = dataclasses.replace(shape, stage_fusion=shape.stage_fusion and name == "rollplex")
-                compiled = compiled_graphs[name] = distribute(compile_iteration(self.algorithm, fused, choice, dims),
-                                                              self.world, cfg.cluster.tp_rollout)
+                single = compile_iteration(self.algorithm, fused, choice, dims)
+                if name == "rollplex":
+                    self.train_fusion_off = single.meta.get("train_fusion_off")
+                compiled = compiled_graphs[name] = distribute(single, self.world, cfg.cluster.tp_rollout)
                 plan = self.plan_memory(compiled, name) if cfg.cluster.memory_plan else None
                 self.memory_plans[name] = plan
                 self.graphs[name] = schedule(plan.graph if plan else compiled, name)

@@ -45,13 +45,27 @@ def test_each_chunk_trains_the_groups_it_finished_and_the_step_normalises():
     schedule(g, "rollplex").lint()
 
 
-@pytest.mark.parametrize("alg, kw", [(ppo, {}), (grpo, dict(train_fusion=False)), (grpo, dict(stage_fusion=False)),
-                                     (grpo, dict(micro_batch_groups=2, prompts_per_node=2))])
-def test_algorithms_or_shapes_that_are_not_per_group_train_after_decode(alg, kw):
+@pytest.mark.parametrize("alg, kw, why", [(ppo, {}, "trains ['actor', 'critic']"),
+                                          (grpo, dict(train_fusion=False), None),
+                                          (grpo, dict(stage_fusion=False), "needs stage fusion")])
+def test_algorithms_or_shapes_that_are_not_per_group_train_after_decode_and_say_why(alg, kw, why):
     shape = _shape(**kw)
     assert not train_fusable(alg, shape)
     g = compile_iteration(alg, shape, ENGINES, DIMS)
     assert "train_c0" not in g.nodes and g.of_kind("reward")
+    assert (why is None and "train_fusion_off" not in g.meta) or why in g.meta["train_fusion_off"]
+    assert not g.meta["shape"].train_fusion  # the graph's shape is the one it was compiled to
+
+
+def test_batched_prompts_fuse_with_a_prefix_graph_per_prompt_and_frozen_prefixes_batched():
+    """Each group trains in its chunk's node alone, so the policy's prefix nodes (graphs kept for the
+    backward) cover one prompt each; the frozen reference's prefixes stay batched."""
+    g = compile_iteration(grpo, _shape(micro_batch_groups=2, prompts_per_node=2), ENGINES, DIMS)
+    assert "train_c0" in g.nodes
+    prefixes = {n.model: [] for n in g.of_kind("prefix")}
+    for n in g.of_kind("prefix"):
+        prefixes[n.model].append(n.args["prompts"])
+    assert prefixes["actor"] == [[0], [1], [2], [3]] and prefixes["ref"] == [[0, 1], [2, 3]]
 
 
 OVERRIDES = ["iterations=2", "seed=4", "warmup.steps=0", "stop_at_reward=null", "checkpoint.every=1",
@@ -83,7 +97,9 @@ def test_the_fused_update_equals_the_serial_one_on_the_same_rollout(tmp_path):
 @pytest.mark.slow
 def test_a_fused_run_trains_and_logs_like_any_run(tmp_path):
     cfg = load_config(None, [*OVERRIDES, "schedule=rollplex", "train.train_fusion=true"])
-    train(cfg, tmp_path, progress=False, log=lambda *a: None)
+    lines = []
+    train(cfg, tmp_path, progress=False, log=lines.append)
+    assert not [line for line in lines if "train fusion off" in line]
     trace = json.loads((tmp_path / "traces" / "iter_000001.json").read_text())
     names = {e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"}
     assert {"train_c0", "train_c3", "join_rewards"} <= names and "reward_p0" not in names
@@ -91,6 +107,28 @@ def test_a_fused_run_trains_and_logs_like_any_run(tmp_path):
     assert [r["iteration"] for r in rows] == [0, 1]
     assert all(torch.isfinite(torch.tensor([r["loss"], r["kl"], r["grad_norm"]])).all() for r in rows)
     assert (tmp_path / "checkpoints" / "iter_000001" / "model.safetensors").exists()
+
+
+def test_a_session_says_why_an_algorithm_cannot_train_in_the_window(tmp_path):
+    cfg = load_config(None, [*OVERRIDES, "algorithm=ppo", "schedule=rollplex", "train.train_fusion=true"])
+    assert "trains ['actor', 'critic']" in Session(cfg, tmp_path / "run").train_fusion_off
+    assert Session(load_config(None, [*OVERRIDES, "schedule=rollplex", "train.train_fusion=true"]),
+                   tmp_path / "run2").train_fusion_off is None
+
+
+def test_the_bench_refuses_a_train_fusion_policy_that_would_train_after_decode():
+    from transformers import AutoConfig
+
+    from rollplex.errors import RollplexError
+    from rollplex.pipeline.bench import BenchConfig, compile_for
+    from rollplex.pipeline.session import resolve_model_path
+
+    config = AutoConfig.from_pretrained(resolve_model_path(load_config(None, [])))
+    one_chunk = BenchConfig(device="cpu", prompts=2, samples=2, max_new_tokens=4, chunk_tokens=4)
+    with pytest.raises(RollplexError, match="'rollplex:tf=1': train fusion is off: it needs stage fusion"):
+        compile_for(one_chunk, "rollplex:tf=1", config)
+    two_chunks = BenchConfig(device="cpu", prompts=2, samples=2, max_new_tokens=8, chunk_tokens=4)
+    assert "train_c0" in compile_for(two_chunks, "rollplex:ppn=2:mb=2:tf=1", config).nodes
 
 
 def test_train_fusion_names_the_engine_that_cannot_do_it(tmp_path):
