@@ -279,12 +279,12 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
             host = _host(cfg, engines["actor"], engines["ref"], engines["decode"], policy, streams, home)
             if base.startswith("rollplex"):
                 key = (home, options.get("sms", cfg.decode_sms))
-                if cfg.device == "cuda" and key not in partitions:
+                if cfg.device == "cuda" and key not in partitions and options.get("sp", 1):
                     partitions[key] = sm_partitions(key[1], torch.device(home).index or 0)
                 host.sm_target = bool(options.get("target", 1))
                 host.grad_on_partition = bool(options.get("gp", 0))
                 host.prefill_gate = bool(options.get("pf", 1))
-                host.use_partitions(partitions.get(key))
+                host.use_partitions(partitions.get(key) if options.get("sp", 1) else None)
                 host.gate_rows = options.get("gate", cfg.gate_rows)
             hosts.append(host)
         return LocalExecutor(hosts)

@@ -26,6 +26,8 @@ ALL_POLICIES = POLICIES + ("rollplex-nofusion",) + TWO_GPU_POLICIES  # two-GPU o
 VARIANT_KEYS = {"gate": "prefix work waits until decode has at most this many live rows",
                 "sms": "decode's SMs while both streams are busy (0: re-chosen per chunk)",
                 "target": "1 (default): matmuls on a partition target its SMs through cuBLASLt; 0: plain cuBLAS",
+                "sp": "1 (default): decode and compute on SM partitions while both run; 0: plain streams, "
+                      "each on the whole GPU",
                 "gp": "1: forwards kept for a backward (the policy's prefix) may run on a partition; "
                       "0 (default): whole GPU",
                 "pf": "1 (default): compute work waits out decode's prefill; 0: starts beside it",

@@ -76,8 +76,11 @@ class Result:
 
 def compile_for(scn: Scenario, layout: Layout, prefix_sharing: bool) -> IterationGraph:
     w, m = scn.workload, scn.model
+    # Train fusion trains each group alone, as soon as it is done (its chunk's train_c node in the
+    # runtime): here a loss per prompt, released with its group (schedule.release_finished_groups).
+    groups = 1 if scn.train_fusion else w.micro_batch_groups or layout.train_dp
     shape = BatchShape(prompts=w.prompts, samples=w.samples, max_new_tokens=w.max_new_tokens,
-                       chunk_tokens=w.chunk_tokens, micro_batch_groups=w.micro_batch_groups or layout.train_dp,
+                       chunk_tokens=w.chunk_tokens, micro_batch_groups=groups,
                        prompt_tokens=w.prefix_tokens, vision_tokens=w.vision_total, prefix_sharing=prefix_sharing,
                        prompts_per_node=w.prompts_per_node, grad_prefix_lookahead=scn.grad_prefix_lookahead)
     dims = ModelDims(m.hidden, m.layers, m.kv_heads, m.head_dim, m.vocab, m.params, 2)

@@ -11,6 +11,7 @@ from rollplex.engines.base import DecodeRequest, FinishedSequence
 from rollplex.engines.replay_decode import ReplayDecodeEngine
 from rollplex.errors import EngineError, RollplexError
 from rollplex.pipeline.bench import BenchConfig, run
+from rollplex.pipeline.bench_results import parse_policy
 from rollplex.pipeline.session import resolve_model_path
 
 
@@ -181,6 +182,9 @@ def test_bench_names_an_unknown_policy_or_option():
         run(BenchConfig(device="cpu", policies=("rollplex:gates=4",)), log=lambda *a: None)
     with pytest.raises(RollplexError, match="'serial:gate=4': option 'gate' applies to the rollplex policies only"):
         run(BenchConfig(device="cpu", policies=("serial:gate=4",)), log=lambda *a: None)
+    with pytest.raises(RollplexError, match="'serial:sp=0': option 'sp' applies to the rollplex policies only"):
+        run(BenchConfig(device="cpu", policies=("serial:sp=0",)), log=lambda *a: None)
+    assert parse_policy("rollplex:sp=0:wc=4") == ("rollplex", {"sp": 0, "wc": 4})
 
 
 def test_in_process_all_reduce_steps_every_rank_on_the_mean_gradient():

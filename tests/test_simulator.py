@@ -257,3 +257,15 @@ def test_the_scenarios_grad_prefix_lookahead_orders_the_policys_prefixes_after_e
         g = S.compile_for(scn, S.layout_for(scn, "rollplex"), True)
         ordered = [(u, v) for u, v in g.g.edges if g.nodes[u].kind == "loss" and g.nodes[v].kind == "prefix"]
         assert len(ordered) == (3 if lookahead else 0)  # micro-batches 1–3 each wait for the previous loss
+
+
+def test_a_train_fusion_scenario_trains_each_group_alone_as_the_runtime_does():
+    """The runtime trains each finished group in its chunk's node (``train_c``), whatever the
+    micro-batching asked for, so the simulated graph has a loss and a policy prefix per prompt."""
+    w = Workload(prompts=4, samples=2, vision_tokens=16, text_tokens=8, max_new_tokens=8, chunk_tokens=4,
+                 micro_batch_groups=2, prompts_per_node=2)
+    for fused, losses in ((False, 2), (True, 4)):
+        scn = S.Scenario(load_model("qwen2.5-vl-3b"), hardware("h200", 1), w, stage_fusion=True, train_fusion=fused)
+        g = S.compile_for(scn, S.layout_for(scn, "rollplex"), True)
+        assert len(g.of_kind("loss")) == losses
+        assert len([n for n in g.of_kind("prefix") if n.model == "actor"]) == losses
