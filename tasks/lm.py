@@ -202,7 +202,7 @@ def batches_within(tokens: list[int], vocab: int, *, grad: bool, budget: int = L
 
 def pad_responses(responses: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-pad token lists to [G, R] and return (tokens, mask)."""
-    width = max(1, max(len(r) for r in responses))
+    width = _width(responses)
     tokens = torch.full((len(responses), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(responses), width), dtype=torch.float32)
     for i, r in enumerate(responses):
@@ -257,10 +257,19 @@ def suffix_forward_packed(model: torch.nn.Module, prefixes: list[PrefixState], r
     width = max(len(f) for f in feed)
     if width == 0:
         return None
-    pad = lambda xs, v: torch.tensor([x + [v] * (width - len(x)) for x in xs], dtype=torch.long, device=device)
-    feed_t, seg_t, pos_t = pad(feed, pad_id), pad(seg, -1), pad(pos, 0)
-    lengths = torch.tensor([p.length for p in prefixes], device=device)
-    longest = max(p.length for p in prefixes)
+    # Every index the forward needs is built on the host and moved in one copy (each small tensor
+    # made on the device is a copy the host waits for), and the real tokens are picked by index, not
+    # by a boolean mask, whose count the host would wait for too.
+    grid = torch.tensor([[x + [fill] * (width - len(x)) for x in xs] for xs, fill in ((feed, pad_id), (seg, -1), (pos, 0))])
+    real = [b * width + t for b, f in enumerate(feed) for t in range(len(f))]
+    lengths = [p.length for p in prefixes]
+    n = len(targets)
+    flat = torch.cat([grid.view(-1), torch.tensor(targets + rows + cols + real + lengths, dtype=torch.long)])
+    flat = flat.to(device)
+    feed_t, seg_t, pos_t = flat[: grid.numel()].view(grid.shape)
+    targets_t, rows_t, cols_t, real_t = flat[grid.numel():].narrow(0, 0, 4 * n).view(4, n)
+    lengths_t = flat[-len(lengths):]
+    longest = max(lengths)
     with torch.set_grad_enabled(grad):
         layers = []
         for layer in range(len(prefixes[0].kv)):
@@ -277,7 +286,7 @@ def suffix_forward_packed(model: torch.nn.Module, prefixes: list[PrefixState], r
         # Padding queries (segment -1) see only the prefix, so no row of the mask is empty.
         same = (seg_t[:, :, None] == seg_t[:, None, :]) & (seg_t[:, :, None] >= 0)
         causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-        in_prefix = (torch.arange(longest, device=device) < lengths[:, None])[:, None, :].expand(-1, width, -1)
+        in_prefix = (torch.arange(longest, device=device) < lengths_t[:, None])[:, None, :].expand(-1, width, -1)
         allowed = torch.cat([in_prefix, same & causal], dim=2)
         mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
         mask = {t: mask.unsqueeze(1) for t in set(model.config.get_text_config().layer_types)}
@@ -288,15 +297,18 @@ def suffix_forward_packed(model: torch.nn.Module, prefixes: list[PrefixState], r
             attention_mask=mask,
             use_cache=True,
         )
-        real = seg_t >= 0
-        hidden = out.last_hidden_state[real]
-    as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)
-    return PackedSuffix(hidden, as_long(targets), as_long(rows), as_long(cols))
+        hidden = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1]).index_select(0, real_t)
+    return PackedSuffix(hidden, targets_t, rows_t, cols_t)
+
+
+def _width(group: list[list[int]]) -> int:
+    """A group's [G, R] width: its longest response, at least 1 (as ``pad_responses`` pads)."""
+    return max(1, max((len(r) for r in group), default=0))
 
 
 def _response_rows(responses: list[list[list[int]]]) -> tuple[list[int], int]:
-    """Each group's row count, and the widest response (at least 1, as ``pad_responses`` pads)."""
-    return [len(g) for g in responses], max(1, max((len(r) for g in responses for r in g), default=0))
+    """Each group's row count, and the widest group's width."""
+    return [len(g) for g in responses], max(_width(g) for g in responses)
 
 
 def suffix_logits(model: torch.nn.Module, prefix: PrefixState, tokens: torch.Tensor, *, grad: bool) -> torch.Tensor:
@@ -318,7 +330,7 @@ def suffix_logits_batch(model: torch.nn.Module, prefixes: list[PrefixState], res
         full = torch.cat([first.unsqueeze(1), rest], dim=1)
     out, row = [], 0
     for group, n in zip(responses, counts):
-        out.append(full[row : row + n, : max(1, max((len(r) for r in group), default=0))])
+        out.append(full[row : row + n, : _width(group)])
         row += n
     return out
 
@@ -362,18 +374,23 @@ def suffix_logprobs_batch(
     packed = suffix_forward_packed(model, prefixes, responses, grad=grad, pad_id=pad_id)
     device = prefixes[0].last_logits.device
     first_rows, first_tokens, first_logits = [], [], []
+    lengths = []
     row = 0
     for p, group in zip(prefixes, responses):
         for j, r in enumerate(group):
+            lengths.append(len(r))
             if r:
                 first_rows.append(row + j)
                 first_tokens.append(r[0])
                 first_logits.append(p.last_logits)
         row += len(group)
+    # The masks and the first tokens' indices go to the device in one copy.
+    mask = (torch.arange(width).view(1, -1) < torch.tensor(lengths).view(-1, 1)).long()
+    moved = torch.cat([mask.view(-1), torch.tensor(first_rows + first_tokens, dtype=torch.long)]).to(device)
+    mask, firsts = moved[: mask.numel()].view(mask.shape).float(), moved[mask.numel():].view(2, -1)
     with torch.set_grad_enabled(grad):
-        rows = torch.tensor(first_rows, dtype=torch.long, device=device)
+        rows, targets = firsts
         cols = torch.zeros_like(rows)
-        targets = torch.tensor(first_tokens, dtype=torch.long, device=device)
         logits = torch.stack(first_logits).float() if first_logits else torch.zeros(0, 1, device=device)
         values = _gathered_logprobs(logits, targets, temperature) if first_logits else logits.new_zeros(0)
         if packed is not None:
@@ -382,8 +399,8 @@ def suffix_logprobs_batch(
         full = torch.zeros(sum(counts), width, device=device).index_put((rows, cols), values)
     out, row = [], 0
     for group, n in zip(responses, counts):
-        _, mask = pad_responses(group, pad_id)
-        out.append((full[row : row + n, : mask.shape[1]], mask.to(device)))
+        own = _width(group)
+        out.append((full[row : row + n, :own], mask[row : row + n, :own]))
         row += n
     return out
 
