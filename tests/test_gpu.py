@@ -136,11 +136,15 @@ def test_bench_on_cuda_replays_serial_rollout_under_every_policy(cuda, tiny_mode
     """On 2026-11-30 the H200 bench left every ``replayed`` entry empty while the CPU run filled them;
     this runs the same path on CUDA with the tiny model (fp32), with auto partitions and train fusion."""
     late = "rollplex:wc=1:tf=0:spg=2:ppn=2:mb=2"  # late chunks scored together, 2-step graphs, batched nodes
-    out = _tiny_bench(tiny_model_dir, tmp_path, ("serial", "rollplex-nofusion", "rollplex", late), train_fusion=True)
+    fused = "rollplex:ppn=2:mb=2:tf=1:sp=0"  # batched prompts trained in the window, on plain streams
+    out = _tiny_bench(tiny_model_dir, tmp_path, ("serial", "rollplex-nofusion", "rollplex", late, fused),
+                      train_fusion=True)
     updates = {u["policy"]: u for u in out["updates"]}
     assert updates["serial"]["replayed"] is not None, "serial's rollout was not recorded on CUDA"
     assert updates["rollplex-nofusion"]["replayed"] <= 1e-4 and updates["rollplex"]["replayed"] <= 1e-2
-    assert updates[late]["replayed"] <= 1e-2
+    assert updates[late]["replayed"] <= 1e-2 and updates[fused]["replayed"] <= 1e-2
+    kinds = {r["policy"]: r["seconds_by_kind"] for r in out["results"]}
+    assert "reward" not in kinds[fused]  # rewards inside train_c: the fused graph ran
 
 
 def test_bench_two_gpu_policies_on_cuda(cuda, tiny_model_dir, tmp_path):
