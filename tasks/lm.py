@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from transformers import DynamicCache
 
 
@@ -318,8 +317,9 @@ def suffix_logits(model: torch.nn.Module, prefix: PrefixState, tokens: torch.Ten
 
 def suffix_logits_batch(model: torch.nn.Module, prefixes: list[PrefixState], responses: list[list[list[int]]], *,
                         grad: bool) -> list[torch.Tensor]:
-    """Logits [G_i, R_i, V] for several prompt groups' responses in one packed forward; zeros past
-    each response's end. Position 0 is the prefix's last logits, which the group shares."""
+    """Logits [G_i, R_i, V] for several prompt groups' responses in one packed forward. Position 0
+    of every row is the prefix's last logits, which the group shares; after it, zeros past each
+    response's end."""
     counts, width = _response_rows(responses)
     packed = suffix_forward_packed(model, prefixes, responses, grad=grad)
     with torch.set_grad_enabled(grad):
@@ -337,10 +337,9 @@ def suffix_logits_batch(model: torch.nn.Module, prefixes: list[PrefixState], res
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log p(token) under softmax(logits / temperature), gathered per position: [G, R]."""
-    if temperature != 1.0:
-        logits = logits / temperature
-    logp = F.log_softmax(logits, dim=-1)
-    return logp.gather(-1, tokens.to(logits.device).unsqueeze(-1)).squeeze(-1)
+    tokens = tokens.to(logits.device)
+    flat = _gathered_logprobs(logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1), temperature)
+    return flat.view(tokens.shape)
 
 
 def suffix_logprobs(
