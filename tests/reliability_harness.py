@@ -17,6 +17,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
@@ -101,6 +102,29 @@ def run_to_end(run_dir: Path, extra: list[str], env: dict[str, str] | None = Non
     rc = launch.finish()
     assert rc == 0, launch.log()
     return launch
+
+
+def run_concurrently(*calls: Callable[[], Any]) -> list[Any]:
+    """Each call in a thread of its own, all at once (a launch is mostly single-threaded imports);
+    their results in order. The first exception any of them raised is raised here, in the caller's
+    thread, once every thread has ended."""
+    results: list[Any] = [None] * len(calls)
+    errors: list[BaseException] = []
+
+    def run(i: int, call: Callable[[], Any]) -> None:
+        try:
+            results[i] = call()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i, call)) for i, call in enumerate(calls)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
 
 
 def group_gone(pgid: int, timeout: float = 10) -> bool:

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from reliability_harness import CATEGORIES, ITERATIONS, Chain, assert_same_run, kinds_per_iteration, run_to_end
+from reliability_harness import CATEGORIES, ITERATIONS, Chain, assert_same_run, kinds_per_iteration, \
+    run_concurrently, run_to_end
 
 DEFAULT_ENGINES: list[str] = []  # engines.decode/train = auto: vllm and deepspeed where installed
 
@@ -45,36 +46,24 @@ def _state(checkpoint: Path) -> dict[str, torch.Tensor]:
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("determinism")
     a, b = root / "a", root / "b"
-    errors: list[BaseException] = []
-    chain_box: list[Chain] = []
-
-    def first_two(run_dir: Path) -> None:
-        try:
-            run_to_end(run_dir, DEFAULT_ENGINES)
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
-
-    def killed() -> None:
-        try:
-            while not (a / "graph.txt").exists() and ta.is_alive():  # kill points are counted on a's graph
-                time.sleep(0.5)
-            chain = Chain(root / "killed", a, random.Random(8), kinds_per_iteration(a / "graph.txt"),
-                          DEFAULT_ENGINES, reference_ready=a_done)
-            chain.run(3, timer_share=0.0)
-            chain_box.append(chain)
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-
     a_done = threading.Event()
-    ta = threading.Thread(target=lambda: (first_two(a), a_done.set()))
-    threads = [ta, threading.Thread(target=first_two, args=(b,)), threading.Thread(target=killed)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return a, b, chain_box[0]
+
+    def first() -> None:
+        try:
+            run_to_end(a, DEFAULT_ENGINES)
+        finally:
+            a_done.set()
+
+    def killed() -> Chain:
+        while not (a / "graph.txt").exists() and not a_done.is_set():  # kill points are counted on a's graph
+            time.sleep(0.5)
+        chain = Chain(root / "killed", a, random.Random(8), kinds_per_iteration(a / "graph.txt"),
+                      DEFAULT_ENGINES, reference_ready=a_done)
+        chain.run(3, timer_share=0.0)
+        return chain
+
+    *_, chain = run_concurrently(first, lambda: run_to_end(b, DEFAULT_ENGINES), killed)
+    return a, b, chain
 
 
 def test_two_runs_with_the_same_seed_are_byte_identical(runs):

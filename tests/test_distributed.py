@@ -19,12 +19,12 @@ import os
 import socket
 import subprocess
 import sys
-import threading
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
-from reliability_harness import checkpoint_tensors
+from reliability_harness import checkpoint_tensors, run_concurrently
 
 pytestmark = pytest.mark.slow
 
@@ -101,23 +101,9 @@ def train_side_by_side(root: Path, jobs: dict[str, tuple[str, ...]],
                        env: dict[str, dict[str, str]] | None = None) -> dict[str, subprocess.CompletedProcess]:
     """``rollplex train`` once per job, into ``root / name``, all at once (most of a launch is
     single-threaded imports); the first failure is raised in the caller's thread."""
-    results: dict[str, subprocess.CompletedProcess] = {}
-    errors: list[BaseException] = []
-
-    def go(name: str, extra: tuple[str, ...]) -> None:
-        try:
-            results[name] = train(root / name, *extra, env=(env or {}).get(name))
-        except BaseException as exc:  # noqa: BLE001 - re-raised below, in the test's thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=go, args=job) for job in jobs.items()]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return results
+    names = list(jobs)
+    done = run_concurrently(*(partial(train, root / name, *jobs[name], env=(env or {}).get(name)) for name in names))
+    return dict(zip(names, done))
 
 
 FAULT = {"ROLLPLEX_TEST_FAULT": "task:optimizer_step:before#2", "ROLLPLEX_TEST_FAULT_KILL": "self"}

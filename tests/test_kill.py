@@ -19,13 +19,13 @@ from __future__ import annotations
 import os
 import random
 import signal
-import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
 from reliability_harness import HF_TORCH, Chain, Launch, assert_same_run, group_gone, kinds_per_iteration, \
-    run_to_end
+    run_concurrently, run_to_end
 
 KILLS = 20
 CHAINS = 2
@@ -47,23 +47,12 @@ def _run_chains(root: Path, reference: Path, kills: int, chains: int, seed: int,
     per_iteration = kinds_per_iteration(reference / "graph.txt")
     runs = [Chain(root / f"chain{c}", reference, random.Random(seed + c), per_iteration, extra)
             for c in range(chains)]
-    errors: list[BaseException] = []
-
-    def go(chain: Chain, n: int, signals: tuple[int, ...]) -> None:
-        try:
-            chain.run(n, timer_share=0.25, graceful=signals)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread below
-            errors.append(exc)
-
     share = [kills // chains + (1 if c < kills % chains else 0) for c in range(chains)]
-    threads = [threading.Thread(target=go, args=(chain, n, graceful[c::chains]))
-               for c, (chain, n) in enumerate(zip(runs, share))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise AssertionError(f"kill seed {seed}; kills so far: {[c.kills for c in runs]}") from errors[0]
+    try:
+        run_concurrently(*(partial(chain.run, n, timer_share=0.25, graceful=graceful[c::chains])
+                           for c, (chain, n) in enumerate(zip(runs, share))))
+    except BaseException as exc:  # noqa: BLE001 - a chain's failure, named with the seed that reproduces it
+        raise AssertionError(f"kill seed {seed}; kills so far: {[c.kills for c in runs]}") from exc
     return runs
 
 
