@@ -86,6 +86,7 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         if self.compile_decode is None:  # not under the stream-ordered pool: engines/graph_decode.py says why
+            # (read from the variable torch reads: a CPU build of torch cannot be asked for its backend)
             self.compile_decode = self.device == "cuda" and "cudaMallocAsync" not in os.environ.get(
                 "PYTORCH_CUDA_ALLOC_CONF", "")
         if not self.second_device:
@@ -278,13 +279,16 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
                            "compute": torch.cuda.Stream(home)}
             host = _host(cfg, engines["actor"], engines["ref"], engines["decode"], policy, streams, home)
             if base.startswith("rollplex"):
-                key = (home, options.get("sms", cfg.decode_sms))
-                if cfg.device == "cuda" and key not in partitions and options.get("sp", 1):
-                    partitions[key] = sm_partitions(key[1], torch.device(home).index or 0)
+                split = None  # sp=0: plain streams
+                if options.get("sp", 1):
+                    key = (home, options.get("sms", cfg.decode_sms))
+                    if cfg.device == "cuda" and key not in partitions:
+                        partitions[key] = sm_partitions(key[1], torch.device(home).index or 0)
+                    split = partitions.get(key)
                 host.sm_target = bool(options.get("target", 1))
                 host.grad_on_partition = bool(options.get("gp", 0))
                 host.prefill_gate = bool(options.get("pf", 1))
-                host.use_partitions(partitions.get(key) if options.get("sp", 1) else None)
+                host.use_partitions(split)
                 host.gate_rows = options.get("gate", cfg.gate_rows)
             hosts.append(host)
         return LocalExecutor(hosts)
