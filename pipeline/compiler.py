@@ -100,10 +100,6 @@ class BatchShape:
         two micro-batches: each micro-batch's backward must free exactly its own graphs."""
         if not grad:
             return _split(range(self.prompts), self.prompts_per_node)
-        if self.train_fusion and self.fused:
-            # Each group trains in the node of the chunk it finished in, alone: its backward must
-            # free exactly its own prefix graph (frozen prefixes stay batched).
-            return [(p,) for p in range(self.prompts)]
         return [part for mb in self.micro_batches() for part in _split(mb, self.prompts_per_node)]
 
 
@@ -261,6 +257,8 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
     grad_nodes: dict[tuple[str, str], list[str]] = {}  # nodes whose graphs a backward will walk
     for s in alg.scores:
         role = role_of(s.model)
+        if s.grad and train_fused:
+            continue  # each chunk's training node runs the policy's prefixes of the groups it trains
         for ps in shape.node_groups(grad=s.grad):
             outs, score_info = [], {}
             for p in ps:
@@ -287,8 +285,8 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
                 add(f"prefix_{s.model}_{span(ps)}", "prefix", [f"prompt_p{p}" for p in ps] + [f"vis_p{p}" for p in ps],
                     kvs, model=s.model, role=role, args={"prompts": list(ps), "grad": s.grad, **early_arg},
                     **{kv: dev(kv_bytes + held, "kv") for kv in kvs})
-            if fused(s) or (s.grad and train_fused):
-                continue  # scored per decode chunk below (the policy's inside its chunk's training node)
+            if fused(s):
+                continue  # scored per decode chunk below
             add(f"suffix_{s.as_}_{span(ps)}", "suffix_score", kvs + responses, outs,
                 model=s.model, role=role, args=args, **score_info)
             if s.grad:
@@ -425,8 +423,10 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
 def _compile_train_fusion(g: IterationGraph, alg: Algorithm, shape: BatchShape, add, host, dev,
                           logprob_bytes: int) -> IterationGraph:
     """The update per decode chunk (``train_fusable``): ``train_c{c}`` takes the groups chunk c
-    finished, with their frozen scores of that chunk, and runs reward, advantage, the policy's suffix
-    with grad, the loss and its backward, one group after another. Joins hand rewards, advantages and
+    finished, with their frozen scores of that chunk, and runs reward, advantage, the policy's prefix
+    and suffix with grad, the loss and its backward. The prefix runs there, not in a node of its own:
+    a prefix graph made before decode ends would be held until its group finishes, and its forward
+    would run beside the heaviest decode chunks. Joins hand rewards, advantages and
     old log-probs on under their per-prompt names; the optimizer step divides the summed gradient by
     the batch's tokens (or responses), which the last chunk knows."""
     P, G = shape.prompts, shape.samples
@@ -440,7 +440,7 @@ def _compile_train_fusion(g: IterationGraph, alg: Algorithm, shape: BatchShape, 
     for c in range(shape.chunks):
         outs = [f"{name}_c{c}" for name in per_chunk] + [loss_name(policy, policy, c)]
         # A group's samples were scored by the frozen models in this chunk or earlier ones.
-        inputs = ([f"prompt_p{p}" for p in range(P)] + [f"prefix_{policy}_p{p}" for p in range(P)]
+        inputs = ([f"prompt_p{p}" for p in range(P)] + [f"vis_p{p}" for p in range(P)]
                   + [f"{s.as_}_c{k}" for s in frozen for k in range(c + 1)] + [f"handoff_c{c}"])
         add(f"train_c{c}", "loss", inputs, outs, model=policy,
             args={"prompts": list(range(P)), "handoff_chunk": c, "as": score.as_,

@@ -2,9 +2,10 @@
 
 The compiler emits these instead of per-prompt reward, advantage, suffix and loss nodes when every
 step of the algorithm is per group (``compiler.train_fusable``). Each handed group runs reward →
-advantage → the policy's suffix forward with grad on its prefix → the loss → backward. Groups are
-batched into one forward and one backward as far as ``lm.batches_within``'s logits budget allows,
-and each batch's graphs are freed before the next is built. The batch's token (or
+advantage → the policy's prefix and suffix forwards with grad → the loss → backward. Groups are
+batched into one prefix forward, one suffix forward and one backward as far as
+``lm.batches_within``'s logits budget allows, and each batch's graphs are freed before the next is
+built, so no prefix graph outlives its group's backward. The batch's token (or
 response) count is known only after the last chunk, so each group's loss is summed, not averaged;
 the optimizer step divides the accumulated gradient by that count (``deferred_normaliser``), which
 gives the gradient of the averaged loss up to float rounding. Rewards, advantages, the loss's sum and
@@ -43,7 +44,9 @@ def train_handoff(ctx, node, inputs) -> dict:
     # host-bound, and each group's loss sums into one backward that reaches every group's prefix.
     for run in lm.batches_within(tokens, model.config.get_text_config().vocab_size, grad=True):
         batch = [ready[i] for i in run]
-        scored = lm.suffix_logprobs_batch(model, [inputs[f"prefix_{node.model}_p{p}"] for p in batch],
+        prefixes = lm.prefix_forward_batch(model, [inputs[f"prompt_p{p}"] for p in batch],
+                                           [inputs[f"vis_p{p}"] for p in batch], grad=True)
+        scored = lm.suffix_logprobs_batch(model, prefixes,
                                           [handoff[p].token_ids for p in batch], pad_id=s.pad_id,
                                           temperature=s.score_temperature, grad=True)
         total, parts = None, []

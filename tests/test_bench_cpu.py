@@ -169,8 +169,8 @@ def test_policy_options_batch_nodes_and_micro_batches():
     assert (plain["loss"], plain["prefix"], plain["vit_encode"]) == (4, 8, 4)
     assert (batched["loss"], batched["prefix"], batched["vit_encode"]) == (1, 2, 1)
     assert kinds("rollplex:ppn=2:mb=2:tf=0")["prefix"] == 4
-    # Train fusion trains each group alone: the policy's prefixes per prompt, the reference's batched.
-    assert kinds("rollplex:ppn=2:mb=2")["prefix"] == 2 + 4
+    # Under train fusion the policy's prefixes run in its training nodes: only the reference's remain.
+    assert kinds("rollplex:ppn=2:mb=2")["prefix"] == 2
     fused, unfused = (set(compile_for(cfg, p, hf).nodes) for p in ("rollplex", "rollplex:tf=0"))  # per policy
     assert "train_c0" in fused - unfused and "loss_m0" in unfused - fused
 

@@ -57,15 +57,18 @@ def test_algorithms_or_shapes_that_are_not_per_group_train_after_decode_and_say_
     assert not g.meta["shape"].train_fusion  # the graph's shape is the one it was compiled to
 
 
-def test_batched_prompts_fuse_with_a_prefix_graph_per_prompt_and_frozen_prefixes_batched():
-    """Each group trains in its chunk's node alone, so the policy's prefix nodes (graphs kept for the
-    backward) cover one prompt each; the frozen reference's prefixes stay batched."""
+def test_the_policys_prefix_runs_in_the_training_node_and_frozen_prefixes_stay_batched():
+    """No prefix graph is made before its group is done: each chunk's training node runs the policy's
+    prefixes itself (from the prompts and vision embeddings), and only the frozen reference has prefix
+    nodes, batched as asked."""
     g = compile_iteration(grpo, _shape(micro_batch_groups=2, prompts_per_node=2), ENGINES, DIMS)
-    assert "train_c0" in g.nodes
     prefixes = {n.model: [] for n in g.of_kind("prefix")}
     for n in g.of_kind("prefix"):
         prefixes[n.model].append(n.args["prompts"])
-    assert prefixes["actor"] == [[0], [1], [2], [3]] and prefixes["ref"] == [[0, 1], [2, 3]]
+    assert prefixes == {"ref": [[0, 1], [2, 3]]}
+    train = g.nodes["train_c0"]
+    assert {f"vis_p{p}" for p in range(4)} <= set(train.inputs)
+    assert not any(i.startswith("prefix_") for i in train.inputs)
 
 
 OVERRIDES = ["iterations=2", "seed=4", "warmup.steps=0", "stop_at_reward=null", "checkpoint.every=1",
