@@ -225,7 +225,11 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
         return shape.fused and not score.grad and alg.models[score.model].head == "lm"
 
     state = None
-    samples_scored = any(fused(s) for s in alg.scores)  # then each chunk also hands on its finished samples
+    train_fused = train_fusable(alg, shape)
+    # Frozen models score each chunk's finished samples (they need no group), except under train
+    # fusion: a group's frozen scores are read only when it trains, so they score the groups its
+    # training takes, in as many forwards as chunks that finish a group rather than one per chunk.
+    samples_scored = any(fused(s) for s in alg.scores) and not train_fused
     for c in range(shape.chunks):
         last = c == shape.chunks - 1
         inputs = ([f"prompt_p{p}" for p in range(P)] + [f"vis_p{p}" for p in range(P)]) if c == 0 else [state]
@@ -249,8 +253,6 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
     # such forwards are scoring even when they keep a graph (the serial schedule reads this arg).
     early = {r for d in (alg.advantage_fn, *alg.custom) for r in d.reads}
     early_models = {s.model for s in alg.scores if {s.as_, f"old_{s.as_}"} & early}
-
-    train_fused = train_fusable(alg, shape)
 
     # Scoring: prefix once per prompt (independent of the responses), suffix per prompt group.
     kv_bytes = dims.kv_bytes(shape.prompt_tokens) + dims.vocab * 4
@@ -294,14 +296,15 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
                 grad_nodes.setdefault(("suffix", s.as_), []).append(f"suffix_{s.as_}_{span(ps)}")
 
         if fused(s):
-            # Stage fusion: after each decode chunk, the samples it finished are scored on the compute
-            # stream while decode goes on; a join hands each prompt's scores on under its usual name.
+            # Stage fusion: after each decode chunk, the samples (under train fusion, the groups) it
+            # finished are scored on the compute stream while decode goes on; a join hands each prompt's scores on under its usual name.
             kvs = [f"prefix_{s.model}_p{p}" for p in range(P)]
             tail = shape.chunks - 1 if train_fused else scoring_tail(shape.window_chunks, shape.chunks)
             chunk_outs = [f"{s.as_}_c{c}" for c in range(tail + 1)]
             for c, out in enumerate(chunk_outs):
                 handed = range(c, shape.chunks) if c == tail else [c]  # the last node: every chunk left
-                add(f"suffix_{s.as_}_c{c}", "suffix_score", kvs + [f"finished_c{k}" for k in handed], [out],
+                handoffs = [f"{'handoff' if train_fused else 'finished'}_c{k}" for k in handed]
+                add(f"suffix_{s.as_}_c{c}", "suffix_score", kvs + handoffs, [out],
                     model=s.model, role=role, args={"prompts": list(range(P)), "as": s.as_, "grad": False,
                                                     "head": alg.models[s.model].head, "handoff_chunk": c},
                     **{out: dev(logprob_bytes * P * len(handed) / shape.chunks, "logprobs")})

@@ -188,13 +188,14 @@ def suffix_score(ctx, node, inputs):
     model = ctx.model(node.model)
     grad = bool(node.args["grad"])
     s = ctx.settings
-    if "handoff_chunk" in node.args:  # stage fusion: the samples one decode chunk (or the last few) finished
-        n = len(node.args["prompts"])
+    if "handoff_chunk" in node.args:  # stage fusion: the samples (or, under train fusion, the groups)
+        n = len(node.args["prompts"])  # one decode chunk, or the last few, finished
         kv_of = dict(zip(node.args["prompts"], node.inputs[:n]))
         handoff: dict[int, dict[int, FinishedSequence]] = {}  # {prompt: {sample: FinishedSequence}}
         for chunk in node.inputs[n:]:
             for p, samples in inputs[chunk].items():
-                handoff.setdefault(p, {}).update(samples)
+                handoff.setdefault(p, {}).update(dict(enumerate(samples.sequences)) if isinstance(samples, Responses)
+                                                 else samples)
         ready = sorted(p for p in handoff if handoff[p])
         samples = {p: sorted(handoff[p]) for p in ready}
         scored: dict[int, dict[int, torch.Tensor]] = {}

@@ -71,6 +71,16 @@ def test_the_policys_prefix_runs_in_the_training_node_and_frozen_prefixes_stay_b
     assert not any(i.startswith("prefix_") for i in train.inputs)
 
 
+
+def test_under_train_fusion_the_reference_scores_the_groups_each_chunk_finished():
+    """Its scores are read only when a group trains: it scores handed groups, not single samples, so
+    chunks that finish samples but no group cost no forward."""
+    fused = compile_iteration(grpo, _shape(), ENGINES, DIMS)
+    assert not any(v.startswith("finished_c") for v in fused.values)
+    assert fused.nodes["suffix_ref_logprobs_c1"].inputs[-1] == "handoff_c1"
+    unfused = compile_iteration(grpo, _shape(train_fusion=False), ENGINES, DIMS)
+    assert unfused.nodes["suffix_ref_logprobs_c1"].inputs[-1] == "finished_c1"
+
 OVERRIDES = ["iterations=2", "seed=4", "warmup.steps=0", "stop_at_reward=null", "checkpoint.every=1",
              "engines.train=torch", "engines.decode=hf", "rollout.max_new_tokens=8", "rollout.chunk_tokens=2",
              "train.micro_batch_groups=1"]
