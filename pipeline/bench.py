@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -254,6 +255,7 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
     partitions: dict[tuple[str, int], Any] = {}  # (device, decode SMs or 0) -> pipeline.partitions.Partitions
     results: dict[str, PolicyResult] = {}
     recorder = Recorder(decode)  # serial's rollouts, replayed below so updates compare on one rollout
+    default_switch_us = round(sys.getswitchinterval() * 1e6)
 
     def use_steps_per_graph(policy: str, decodes: list) -> None:
         """The policy's decode steps per graph launch (``spg``), an engine-wide setting: set before a
@@ -347,6 +349,7 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
         for iteration in range(cfg.iterations):
             yield
             use_steps_per_graph(policy, decodes)
+            sys.setswitchinterval(parse_policy(policy)[1].get("gil", default_switch_us) / 1e6)
             restart(extra)
             synchronize()
             steps_before = sum(d.steps_run for d in decodes)
@@ -427,6 +430,7 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
             del runner  # its hosts and executors go before the second GPU's copies
             if extra is not None:
                 extra.release()
+    sys.setswitchinterval(default_switch_us / 1e6)
     return report(cfg, spec, results, out_dir, log, failed)
 
 
