@@ -350,6 +350,7 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
             yield
             use_steps_per_graph(policy, decodes)
             sys.setswitchinterval(parse_policy(policy)[1].get("gil", default_switch_us) / 1e6)
+            torch.backends.cuda.enable_cudnn_sdp(bool(parse_policy(policy)[1].get("cudnn", 0)))
             restart(extra)
             synchronize()
             steps_before = sum(d.steps_run for d in decodes)

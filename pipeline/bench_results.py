@@ -42,7 +42,9 @@ VARIANT_KEYS = {"gate": "prefix work waits until decode has at most this many li
 # Options of every policy: how the work is batched, so each policy can run at its best settings.
 SHAPE_KEYS = {"ppn": "prompts per vit/prefix/suffix node (batched forwards; default: --prompts-per-node)",
               "mb": "prompts per micro-batch: one loss and backward each (default 1)",
-              "spg": "decode steps per CUDA graph launch (default 1)"}
+              "spg": "decode steps per CUDA graph launch (default 1)",
+              "cudnn": "1: cuDNN's attention for the eager forwards, as torch chooses it; 0 (default): off, "
+                       "as the runtime runs (pipeline/worker.py says why)"}
 
 
 def file_stem(policy: str) -> str:
