@@ -256,6 +256,7 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
     results: dict[str, PolicyResult] = {}
     recorder = Recorder(decode)  # serial's rollouts, replayed below so updates compare on one rollout
     default_switch_us = round(sys.getswitchinterval() * 1e6)
+    default_cudnn = torch.backends.cuda.cudnn_sdp_enabled()
 
     def use_steps_per_graph(policy: str, decodes: list) -> None:
         """The policy's decode steps per graph launch (``spg``), an engine-wide setting: set before a
@@ -350,7 +351,7 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
             yield
             use_steps_per_graph(policy, decodes)
             sys.setswitchinterval(parse_policy(policy)[1].get("gil", default_switch_us) / 1e6)
-            torch.backends.cuda.enable_cudnn_sdp(bool(parse_policy(policy)[1].get("cudnn", 0)))
+            torch.backends.cuda.enable_cudnn_sdp(bool(parse_policy(policy)[1].get("cudnn", default_cudnn)))
             restart(extra)
             synchronize()
             steps_before = sum(d.steps_run for d in decodes)
@@ -432,6 +433,7 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
             if extra is not None:
                 extra.release()
     sys.setswitchinterval(default_switch_us / 1e6)
+    torch.backends.cuda.enable_cudnn_sdp(default_cudnn)
     return report(cfg, spec, results, out_dir, log, failed)
 
 

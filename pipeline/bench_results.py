@@ -43,8 +43,9 @@ VARIANT_KEYS = {"gate": "prefix work waits until decode has at most this many li
 SHAPE_KEYS = {"ppn": "prompts per vit/prefix/suffix node (batched forwards; default: --prompts-per-node)",
               "mb": "prompts per micro-batch: one loss and backward each (default 1)",
               "spg": "decode steps per CUDA graph launch (default 1)",
-              "cudnn": "1: cuDNN's attention for the eager forwards, as torch chooses it; 0 (default): off, "
-                       "as the runtime runs (pipeline/worker.py says why)"}
+              "cudnn": "0: cuDNN's attention off for the policy's eager forwards (it builds a plan per new "
+                       "shape), set before each of its iterations, after decode's graphs were captured; "
+                       "default: torch's choice"}
 
 
 def file_stem(policy: str) -> str:

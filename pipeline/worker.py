@@ -133,11 +133,6 @@ class WorkerHost:
             decode = build(spec.decode_engine, "decode", spec.model_path, options)
         self.decode = decode
         self.streams = streams if streams is not None else self._make_streams()
-        if self.device.type == "cuda":
-            # Eager forwards here meet a new sequence shape nearly every call (each chunk's finished
-            # responses, packed per group), and cuDNN's attention builds a plan for every new shape:
-            # the flash and memory-efficient kernels need none. Decode replays captured graphs.
-            torch.backends.cuda.enable_cudnn_sdp(False)
         self.refcache = None
         if spec.ref_cache_bytes and self.engines and spec.frozen:
             from rollplex.pipeline.refcache import RefPrefixCache

@@ -271,26 +271,29 @@ def test_interleaved_policies_take_turns_and_compute_what_they_compute_in_a_row(
                                                                           b["identical_responses"])
 
 
-def test_a_policys_gil_option_holds_while_its_iterations_run_and_the_process_keeps_its_own(tmp_path, monkeypatch):
+def test_a_policys_gil_and_cudnn_options_hold_while_its_iterations_run_and_the_process_keeps_its_own(
+        tmp_path, monkeypatch):
     import sys
+
+    import torch
 
     from rollplex.pipeline.local import LocalExecutor
 
     config = resolve_model_path(load_config(None, [])) + "/config.json"
-    seen: list[tuple[int, float]] = []
+    seen: list[tuple[int, tuple[float, bool]]] = []
     timed = LocalExecutor.run
 
     def run_and_note(self, graph, iteration, inputs):
-        seen.append((len(graph.nodes), sys.getswitchinterval()))
+        seen.append((len(graph.nodes), (sys.getswitchinterval(), torch.backends.cuda.cudnn_sdp_enabled())))
         return timed(self, graph, iteration, inputs)
 
     monkeypatch.setattr(LocalExecutor, "run", run_and_note)
-    before = sys.getswitchinterval()
+    before = (sys.getswitchinterval(), torch.backends.cuda.cudnn_sdp_enabled())
     run(BenchConfig(model=config, device="cpu", dtype="float32", prompts=2, samples=2, vision_tokens=16,
                     text_tokens=8, max_new_tokens=8, mean_new_tokens=4, chunk_tokens=4, iterations=2,
-                    policies=("serial", "rollplex:gil=250"), out=str(tmp_path)), log=lambda *a: None)
-    by_graph: dict[int, set[float]] = {}  # serial's and rollplex's graphs differ in size
-    for nodes, interval in seen:
-        by_graph.setdefault(nodes, set()).add(interval)
-    assert sorted(by_graph.values(), key=min) == [{250e-6}, {before}]
-    assert sys.getswitchinterval() == before
+                    policies=("serial", "rollplex:gil=250:cudnn=0"), out=str(tmp_path)), log=lambda *a: None)
+    by_graph: dict[int, set] = {}  # serial's and rollplex's graphs differ in size
+    for nodes, settings in seen:
+        by_graph.setdefault(nodes, set()).add(settings)
+    assert sorted(by_graph.values(), key=min) == [{(250e-6, False)}, {before}]
+    assert (sys.getswitchinterval(), torch.backends.cuda.cudnn_sdp_enabled()) == before
