@@ -447,7 +447,8 @@ def _compile_train_fusion(g: IterationGraph, alg: Algorithm, shape: BatchShape, 
                   + [f"{s.as_}_c{k}" for s in frozen for k in range(c + 1)] + [f"handoff_c{c}"])
         add(f"train_c{c}", "loss", inputs, outs, model=policy,
             args={"prompts": list(range(P)), "handoff_chunk": c, "as": score.as_,
-                  "frozen": [s.as_ for s in frozen], "agg": alg.loss_fn.options["agg"]},
+                  "frozen": [s.as_ for s in frozen], "agg": alg.loss_fn.options["agg"],
+                  "micro_batch_groups": shape.micro_batch_groups},
             **{f"{name}_c{c}": info for name, info in per_chunk.items()},
             **{loss_name(policy, policy, c): host(64, "scalars")})
         losses.append(loss_name(policy, policy, c))

@@ -4,8 +4,9 @@ The compiler emits these instead of per-prompt reward, advantage, suffix and los
 step of the algorithm is per group (``compiler.train_fusable``). Each handed group runs reward →
 advantage → the policy's prefix and suffix forwards with grad → the loss → backward. Groups are
 batched into one prefix forward, one suffix forward and one backward as far as
-``lm.batches_within``'s logits budget allows, and each batch's graphs are freed before the next is
-built, so no prefix graph outlives its group's backward. The batch's token (or
+``lm.batches_within``'s logits budget and the micro-batch (``train.micro_batch_groups`` groups)
+allow, and each batch's graphs are freed before the next is built, so no prefix graph outlives its
+group's backward. The batch's token (or
 response) count is known only after the last chunk, so each group's loss is summed, not averaged;
 the optimizer step divides the accumulated gradient by that count (``deferred_normaliser``), which
 gives the gradient of the averaged loss up to float rounding. Rewards, advantages, the loss's sum and
@@ -42,7 +43,9 @@ def train_handoff(ctx, node, inputs) -> dict:
     tokens = [sum(map(len, handoff[p].token_ids)) for p in ready]
     # Groups share a forward and a backward as far as the logits budget allows: eager scoring is
     # host-bound, and each group's loss sums into one backward that reaches every group's prefix.
-    for run in lm.batches_within(tokens, model.config.get_text_config().vocab_size, grad=True):
+    most = node.args.get("micro_batch_groups") or len(ready)  # the run's micro-batch bounds a backward's graph
+    runs = lm.batches_within(tokens, model.config.get_text_config().vocab_size, grad=True)
+    for run in [run[i:i + most] for run in runs for i in range(0, len(run), most)]:
         batch = [ready[i] for i in run]
         prefixes = lm.prefix_forward_batch(model, [inputs[f"prompt_p{p}"] for p in batch],
                                            [inputs[f"vis_p{p}"] for p in batch], grad=True)

@@ -81,6 +81,40 @@ def test_under_train_fusion_the_reference_scores_the_groups_each_chunk_finished(
     unfused = compile_iteration(grpo, _shape(train_fusion=False), ENGINES, DIMS)
     assert unfused.nodes["suffix_ref_logprobs_c1"].inputs[-1] == "finished_c1"
 
+
+def test_a_chunks_groups_train_in_micro_batches(tmp_path, monkeypatch):
+    """Four groups over two chunks: some chunk finishes two or more. With micro-batches of one group
+    each trains in a backward of its own; with four, a chunk's groups share one."""
+    from rollplex.engines.torch_train import TorchTrainEngine
+    from rollplex.pipeline.bench import BenchConfig, run
+    from rollplex.pipeline.local import LocalExecutor
+    from rollplex.pipeline.session import resolve_model_path
+
+    config = resolve_model_path(load_config(None, [])) + "/config.json"
+    backwards: list[int] = []
+    timed, backward = LocalExecutor.run, TorchTrainEngine.backward
+
+    def run_and_count(self, graph, iteration, inputs):
+        backwards.append(0)
+        return timed(self, graph, iteration, inputs)
+
+    def counted(self, loss):
+        backwards[-1] += 1
+        return backward(self, loss)
+
+    monkeypatch.setattr(LocalExecutor, "run", run_and_count)
+    monkeypatch.setattr(TorchTrainEngine, "backward", counted)
+    per_policy = {}
+    for policy in ("rollplex:ppn=4:mb=1:tf=1", "rollplex:ppn=4:mb=4:tf=1"):
+        backwards.clear()
+        run(BenchConfig(model=config, device="cpu", dtype="float32", prompts=4, samples=2, vision_tokens=16,
+                        text_tokens=8, max_new_tokens=8, mean_new_tokens=4, chunk_tokens=4, iterations=2,
+                        policies=(policy,), out=str(tmp_path / policy.replace(":", "_"))), log=lambda *a: None)
+        per_policy[policy] = list(backwards)
+    assert set(per_policy["rollplex:ppn=4:mb=1:tf=1"]) == {4}
+    assert max(per_policy["rollplex:ppn=4:mb=4:tf=1"]) <= 3
+
+
 OVERRIDES = ["iterations=2", "seed=4", "warmup.steps=0", "stop_at_reward=null", "checkpoint.every=1",
              "engines.train=torch", "engines.decode=hf", "rollout.max_new_tokens=8", "rollout.chunk_tokens=2",
              "train.micro_batch_groups=1"]
