@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import math
+from contextlib import contextmanager
 import os
 import sys
 import time
@@ -255,8 +256,20 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
     partitions: dict[tuple[str, int], Any] = {}  # (device, decode SMs or 0) -> pipeline.partitions.Partitions
     results: dict[str, PolicyResult] = {}
     recorder = Recorder(decode)  # serial's rollouts, replayed below so updates compare on one rollout
-    default_switch_us = round(sys.getswitchinterval() * 1e6)
-    default_cudnn = torch.backends.cuda.cudnn_sdp_enabled()
+
+    @contextmanager
+    def process_settings(policy: str):
+        """The policy's process-wide options (``gil``, ``cudnn``) for one timed iteration, then the
+        process's own again: every host captures its decode graphs under torch's defaults."""
+        options = parse_policy(policy)[1]
+        switch, cudnn = sys.getswitchinterval(), torch.backends.cuda.cudnn_sdp_enabled()
+        sys.setswitchinterval(options.get("gil", round(switch * 1e6)) / 1e6)
+        torch.backends.cuda.enable_cudnn_sdp(bool(options.get("cudnn", cudnn)))
+        try:
+            yield
+        finally:
+            sys.setswitchinterval(switch)
+            torch.backends.cuda.enable_cudnn_sdp(cudnn)
 
     def use_steps_per_graph(policy: str, decodes: list) -> None:
         """The policy's decode steps per graph launch (``spg``), an engine-wide setting: set before a
@@ -350,12 +363,11 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
         for iteration in range(cfg.iterations):
             yield
             use_steps_per_graph(policy, decodes)
-            sys.setswitchinterval(parse_policy(policy)[1].get("gil", default_switch_us) / 1e6)
-            torch.backends.cuda.enable_cudnn_sdp(bool(parse_policy(policy)[1].get("cudnn", default_cudnn)))
             restart(extra)
             synchronize()
             steps_before = sum(d.steps_run for d in decodes)
-            result = executor.run(graph, iteration, inputs_for(iteration))
+            with process_settings(policy):
+                result = executor.run(graph, iteration, inputs_for(iteration))
             if iteration == 0:  # the update from the common start, compared across policies
                 if policy == "serial":
                     res.weights = host_copy(trained_weights())
@@ -432,8 +444,6 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
             del runner  # its hosts and executors go before the second GPU's copies
             if extra is not None:
                 extra.release()
-    sys.setswitchinterval(default_switch_us / 1e6)
-    torch.backends.cuda.enable_cudnn_sdp(default_cudnn)
     return report(cfg, spec, results, out_dir, log, failed)
 
 

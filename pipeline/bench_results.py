@@ -36,7 +36,7 @@ VARIANT_KEYS = {"gate": "prefix work waits until decode has at most this many li
                 "gl": "the policy's prefix of micro-batch m waits for the loss of m - N (0, default: no bound)",
                 "tf": "train fusion: 1 trains finished groups inside the window, 0 after it "
                       "(default: --train-fusion)",
-                "gil": "Python's GIL switch interval in µs while the policy runs (default: the process's, "
+                "gil": "Python's GIL switch interval in µs during the policy's timed iterations (default: the process's, "
                        "5000): how long a compute thread may hold the GIL that the decode thread wants back "
                        "after each graph launch"}
 # Options of every policy: how the work is batched, so each policy can run at its best settings.
@@ -44,7 +44,7 @@ SHAPE_KEYS = {"ppn": "prompts per vit/prefix/suffix node (batched forwards; defa
               "mb": "prompts per micro-batch: one loss and backward each (default 1)",
               "spg": "decode steps per CUDA graph launch (default 1)",
               "cudnn": "0: cuDNN's attention off for the policy's eager forwards (it builds a plan per new "
-                       "shape), set before each of its iterations, after decode's graphs were captured; "
+                       "shape) during each of its timed iterations (decode's graphs are captured outside them); "
                        "default: torch's choice"}
 
 
