@@ -573,11 +573,19 @@ def release_finished_samples(graph: IterationGraph, sample_chunks: Mapping[int, 
 def defer_normalisation(graph: IterationGraph) -> IterationGraph:
     """Train fusion in a plan: a loss no longer waits for ``rollout_stats`` (the batch's token count,
     known after the last decode chunk), since its summed gradient is divided at the optimizer step,
-    which waits for the count instead; and losses accumulate in the order their groups finish, not in
-    prompt order. Edits ``graph`` (a copy the caller owns) in place and returns it."""
+    which waits for the count instead; losses accumulate in the order their groups finish, not in
+    prompt order; and the policy's prefix forward (kept for the backward) waits for its groups, as the
+    runtime's ``train_c`` node runs it with their training. Edits ``graph`` (a copy the caller owns)
+    in place and returns it."""
     stats = graph.values.get("rollout_stats")
     if stats is None:
         return graph
+    for node in graph.of_kind("prefix"):
+        if node.args.get("grad"):
+            for p in node.args["prompts"]:
+                finished = graph.values.get(f"responses_p{p}")
+                if finished is not None and not graph.g.has_edge(finished.producer, node.name):
+                    graph.g.add_edge(finished.producer, node.name, values=(), reason="trained with its group")
     losses = {n.name for n in graph.of_kind("loss")}
     for u, v, data in list(graph.g.edges(data=True)):
         if data.get("reason") == "accumulation order" and u in losses:  # into the next loss or its suffix

@@ -76,8 +76,9 @@ class Result:
 
 def compile_for(scn: Scenario, layout: Layout, prefix_sharing: bool) -> IterationGraph:
     w, m = scn.workload, scn.model
-    # Train fusion trains each group alone, as soon as it is done (its chunk's train_c node in the
-    # runtime): here a loss per prompt, released with its group (schedule.release_finished_groups).
+    # Train fusion trains each group as soon as it is done (with the others its chunk finished, in the
+    # runtime's train_c node): here a loss and a policy prefix per prompt, released with its group
+    # (schedule.release_finished_groups, defer_normalisation).
     groups = 1 if scn.train_fusion else w.micro_batch_groups or layout.train_dp
     shape = BatchShape(prompts=w.prompts, samples=w.samples, max_new_tokens=w.max_new_tokens,
                        chunk_tokens=w.chunk_tokens, micro_batch_groups=groups,

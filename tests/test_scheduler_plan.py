@@ -277,6 +277,8 @@ def test_train_fusion_lets_an_early_group_train_before_decode_ends_and_the_step_
     plain = plan(g, hardware("h200", 2), costs, "rollplex", release={0: 0, 1: 1})
     assert plain.slots[loss_p0].start >= plain.slots["decode_c1"].finish  # without it: after the count
     assert fused.makespan < plain.makespan
+    prefix_p1 = next(n.name for n in fused.graph.of_kind("prefix") if n.args["grad"] and n.args["prompts"] == [1])
+    assert fused.slots[prefix_p1].start >= fused.slots["decode_c1"].finish  # forwarded with its group's training
 
 
 def test_schedule_with_a_cluster_writes_the_plan_into_meta_and_keeps_streams():

@@ -260,8 +260,8 @@ def test_the_scenarios_grad_prefix_lookahead_orders_the_policys_prefixes_after_e
 
 
 def test_a_train_fusion_scenario_trains_each_group_alone_as_the_runtime_does():
-    """The runtime trains each finished group in its chunk's node (``train_c``), whatever the
-    micro-batching asked for, so the simulated graph has a loss and a policy prefix per prompt."""
+    """The runtime trains the groups a chunk finished in that chunk's node (``train_c``); the simulated
+    graph gives each prompt its own loss and policy prefix, released with its group."""
     w = Workload(prompts=4, samples=2, vision_tokens=16, text_tokens=8, max_new_tokens=8, chunk_tokens=4,
                  micro_batch_groups=2, prompts_per_node=2)
     for fused, losses in ((False, 2), (True, 4)):
