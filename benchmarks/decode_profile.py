@@ -21,10 +21,14 @@ def main() -> None:
                     help="the decoder layer through torch.compile; both: eager and compiled side by side")
     ap.add_argument("--compile-mode", default="default", choices=("default", "max-autotune-no-cudagraphs"),
                     help="torch.compile's mode for the compiled runs")
+    ap.add_argument("--fuse", default="on", choices=("off", "on", "both"),
+                    help="q|k|v and gate|up as one buffer each, projected in one matmul per group (what a "
+                         "run sharing the trainer's weights does); both: separate first, then fused")
     args = ap.parse_args()
 
     from rollplex.engines.base import DecodeRequest, EngineContext
     from rollplex.engines.graph_decode import GraphDecodeEngine
+    from rollplex.engines.sharing import fuse_for_rollout
     from rollplex.pipeline.bench import BenchConfig, build_model
 
     model, spec = build_model(BenchConfig(model=args.model))
@@ -33,7 +37,10 @@ def main() -> None:
     weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "visual" not in n)
     kv_per_token = spec.kv_bytes_per_token(2)
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
-    for n, compiled in ((n, c) for n in sizes for c in modes):
+    fusions = {"off": [False], "on": [True], "both": [False, True]}[args.fuse]
+    for fused, n, compiled in ((f, n, c) for f in fusions for n in sizes for c in modes):
+        if fused:
+            fuse_for_rollout(model.requires_grad_(False))  # in place, once: separate runs go first
         engine = GraphDecodeEngine(EngineContext("", device, torch.bfloat16, 0, {
             "share_model": model, "max_num_seqs": n, "max_model_len": args.prompt_len + 300,
             "compile": args.compile_mode if compiled else False}))
@@ -47,10 +54,11 @@ def main() -> None:
         torch.cuda.synchronize()
         per_step = (time.perf_counter() - t) / steps
         need = weights + n * (args.prompt_len + 36) * kv_per_token
-        print(f"B={n:3d}{' compiled' if compiled else ''}: {per_step * 1e3:6.2f} ms/step, {need / per_step / 1e12:5.2f} TB/s = "
+        label = f"B={n:3d}{' compiled' if compiled else ''}{' fused' if engine.w.fused else ''}"
+        print(f"{label}: {per_step * 1e3:6.2f} ms/step, {need / per_step / 1e12:5.2f} TB/s = "
               f"{need / per_step / args.bandwidth:5.1%} of {args.bandwidth / 1e12:.1f} TB/s; "
               f"{n / per_step:8.0f} tok/s")
-        if n == sizes[-1] and compiled == modes[-1]:
+        if n == sizes[-1] and compiled == modes[-1] and fused == fusions[-1]:
             engine.use_graphs = False
             from torch.profiler import ProfilerActivity, profile
 

@@ -107,6 +107,13 @@ class _Weights:
         self.layer_args = [(share.of(_layer_weights(layer)), (layer.input_layernorm.variance_epsilon,
                                                               layer.post_attention_layernorm.variance_epsilon))
                            for layer in lm.layers]
+        # Where q|k|v and gate|up lie back to back (engines.sharing.fuse_parameters, or a trainer's flat
+        # buffer in fusion order), a step projects each group in one matmul: a decode step is a few
+        # skinny GEMMs per layer, and three of seven were the small k and v ones.
+        fused = [_fused_weights(weights) for weights, _ in self.layer_args] if tp_size == 1 else [None]
+        self.fused = all(f is not None for f in fused)
+        if self.fused:
+            self.layer_args = [(f, eps) for f, (_, eps) in zip(fused, self.layer_args)]
         self.inv_freq = lm.rotary_emb.inv_freq
         self.attn_scale = self.head_dim ** -0.5
 
@@ -169,13 +176,19 @@ def _decoder_layer(x, cos, sin, mask, where, k_cache, v_cache, layer_weights, ep
     set for every layer (same shapes) instead of tracing the 36-layer loop. ``reduce``: the sum over
     tensor-parallel ranks of a row-parallel projection's partial output (None: one rank)."""
     reduce = reduce or (lambda t: t)
-    ln1, q_w, q_b, k_w, k_b, v_w, v_b, o_w, ln2, gate_w, up_w, down_w = layer_weights
     n = x.shape[0]
     group = heads // kv_heads
-    h = _rms(x, ln1, eps[0])
-    q = F.linear(h, q_w, q_b).view(n, kv_heads, group, head_dim)
-    k = F.linear(h, k_w, k_b).view(n, kv_heads, 1, head_dim)
-    v = F.linear(h, v_w, v_b).view(n, kv_heads, head_dim)
+    if len(layer_weights) == 7:  # q|k|v and gate|up each one tensor (_fused_weights)
+        ln1, qkv_w, qkv_b, o_w, ln2, gate_up_w, down_w = layer_weights
+        h = _rms(x, ln1, eps[0])
+        q, k, v = F.linear(h, qkv_w, qkv_b).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim],
+                                                  -1)
+    else:
+        ln1, q_w, q_b, k_w, k_b, v_w, v_b, o_w, ln2, gate_w, up_w, down_w = layer_weights
+        h = _rms(x, ln1, eps[0])
+        q, k, v = F.linear(h, q_w, q_b), F.linear(h, k_w, k_b), F.linear(h, v_w, v_b)
+    q, k, v = (q.reshape(n, kv_heads, group, head_dim), k.reshape(n, kv_heads, 1, head_dim),
+               v.reshape(n, kv_heads, head_dim))
     q, k = _rope(q, cos, sin), _rope(k, cos, sin).view(n, kv_heads, head_dim)
     k_cache.index_put_(where, k)  # this row's slot, every kv head
     v_cache.index_put_(where, v)
@@ -185,7 +198,25 @@ def _decoder_layer(x, cos, sin, mask, where, k_cache, v_cache, layer_weights, ep
                                          attn_mask=mask, scale=scale, enable_gqa=True)
     x = x + reduce(F.linear(out.reshape(n, heads * head_dim), o_w))
     h = _rms(x, ln2, eps[1])
-    return x + reduce(F.linear(F.silu(F.linear(h, gate_w)) * F.linear(h, up_w), down_w))
+    if len(layer_weights) == 7:
+        gate, up = F.linear(h, gate_up_w).chunk(2, -1)
+    else:
+        gate, up = F.linear(h, gate_w), F.linear(h, up_w)
+    return x + reduce(F.linear(F.silu(gate) * up, down_w))
+
+
+def _fused_weights(weights: tuple) -> tuple | None:
+    """(ln1, qkv_w, qkv_b, o_w, ln2, gate_up_w, down_w) as views over one storage each, or None."""
+    from rollplex.engines.sharing import adjacent_view
+
+    ln1, q_w, q_b, k_w, k_b, v_w, v_b, o_w, ln2, gate_w, up_w, down_w = weights
+    if q_b is None or k_b is None or v_b is None:
+        return None
+    qkv_w, qkv_b = adjacent_view([q_w, k_w, v_w]), adjacent_view([q_b, k_b, v_b])
+    gate_up = adjacent_view([gate_w, up_w])
+    if qkv_w is None or qkv_b is None or gate_up is None:
+        return None
+    return ln1, qkv_w, qkv_b, o_w, ln2, gate_up, down_w
 
 
 def _layer_weights(layer) -> tuple:

@@ -110,6 +110,14 @@ def fuse_parameters(module: torch.nn.Module, layouts: Sequence[TensorLayout], fr
     return fused
 
 
+def fuse_for_rollout(module: torch.nn.Module, trainer: str = "") -> int:
+    """q|k|v and gate|up of a module the rollout engine shares made one buffer each: vLLM runs them
+    fused, and torch-graph projects each group in one matmul where its parts are adjacent. Before the
+    ``torch`` trainer's first step (AdamW's state is still empty); under another trainer (DeepSpeed's
+    flat buffer holds its trainable ones, in fusion order) or none, only the frozen ones move."""
+    return fuse_parameters(module, layouts_for_module(module), frozen_only=trainer != "torch")
+
+
 def fusion_order(module: torch.nn.Module, layouts: Sequence[TensorLayout]) -> list[torch.nn.Parameter]:
     """Trainable parameters, each fused group's parts consecutive (then any others, in module order)."""
     params = dict(module.named_parameters())

@@ -214,6 +214,7 @@ def compile_for(cfg: BenchConfig, policy: str, config):
 def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
     from rollplex.engines.base import EngineContext, get_engine
     from rollplex.engines.replay_decode import Recorder, ReplayDecodeEngine
+    from rollplex.engines.sharing import fuse_for_rollout
     from rollplex.pipeline import bench_multi
     from rollplex.pipeline.local import LocalExecutor
     from rollplex.tasks.rewards import get_reward, register_reward
@@ -244,6 +245,7 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
     actor = get_engine(cfg.train_engine, "train").factory(train_ctx)
     ref_engine = get_engine("transformers", "score").factory(EngineContext("", device, dtype, cfg.seed, {"module": ref}))
     longest = cfg.vision_tokens + cfg.text_tokens + 2 + cfg.max_new_tokens + 8
+    fuse_for_rollout(actor.module, cfg.train_engine)  # as the runtime's hosts do (pipeline/worker.py)
     decode = get_engine("torch-graph", "decode").factory(EngineContext(
         "", device, dtype, cfg.seed, {"share_model": actor.module, "max_num_seqs": cfg.prompts * cfg.samples,
                                       "max_model_len": longest, "compile": cfg.compile_decode}))

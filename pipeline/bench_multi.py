@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import torch
 
+from rollplex.engines.sharing import fuse_for_rollout
 from rollplex.errors import EngineError
 
 TWO_GPU_POLICIES = ("disaggregated", "rollplex-dp2")
@@ -99,6 +100,7 @@ def _decode_engine(cfg, device, dtype, module, rows: int, longest: int):
 def disaggregated(cfg, actor, ref_engine, start_state: dict, dtype, longest: int) -> Replicas:
     """The rollout GPU: a copy of the actor (weights shipped by ``weight_sync``) and its decode engine."""
     rollout = copy.deepcopy(actor.module).to(cfg.second_device).requires_grad_(False)
+    fuse_for_rollout(rollout)  # frozen: every group (.to() gave each tensor its own storage)
     decode = _decode_engine(cfg, cfg.second_device, dtype, rollout, cfg.prompts * cfg.samples, longest)
     return Replicas([{"actor": actor, "ref": ref_engine, "decode": decode}],
                     resets=[lambda: rollout.load_state_dict(start_state)])
@@ -112,6 +114,7 @@ def data_parallel(cfg, actor, ref_engine, decode, start_state: dict, start_optim
 
     device = torch.device(cfg.second_device)
     module = copy.deepcopy(actor.module).to(device)
+    fuse_for_rollout(module, cfg.train_engine)  # before its trainer exists, as on rank 0
     train_ctx = EngineContext("", device, dtype, cfg.seed, {"module": module, "lr": 1e-6, "grad_clip": 1.0,
                                                            "zero_stage": 2, "accumulation_steps": cfg.prompts})
     actor1 = get_engine(cfg.train_engine, "train").factory(train_ctx)

@@ -297,7 +297,8 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
 
         if fused(s):
             # Stage fusion: after each decode chunk, the samples (under train fusion, the groups) it
-            # finished are scored on the compute stream while decode goes on; a join hands each prompt's scores on under its usual name.
+            # finished are scored on the compute stream while decode goes on; a join hands each
+            # prompt's scores on under its usual name.
             kvs = [f"prefix_{s.model}_p{p}" for p in range(P)]
             tail = shape.chunks - 1 if train_fused else scoring_tail(shape.window_chunks, shape.chunks)
             chunk_outs = [f"{s.as_}_c{c}" for c in range(tail + 1)]

@@ -183,12 +183,10 @@ class WorkerHost:
         if why:
             self.sharing_note = f"weight sharing off: {why}"
             return spec.decode_options
-        if spec.decode_engine == "vllm":  # vLLM runs q|k|v and gate|up fused: make them one buffer each
-            from rollplex.engines.sharing import fuse_parameters, layouts_for_module
+        if spec.decode_engine in ("vllm", "torch-graph"):  # both project q|k|v and gate|up as one each
+            from rollplex.engines.sharing import fuse_for_rollout
 
-            # AdamW's state is empty yet; DeepSpeed's flat buffer holds the trainable ones in fusion order.
-            fuse_parameters(train.module, layouts_for_module(train.module),
-                            frozen_only=getattr(train, "name", "") != "torch")
+            fuse_for_rollout(train.module, getattr(train, "name", ""))
         return {**spec.decode_options, "share_model": train.module}
 
     def _make_streams(self) -> dict[str, Any]:

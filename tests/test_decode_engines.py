@@ -397,3 +397,28 @@ def test_graph_engine_refuses_more_stop_tokens_than_its_step_checks(graph_engine
     for d in done.values():
         assert not set(d.token_ids[:-1]) & stop
         assert (d.token_ids[-1] in stop) == (d.finish_reason == "stop")
+
+
+def test_graph_engine_projects_fused_groups_in_one_matmul_and_samples_what_separate_ones_do(model_dir, prompts):
+    """A shared model whose q|k|v and gate|up lie back to back (``fuse_for_rollout``) is projected
+    one matmul per group; the tokens and log-probs are those of separate projections."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from rollplex.engines.sharing import fuse_for_rollout
+
+    reqs = [dataclasses.replace(r, max_tokens=3 + 3 * i) for i, r in enumerate(requests(prompts, group=2,
+                                                                                         temperature=1.0))]
+
+    def shared(fuse: bool):
+        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+        if fuse:
+            assert fuse_for_rollout(model.requires_grad_(False)) > 0
+        return get_engine("torch-graph").factory(ctx(model_dir, max_num_seqs=8, share_model=model))
+
+    separate, fused = shared(False), shared(True)
+    assert not separate.w.fused and fused.w.fused
+    assert all(len(weights) == 7 for weights, _ in fused.w.layer_args)
+    want, got = run(separate, reqs, chunk=4), run(fused, reqs, chunk=4)
+    for rid, seq in want.items():
+        assert got[rid].token_ids == seq.token_ids
+        assert got[rid].logprobs == pytest.approx(seq.logprobs, abs=1e-4)
