@@ -36,9 +36,9 @@ VARIANT_KEYS = {"gate": "prefix work waits until decode has at most this many li
                 "gl": "the policy's prefix of micro-batch m waits for the loss of m - N (0, default: no bound)",
                 "tf": "train fusion: 1 trains finished groups inside the window, 0 after it "
                       "(default: --train-fusion)",
-                "gil": "Python's GIL switch interval in µs during the policy's timed iterations (default: the process's, "
-                       "5000): how long a compute thread may hold the GIL that the decode thread wants back "
-                       "after each graph launch"}
+                "gil": "Python's GIL switch interval in µs during the policy's timed iterations (default: "
+                       "the process's, 5000): how long a compute thread may hold the GIL that the decode "
+                       "thread wants back after each graph launch"}
 # Options of every policy: how the work is batched, so each policy can run at its best settings.
 SHAPE_KEYS = {"ppn": "prompts per vit/prefix/suffix node (batched forwards; default: --prompts-per-node)",
               "mb": "prompts per micro-batch: one loss and backward each (default 1)",
