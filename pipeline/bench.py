@@ -49,6 +49,7 @@ from rollplex.pipeline.bench_results import (  # noqa: F401 - POLICIES, ALL_POLI
     profile_iteration,
     record_iteration,
     report,
+    same_graph_as,
     update_difference,
 )
 
@@ -361,7 +362,7 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
             ranks = [dict(ranks[0], decode=recorder)]
         executor = executor_for(policy, ranks)
         decodes = [r["decode"] for r in ranks]
-        res = running[policy] = PolicyResult(policy)
+        res = running[policy] = PolicyResult(policy, same_graph_as=repeats.get(policy))
         for iteration in range(cfg.iterations):
             yield
             use_steps_per_graph(policy, decodes)
@@ -401,6 +402,7 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
     # Serial first: its recorded rollout is what the others replay right after their timed runs, and
     # its update is what theirs are compared with, once, as each policy ends.
     graphs = {policy: compile_for(cfg, policy, config) for policy in sorted(cfg.policies, key=lambda p: p != "serial")}
+    repeats = same_graph_as(graphs)  # the order they meet each iteration's inputs in
     failed: dict[str, str] = {}  # policy -> why it stopped (out of memory), reported with the rest
     running: dict[str, PolicyResult] = {}  # every started policy's result so far (serial's update is the reference)
 

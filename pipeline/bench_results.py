@@ -108,6 +108,7 @@ class PolicyResult:
     responses: list | None = None
     ranks_disagree: float = 0.0  # two data-parallel ranks: largest weight difference after a step
     comparison: dict | None = None  # its update against serial's (compare_update)
+    same_graph_as: str | None = None  # an earlier policy of the same graph (same_graph_as)
 
     @property
     def median(self) -> float:
@@ -239,7 +240,7 @@ def report(cfg, spec, results: dict[str, PolicyResult], out_dir: Path, log, fail
                "seconds_by_kind": res.by_kind, "seconds_by_kind_per_iteration": res.kinds,
                "decode_seconds": res.decode_seconds,
                "decode_bytes_per_s": res.decode_bandwidth(), "gpus": gpus,
-               "ranks_max_weight_difference": res.ranks_disagree}
+               "ranks_max_weight_difference": res.ranks_disagree, "same_graph_as": res.same_graph_as}
         rows.append(row)
         log(f"{name:{width}s} {res.median:7.3f} {speedup:9.2f} {res.peak_bytes / 2**30:9.1f} {res.hidden_share:7.0%} "
             f"{row['tokens_per_s']:8.0f} {row['ratio_to_bound']:7.2f} {res.decode_bandwidth() / 1e12:11.2f}")
@@ -257,6 +258,10 @@ def report(cfg, spec, results: dict[str, PolicyResult], out_dir: Path, log, fail
     for name, why in (failed or {}).items():
         log(f"{name}: not measured: {why}")
     for name, res in results.items():
+        if res.same_graph_as:
+            log(f"{name}: the graph of {res.same_graph_as}, which met each iteration's shapes first: "
+                f"compare the two with their order swapped too")
+    for name, res in results.items():
         if name == "rollplex-dp2":
             log(f"{name}: ranks' weights after the step differ by at most {res.ranks_disagree:.1e}")
     summary = {"config": cfg.__dict__ | {"policies": list(cfg.policies)}, "results": rows, "updates": updates,
@@ -268,6 +273,20 @@ def report(cfg, spec, results: dict[str, PolicyResult], out_dir: Path, log, fail
     atomic_write_text(out_dir / "bench.json", json.dumps(summary, indent=1, default=str))
     _plot(results, out_dir)
     return summary
+
+
+def same_graph_as(graphs: dict) -> dict[str, str]:
+    """{policy: the first policy before it, in run order, whose graph is the same}: variants that
+    differ only in a runtime knob (sp, gil, cudnn, ...). On each iteration's inputs such a policy meets
+    the shapes the earlier one met first, so whatever torch builds per new shape is ready for it:
+    in runs 23-30 that was worth 0.9-1.3 s of a 5-6 s iteration, more than any knob tried."""
+    first: dict[tuple, str] = {}
+    out = {}
+    for policy, graph in graphs.items():
+        key = tuple(sorted((n.name, n.kind, n.model or "", repr(sorted(n.args.items(), key=str))) for n in graph))
+        out.update({policy: first[key]} if key in first else {})
+        first.setdefault(key, policy)
+    return out
 
 
 def speedups(results: dict[str, PolicyResult]) -> list[str]:

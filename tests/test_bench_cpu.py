@@ -299,3 +299,17 @@ def test_a_policys_gil_and_cudnn_options_hold_while_its_iterations_run_and_the_p
     rollplex, serial = sorted(by_graph.values(), key=lambda runs: runs.count(before))
     assert rollplex == [(250e-6, False)] * 2 + [before] and serial == [before] * 3
     assert (sys.getswitchinterval(), torch.backends.cuda.cudnn_sdp_enabled()) == before
+
+
+def test_a_policy_that_only_turns_a_runtime_knob_is_named_as_running_an_earlier_policys_graph():
+    from transformers import AutoConfig
+
+    from rollplex.pipeline.bench import compile_for
+    from rollplex.pipeline.bench_results import same_graph_as
+
+    path = resolve_model_path(load_config(None, []))
+    cfg = BenchConfig(model=path + "/config.json", device="cpu", prompts=4, samples=2, max_new_tokens=8, chunk_tokens=4)
+    hf = AutoConfig.from_pretrained(path)
+    policies = ["serial", "rollplex:ppn=2", "rollplex:ppn=2:sp=0:gil=100", "rollplex:ppn=4", "serial:cudnn=0"]
+    graphs = {p: compile_for(cfg, p, hf) for p in policies}
+    assert same_graph_as(graphs) == {"rollplex:ppn=2:sp=0:gil=100": "rollplex:ppn=2", "serial:cudnn=0": "serial"}
