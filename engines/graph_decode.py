@@ -315,6 +315,7 @@ class GraphDecodeEngine(DecodeEngine):
         self.sizes = sorted({int(b) for b in sizes if b <= self.rows} | {self.rows})
         self.batch = _Batch(self.w, self.rows, self.max_len, len(self.w.layers), self.vocab, self.dtype, self.device)
         self._graphs: dict[tuple[int, bool, int, int], torch.cuda.CUDAGraph] = {}
+        self._graph_pool = None  # the graphs' shared memory pool (_capture)
         # Steps per graph launch; a call's remainder below it runs one-step graphs.
         self.steps_per_graph = max(1, int(opts.get("steps_per_graph") or 1))
         self._lock = threading.Lock()
@@ -574,9 +575,15 @@ class GraphDecodeEngine(DecodeEngine):
             for _ in range(2):
                 self._step(n, top_p)
         graph = torch.cuda.CUDAGraph()
+        # One memory pool for all of the engine's graphs: they replay one at a time (under the lock),
+        # and each writes its results to the batch's static buffers, so a graph may reuse another's
+        # intermediates. Private pools grow with every batch size, stream and steps per launch: run 27
+        # (six policies on one engine, one with 8-step graphs) stopped at its first chunk with cuBLAS
+        # unable to allocate a handle.
+        self._graph_pool = self._graph_pool or torch.cuda.graph_pool_handle()
         # thread_local: other threads (the compute stream's prefix work) keep running CUDA calls
         # while this thread captures; the default global mode would fail them.
-        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self._graph_pool, stream=stream, capture_error_mode="thread_local"):
             for _ in range(steps):
                 self._step(n, top_p)
         with torch.cuda.stream(stream):
