@@ -322,13 +322,13 @@ def test_graph_engine_compiled_layer_samples_what_the_eager_one_does(model_dir, 
 
 
 def eager_layer_of(engine):
-    from rollplex.engines.graph_decode import _decoder_layer
+    from rollplex.engines.decode_step import _decoder_layer
 
     return _decoder_layer
 
 
 def eager_sampler_of(engine):
-    from rollplex.engines.graph_decode import _sample
+    from rollplex.engines.decode_step import _sample
 
     return _sample
 

@@ -115,7 +115,7 @@ def test_a_tensor_parallel_degree_must_divide_the_heads(model_dir):
     """The tiny model has 4 attention heads and 2 key/value heads: three ranks cannot split them."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from rollplex.engines.graph_decode import _Weights
+    from rollplex.engines.decode_step import _Weights
 
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
     with pytest.raises(EngineError, match="tensor parallel 3 does not divide the model's 4 attention heads"):
