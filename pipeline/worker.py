@@ -150,7 +150,7 @@ class WorkerHost:
         self._decode_iteration: int | None = None  # the iteration whose decode last started
         capture = getattr(self.decode, "capture_graphs", None)
         if capture is not None and self.streams.get("decode") is not None:
-            capture(self.streams["decode"])  # every batch size now, not at its first use mid-rollout
+            capture(self.streams["decode"], top_p=self.nucleus)  # every batch size now, not mid-rollout
         if spec.sm_partitions and self.device.type == "cuda" and self.streams:
             from rollplex.pipeline.partitions import make
 
@@ -170,6 +170,12 @@ class WorkerHost:
         # it, where a forward ran would change the bits of the update.
         self._stream_threads = {name: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rollplex-{name}")
                                 for name in STREAMS}
+
+    @property
+    def nucleus(self) -> bool:
+        """Whether the run samples with top-p: its decode steps are other graphs, captured up front
+        too, since a capture in the decode window synchronizes the whole device."""
+        return self.spec.settings.top_p < 1.0 and self.spec.settings.temperature > 0
 
     def _decode_options(self, spec: HostSpec) -> dict:
         """With engines.weight_sharing auto, the decode engine runs on the policy trainer's storage
@@ -277,7 +283,7 @@ class WorkerHost:
         timed = getattr(self.decode, "step_seconds_on", None)
         for stream, sms in partitions.decode_streams():
             with sm_target(sms if self.sm_target else None, partitions.total_sms):
-                capture(stream)
+                capture(stream, top_p=self.nucleus)
             steps = timed(stream) if timed is not None else {}
             if steps:  # the split is then chosen from these timings
                 partitions.measured[sms] = steps

@@ -125,13 +125,18 @@ def test_attaching_partitions_captures_decode_graphs_on_every_split_with_its_tar
     captured = []
 
     class CapturingDecode(FakeDecode):
-        def capture_graphs(self, stream) -> None:
-            captured.append((stream.name, torch._C._get_sm_carveout_experimental()))
+        def capture_graphs(self, stream, top_p: bool = False) -> None:
+            captured.append((stream.name, torch._C._get_sm_carveout_experimental(), top_p))
 
     host = _host(BenchConfig(device="cpu"), None, None, CapturingDecode(), "rollplex", {})
     host.use_partitions(dataclasses.replace(_fake_partitions([32, 96]), total_sms=132))
-    assert captured == [("decode32", 100), ("decode96", 36)]
+    assert captured == [("decode32", 100, False), ("decode96", 36, False)]
     assert torch._C._get_sm_carveout_experimental() is None
+    # A run that samples with top-p steps through other graphs: those are the ones captured up front.
+    captured.clear()
+    host.spec = dataclasses.replace(host.spec, settings=dataclasses.replace(host.spec.settings, top_p=0.9))
+    host.use_partitions(dataclasses.replace(_fake_partitions([32]), total_sms=132))
+    assert captured == [("decode32", 100, True)]
 
 
 def test_measured_step_times_pick_the_fewest_sms_that_keep_decode_within_tolerance():
@@ -156,7 +161,7 @@ def test_attaching_partitions_records_the_engines_step_times_per_split(monkeypat
     monkeypatch.setitem(rewards._REWARDS, "bench_parity", bench_reward)
 
     class TimedDecode(FakeDecode):
-        def capture_graphs(self, stream) -> None:
+        def capture_graphs(self, stream, top_p: bool = False) -> None:
             pass
 
         def step_seconds_on(self, stream) -> dict[int, float]:
