@@ -2,7 +2,6 @@
 lookup, statistics. CPU only, tiny tensors."""
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 import pytest
@@ -10,6 +9,7 @@ import torch
 
 from rollplex.errors import ConfigError
 from rollplex.pipeline.refcache import RefPrefixCache, prompt_digest, tensor_nbytes, weights_digest
+from reliability_harness import run_concurrently
 
 
 @dataclass
@@ -106,18 +106,10 @@ def test_lru_eviction_by_bytes_spills_to_disk_and_reads_back(tmp_path):
 def test_concurrent_lookups_are_safe():
     cache = make(capacity=1 << 30)
     prompts = [prompt(i) for i in range(16)]
-    errors = []
 
     def worker():
-        try:
-            for _ in range(5):
-                cache.lookup_or_compute("ref", prompts, [None] * 16, lambda ps, vs: [state(1.0) for _ in ps])
-        except Exception as exc:  # noqa: BLE001 - surfaced below
-            errors.append(exc)
+        for _ in range(5):
+            cache.lookup_or_compute("ref", prompts, [None] * 16, lambda ps, vs: [state(1.0) for _ in ps])
 
-    threads = [threading.Thread(target=worker) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors and cache.stats().host_bytes == 16 * tensor_nbytes(state(1.0))
+    run_concurrently(*[worker] * 4)  # raises the first error any thread met
+    assert cache.stats().host_bytes == 16 * tensor_nbytes(state(1.0))
