@@ -451,13 +451,18 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
     return report(cfg, spec, results, out_dir, log, failed)
 
 
+# Out of device memory, in the words torch, a kernel launch and cuBLAS (a new thread's handle; run 27)
+# say it: none leaves the CUDA context unusable, so the next policy can still run.
+MEMORY_FAILURES = ("OutOfMemoryError", "CUDA error: out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
+
+
 def out_of_memory(exc: BaseException) -> bool:
     """A CUDA out-of-memory error, raised directly or inside a node (NodeFailure keeps its text)."""
     from rollplex.errors import NodeFailure
 
     while exc is not None:
-        if isinstance(exc, torch.OutOfMemoryError) or (isinstance(exc, NodeFailure)
-                                                       and exc.detail.startswith("OutOfMemoryError")):
+        text = exc.detail if isinstance(exc, NodeFailure) else f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, torch.OutOfMemoryError) or any(m in text for m in MEMORY_FAILURES):
             return True
         exc = exc.__cause__
     return False

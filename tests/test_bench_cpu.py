@@ -80,6 +80,11 @@ def test_a_policy_that_runs_out_of_memory_is_reported_and_the_rest_still_run(tmp
     assert [r["policy"] for r in saved["results"]] == ["serial", "rollplex"]
     assert "out of memory" in saved["failed"]["serial:ppn=2"]
     assert {u["policy"]: u for u in out["updates"]}["rollplex"]["replayed"] <= 1e-2
+    from rollplex.pipeline.bench import out_of_memory
+
+    cublas = RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
+    assert out_of_memory(NodeFailure("decode_c0", "decode_chunk", f"RuntimeError: {cublas}")) and out_of_memory(cublas)
+    assert not out_of_memory(RuntimeError("CUDA error: an illegal memory access was encountered"))
     with pytest.raises(NodeFailure, match="ZeroDivisionError"):  # any other failure still stops the bench
         monkeypatch.setattr(local.LocalExecutor, "run", lambda *a: (_ for _ in ()).throw(
             NodeFailure("loss_m0", "loss", "ZeroDivisionError: division by zero")))
