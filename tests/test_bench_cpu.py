@@ -318,3 +318,23 @@ def test_a_policy_that_only_turns_a_runtime_knob_is_named_as_running_an_earlier_
     policies = ["serial", "rollplex:ppn=2", "rollplex:ppn=2:sp=0:gil=100", "rollplex:ppn=4", "serial:cudnn=0"]
     graphs = {p: compile_for(cfg, p, hf) for p in policies}
     assert same_graph_as(graphs) == {"rollplex:ppn=2:sp=0:gil=100": "rollplex:ppn=2", "serial:cudnn=0": "serial"}
+
+
+def test_trace_nodes_reads_a_policys_nodes_from_a_recorded_bench_trace():
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("trace_nodes", root / "benchmarks/trace_nodes.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    trace = json.loads((root / "benchmarks/results/2026-11-30-h200-trace-run28-1024.json").read_text())
+    serial = tool.nodes(trace, "serial:ppn=8:mb=2")
+    assert [n["name"] for n in serial if n["lane"] == "decode"][:2] == ["decode_c0", "decode_c1"]
+    assert len([n for n in serial if tool.kind(n["name"]) == "decode"]) == 32
+    assert all(a["start_s"] <= b["start_s"] for a, b in zip(serial, serial[1:]))
+    assert [tool.kind(n) for n in ("train_c7", "suffix_ref_logprobs_c2", "prefix_actor_p0-1", "loss_m0",
+                                   "optimizer_step")] == ["train", "suffix_ref_logprobs", "prefix_actor", "loss",
+                                                          "optimizer_step"]
+    with pytest.raises(SystemExit, match="no policy 'rollplex' in the trace; it has: rollplex:ppn=8"):
+        tool.nodes(trace, "rollplex")
