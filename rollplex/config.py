@@ -91,7 +91,8 @@ class TrainConfig:
                            "finished while decode goes on (each data-parallel rank its own; vLLM hands an "
                            "n-sample request's samples on together, torch-graph each as it finishes)")
     train_fusion: bool = f(False, doc="with stage fusion, the policy also trains on each chunk's finished groups "
-                           "in the decode window, its gradient normalised at the step (needs engines.train: "
+                           "in the decode window, micro_batch_groups at a time, its gradient normalised at "
+                           "the step (needs engines.train: "
                            "torch and a per-group algorithm; otherwise the graph trains after decode)")
     window_chunks: int = f(0, lo=0, doc="with stage fusion and no train fusion, the decode chunks from this one "
                            "on are scored by one node after the last chunk (one forward instead of one per "
