@@ -41,11 +41,11 @@ def train_handoff(ctx, node, inputs) -> dict:
     scalars: dict[str, list[float]] = {}
     ready = sorted(handoff)
     tokens = [sum(map(len, handoff[p].token_ids)) for p in ready]
-    # Groups share a forward and a backward as far as the logits budget allows: eager scoring is
-    # host-bound, and each group's loss sums into one backward that reaches every group's prefix.
-    most = node.args.get("micro_batch_groups") or len(ready)  # the run's micro-batch bounds a backward's graph
-    runs = lm.batches_within(tokens, model.config.get_text_config().vocab_size, grad=True)
-    for run in [run[i:i + most] for run in runs for i in range(0, len(run), most)]:
+    # Groups share a forward and a backward as far as the logits budget and the run's micro-batch
+    # (which bounds a backward's graphs) allow: eager scoring is host-bound, and each group's loss
+    # sums into one backward that reaches every group's prefix.
+    for run in lm.batches_within(tokens, model.config.get_text_config().vocab_size, grad=True,
+                                 most=node.args.get("micro_batch_groups")):
         batch = [ready[i] for i in run]
         prefixes = lm.prefix_forward_batch(model, [inputs[f"prompt_p{p}"] for p in batch],
                                            [inputs[f"vis_p{p}"] for p in batch], grad=True)

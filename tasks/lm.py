@@ -182,15 +182,16 @@ def prefix_forward_batch(model: torch.nn.Module, prompts: list[PromptInputs], vi
 LOGITS_BUDGET = 2**31
 
 
-def batches_within(tokens: list[int], vocab: int, *, grad: bool, budget: int = LOGITS_BUDGET) -> list[list[int]]:
+def batches_within(tokens: list[int], vocab: int, *, grad: bool, budget: int = LOGITS_BUDGET,
+                   most: int | None = None) -> list[list[int]]:
     """Runs of consecutive groups, given by their response tokens, whose packed forward's logits
-    (tokens summed × vocab) stay within the logits budget. Every group gets a batch, even one over
-    the budget on its own."""
+    (tokens summed × vocab) stay within the logits budget, and of at most ``most`` groups each (a
+    micro-batch) when given. Every group gets a batch, even one over the budget on its own."""
     limit = budget // 2 if grad else budget
     out: list[list[int]] = []
     total = 0
     for i, n in enumerate(tokens):
-        if out and (total + n) * vocab <= limit:
+        if out and (total + n) * vocab <= limit and (most is None or len(out[-1]) < most):
             out[-1].append(i)
             total += n
         else:

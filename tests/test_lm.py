@@ -172,3 +172,6 @@ def test_scoring_batches_stay_within_the_logits_budget_and_cover_every_group_in_
     # forward with grad (6·1024·151936 ≈ 0.93·2^30 elements), all eight without.
     assert batches_within([8 * 128] * 8, 151936, grad=True) == [[0, 1, 2, 3, 4, 5], [6, 7]]
     assert batches_within([8 * 128] * 8, 151936, grad=False) == [list(range(8))]
+    # A micro-batch bound packs as tightly under both bounds, not by cutting the budget's runs after.
+    assert batches_within([8 * 128] * 8, 151936, grad=True, most=4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert batches_within([8 * 128] * 3, 151936, grad=True, most=2) == [[0, 1], [2]]
