@@ -225,7 +225,7 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
         return shape.fused and not score.grad and alg.models[score.model].head == "lm"
 
     state = None
-    train_fused = train_fusable(alg, shape)
+    train_fused = blocker is None  # the shape keeps train fusion only then
     # Frozen models score each chunk's finished samples (they need no group), except under train
     # fusion: a group's frozen scores are read only when it trains, so they score the groups its
     # training takes, in as many forwards as chunks that finish a group rather than one per chunk.
