@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import copy
 import math
-from contextlib import contextmanager
 import os
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
