@@ -14,6 +14,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from rollplex.engines.sharing import adjacent_view
 from rollplex.engines.torch_decode import _apply_top_p
 from rollplex.errors import EngineError
 
@@ -170,8 +171,6 @@ def _decoder_layer(x, cos, sin, mask, where, k_cache, v_cache, layer_weights, ep
 
 def _fused_weights(weights: tuple) -> tuple | None:
     """(ln1, qkv_w, qkv_b, o_w, ln2, gate_up_w, down_w) as views over one storage each, or None."""
-    from rollplex.engines.sharing import adjacent_view
-
     ln1, q_w, q_b, k_w, k_b, v_w, v_b, o_w, ln2, gate_w, up_w, down_w = weights
     if q_b is None or k_b is None or v_b is None:
         return None
