@@ -34,6 +34,7 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.nn.functional as F
 
+from rollplex.engines.attention_kernels import graph_attention_kernels
 from rollplex.engines.base import (
     DecodeEngine,
     DecodeRequest,
@@ -403,7 +404,7 @@ class GraphDecodeEngine(DecodeEngine):
         if stream == torch.cuda.default_stream(self.device):
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), graph_attention_kernels():
             for _ in range(2):
                 self._step(n, top_p)
         graph = torch.cuda.CUDAGraph()
@@ -415,7 +416,8 @@ class GraphDecodeEngine(DecodeEngine):
         self._graph_pool = self._graph_pool or torch.cuda.graph_pool_handle()
         # thread_local: other threads (the compute stream's prefix work) keep running CUDA calls
         # while this thread captures; the default global mode would fail them.
-        with torch.cuda.graph(graph, pool=self._graph_pool, stream=stream, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self._graph_pool, stream=stream, capture_error_mode="thread_local"), \
+                graph_attention_kernels():
             for _ in range(steps):
                 self._step(n, top_p)
         with torch.cuda.stream(stream):

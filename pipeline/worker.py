@@ -87,6 +87,7 @@ class WorkerHost:
 
     def __init__(self, spec: HostSpec, name: str = "worker", engines: dict | None = None, decode=None,
                  streams: dict | None = None, tokenizer=None) -> None:
+        from rollplex.engines.attention_kernels import eager_attention_without_cudnn
         from rollplex.engines.base import EngineContext, get_engine
         from rollplex.pipeline.algorithms import load_algorithm
         from rollplex.tasks.rewards import get_reward
@@ -96,6 +97,7 @@ class WorkerHost:
         torch.set_num_threads(spec.threads)
         torch.manual_seed(spec.settings.seed)
         self.device = torch.device(spec.device)
+        eager_attention_without_cudnn(self.device)
         dtype = getattr(torch, spec.dtype)
         self.algorithm = load_algorithm(spec.algorithm)
         self.reward_fn = self.algorithm.reward_fn.fn if self.algorithm.reward_fn else get_reward(spec.reward)

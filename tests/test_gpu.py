@@ -75,6 +75,29 @@ def test_cuda_graph_steps_equal_eager_steps(cuda, tiny_model_dir, dtype):
         assert outs[True][key].logprobs == pytest.approx(seq.logprobs, abs=1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
+def test_decode_graphs_are_captured_with_cudnn_attention_while_eager_forwards_go_without(cuda, tiny_model_dir,
+                                                                                          monkeypatch):
+    """Eager work meets new shapes (cuDNN would build a plan for each); a graph is captured once."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from rollplex.engines.attention_kernels import eager_attention_without_cudnn
+    from rollplex.engines.graph_decode import GraphDecodeEngine
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).to(cuda).eval()
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    seen = []
+    step = GraphDecodeEngine._step
+    monkeypatch.setattr(GraphDecodeEngine, "_step", lambda self, n, top_p: (
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled()), step(self, n, top_p))[1])
+    try:
+        eager_attention_without_cudnn(cuda)
+        engine, _ = _decode_all(model, tiny_model_dir, cuda, {}, tokens_per_call=3)
+        assert engine._graphs and seen and all(seen), "a decode step ran outside a capture, or without cuDNN"
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
+
+
 def test_green_contexts_give_partition_streams_or_none(cuda):
     from rollplex.pipeline.bench import sm_partitions
 
