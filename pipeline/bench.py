@@ -11,8 +11,8 @@ Policies:
   its full sequence (the prompt re-run G times).
 - ``serial``: phase barriers, prefix sharing on (prefix once per prompt, G suffixes on its KV).
 - ``rollplex``: no barriers. Vision and prefix work run on the compute stream inside the decode window;
-  on CUDA, while both streams are busy each runs on its own green context (SM partition), and alone
-  each gets the whole GPU.
+  with ``sp=1``, while both streams are busy each runs on its own green context (SM partition), and
+  alone each gets the whole GPU.
 - ``rollplex-nofusion``: rollplex with every suffix scored after the last decode chunk (no stage
   fusion). Each gain is then a ratio of neighbours: prefix sharing (serial ÷ serial-noshare), the
   decode window (rollplex-nofusion ÷ serial) and stage fusion (rollplex ÷ rollplex-nofusion).
@@ -213,6 +213,7 @@ def compile_for(cfg: BenchConfig, policy: str, config):
 
 
 def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
+    from rollplex.engines.attention_kernels import eager_attention_without_cudnn
     from rollplex.engines.base import EngineContext, get_engine
     from rollplex.engines.replay_decode import Recorder, ReplayDecodeEngine
     from rollplex.engines.sharing import fuse_for_rollout
@@ -238,6 +239,7 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
     t0 = time.time()
     model, spec = build_model(cfg)
     config = model.config
+    eager_attention_without_cudnn(cfg.device)  # as the runtime's hosts do; a policy's cudnn=1 turns it on
     ref = copy.deepcopy(model).requires_grad_(False)
     dtype = getattr(torch, cfg.dtype)
     device = torch.device(cfg.device)
@@ -293,13 +295,14 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
             home = cfg.device if rank == 0 else cfg.second_device
             streams = {}
             if cfg.device == "cuda":
-                streams = {"decode": torch.cuda.Stream(engines["decode"].device)
-                           if hasattr(engines["decode"], "device") else torch.cuda.Stream(home),
+                # prio=1: the block scheduler issues decode's blocks ahead of compute's as SMs free up
+                priority = -1 if options.get("prio", 0) else 0
+                streams = {"decode": torch.cuda.Stream(getattr(engines["decode"], "device", home), priority=priority),
                            "compute": torch.cuda.Stream(home)}
             host = _host(cfg, engines["actor"], engines["ref"], engines["decode"], policy, streams, home)
             if base.startswith("rollplex"):
                 split = None  # sp=0: plain streams
-                if options.get("sp", 1):
+                if options.get("sp", 0):
                     key = (home, options.get("sms", cfg.decode_sms))
                     if cfg.device == "cuda" and key not in partitions:
                         partitions[key] = sm_partitions(key[1], torch.device(home).index or 0)

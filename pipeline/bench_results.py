@@ -26,7 +26,7 @@ ALL_POLICIES = POLICIES + ("rollplex-nofusion",) + TWO_GPU_POLICIES  # two-GPU o
 VARIANT_KEYS = {"gate": "prefix work waits until decode has at most this many live rows",
                 "sms": "decode's SMs while both streams are busy (0: re-chosen per chunk)",
                 "target": "1 (default): matmuls on a partition target its SMs through cuBLASLt; 0: plain cuBLAS",
-                "sp": "1 (default): decode and compute on SM partitions while both run; 0: plain streams, "
+                "sp": "1: decode and compute on SM partitions while both run; 0 (default): plain streams, "
                       "each on the whole GPU",
                 "gp": "1: forwards kept for a backward (the policy's prefix) may run on a partition; "
                       "0 (default): whole GPU",
@@ -36,6 +36,8 @@ VARIANT_KEYS = {"gate": "prefix work waits until decode has at most this many li
                 "gl": "the policy's prefix of micro-batch m waits for the loss of m - N (0, default: no bound)",
                 "tf": "train fusion: 1 trains finished groups inside the window, 0 after it "
                       "(default: --train-fusion)",
+                "prio": "1: decode's stream at high priority, so the GPU issues its blocks ahead of compute's "
+                        "as SMs free up (plain streams; a green context's stream keeps the default)",
                 "gil": "Python's GIL switch interval in µs during the policy's timed iterations (default: "
                        "the process's, 5000): how long a compute thread may hold the GIL that the decode "
                        "thread wants back after each graph launch"}
@@ -43,9 +45,9 @@ VARIANT_KEYS = {"gate": "prefix work waits until decode has at most this many li
 SHAPE_KEYS = {"ppn": "prompts per vit/prefix/suffix node (batched forwards; default: --prompts-per-node)",
               "mb": "prompts per micro-batch: one loss and backward each (default 1)",
               "spg": "decode steps per CUDA graph launch (default 1)",
-              "cudnn": "0: cuDNN's attention off for the policy's eager forwards (it builds a plan per new "
-                       "shape) during each of its timed iterations (decode's graphs are captured outside them); "
-                       "default: torch's choice"}
+              "cudnn": "1: cuDNN's attention on for the policy's eager forwards during its timed iterations; "
+                       "default 0, as in the runtime: it builds a plan per new shape (engines/attention_kernels.py). "
+                       "Decode's graphs are captured with it either way"}
 
 
 def file_stem(policy: str) -> str:

@@ -137,9 +137,10 @@ class ClusterConfig:
     dashboard: bool = f(False, doc="serve the Dask dashboard")
     memory_budget_gib: float | None = f(None, lo=0.0, doc="memory per device the engines may hold; checked "
                                         "before they start (null: no check)")
-    sm_partitions: bool = f(True, doc="rollplex schedule on CUDA: while decode and compute-stream work run "
+    sm_partitions: bool = f(False, doc="rollplex schedule on CUDA: while decode and compute-stream work run "
                             "together each gets its own SMs (green contexts), the split re-chosen per decode "
-                            "chunk from the live batch; false: plain streams")
+                            "chunk from the live batch; false: plain streams, which were as fast or faster on "
+                            "an H200 (BENCHMARKS.md runs 23 and 34)")
     cuda_allocator: str = f("native", choices=("native", "async"), doc="CUDA memory: native (torch's caching "
                             "allocator, blocks cached per stream) or async (cudaMallocAsync, one stream-ordered "
                             "pool for every stream); chosen before torch loads, through PYTORCH_CUDA_ALLOC_CONF")

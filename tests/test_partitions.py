@@ -86,10 +86,12 @@ def test_the_runtime_asks_for_partitions_under_the_rollplex_schedule_only(tmp_pa
     from rollplex.pipeline.session import Session
     from rollplex.pipeline.worker import WorkerHost
 
-    specs = {s: Session(load_config(None, [f"schedule={s}"]), tmp_path / s).host_spec() for s in ("serial", "rollplex")}
+    asked = ["cluster.sm_partitions=true"]
+    specs = {s: Session(load_config(None, [f"schedule={s}", *asked]), tmp_path / s).host_spec()
+             for s in ("serial", "rollplex")}
     assert specs["rollplex"].sm_partitions is True and specs["serial"].sm_partitions is False
-    off = Session(load_config(None, ["schedule=rollplex", "cluster.sm_partitions=false"]), tmp_path / "off")
-    assert off.host_spec().sm_partitions is False
+    default = Session(load_config(None, ["schedule=rollplex"]), tmp_path / "default")
+    assert default.host_spec().sm_partitions is False  # plain streams unless asked for
     # Engines given, so that none is built (a DeepSpeed engine would start a process group here).
     spec = dataclasses.replace(specs["rollplex"], ref_cache_bytes=0)
     host = WorkerHost(spec, name="cpu", engines={"actor": None, "ref": None}, decode=FakeDecode())
