@@ -350,8 +350,40 @@ class CostModel:
 
     # -- per node -------------------------------------------------------------------------------
     def __call__(self, node: Node, gang: int) -> NodeCost:
+        if "handoff_chunk" in node.args:
+            return self._handed_on(node, gang)
         cost = self._raw(node, gang)
         return NodeCost(self.calibration.apply(node.kind, cost.seconds), cost.batch)
+
+    def _handed_on(self, node: Node, gang: int) -> NodeCost:
+        """A node of a stage-fused graph that works on what decode chunks handed on: a frozen model's
+        scoring of the groups (``handoff_c``) or samples (``finished_c``) of its chunks, or, under train
+        fusion, ``train_c``: the groups its chunk finished, in micro-batches, each its policy prefix
+        and suffix with grad, loss and backward, each part calibrated as serial's node of that kind.
+        A node with nothing handed on costs nothing (the runtime's returns at once)."""
+        chunks = {int(v.rsplit("_c", 1)[1]) for v in node.inputs if v.startswith(("handoff_c", "finished_c"))}
+        groups = [p for p in node.args.get("prompts", []) if self.profile.finish_chunk.get(p) in chunks]
+        cal, L = self.calibration, self.w.prefix_tokens
+        if node.kind == "loss":
+            seconds, most = 0.0, max(1, node.args.get("micro_batch_groups") or len(groups))
+            for mb in (groups[i : i + most] for i in range(0, len(groups), most)):
+                prefix = self._compute(len(mb) * self.m.prefill_flops(L), gang, self.eff.forward)
+                suffix = self._compute(sum(self.suffix_flops(p, False) for p in mb), gang, self.eff.forward)
+                seconds += (cal.apply("prefix", prefix + self._tp_comm(L * len(mb), gang))
+                            + cal.apply("suffix_score", suffix + self._tp_comm(sum(self.tokens(p, False) for p in mb), gang))
+                            + cal.apply("loss", self._loss(mb, gang, forward_kept=True)))
+            return NodeCost(seconds)
+        if any(v.startswith("finished_c") for v in node.inputs):  # single samples
+            some = {p: [g for g, c in enumerate(self.profile.sample_chunks[p]) if c in chunks]
+                    for p in node.args.get("prompts", []) if p in self.profile.sample_chunks}
+            some = {p: gs for p, gs in some.items() if gs}
+        else:
+            some = {p: None for p in groups}
+        if not some:
+            return NodeCost(0.0)
+        flops = sum(self.suffix_flops(p, False, gs) for p, gs in some.items())
+        tokens = sum(self.tokens(p, False, gs) for p, gs in some.items())
+        return NodeCost(cal.apply(node.kind, self._compute(flops, gang, self.eff.forward) + self._tp_comm(tokens, gang)))
 
     def _raw(self, node: Node, gang: int) -> NodeCost:
         w, m, eff, k = self.w, self.m, self.eff, node.kind
@@ -387,7 +419,9 @@ class CostModel:
             return NodeCost(node.args.get("bytes_per_gpu", 0) / self.c.pcie_bw)
         return NodeCost(1e-3)  # plugin kinds: assumed small
 
-    def _loss(self, prompts: list[int], gpus: int) -> float:
+    def _loss(self, prompts: list[int], gpus: int, forward_kept: bool = False) -> float:
+        """The backward of ``prompts``' groups; with ``actor_forward="recompute"`` also the forward it
+        re-runs with grad, unless ``forward_kept`` (the node ran that forward itself)."""
         w, m = self.w, self.m
         shared = self.prefix_sharing
         fwd = 0.0
@@ -400,7 +434,7 @@ class CostModel:
                 tokens += w.prefix_tokens
         passes = 2.0 + (1.0 if w.checkpointing else 0.0)  # backward, recomputed forward
         flops = passes * fwd
-        if w.actor_forward == "recompute":  # the scoring forward again, with grad
+        if w.actor_forward == "recompute" and not forward_kept:  # the scoring forward again, with grad
             flops += sum(self.suffix_flops(p, not shared) for p in prompts)
             if shared and self.recompute_prefix:
                 flops += len(prompts) * m.prefill_flops(w.prefix_tokens)

@@ -74,16 +74,17 @@ class Result:
         return exposed_phases(self.plan)
 
 
-def compile_for(scn: Scenario, layout: Layout, prefix_sharing: bool) -> IterationGraph:
+def compile_for(scn: Scenario, layout: Layout, prefix_sharing: bool, rollplex: bool = False) -> IterationGraph:
     w, m = scn.workload, scn.model
-    # Train fusion trains each group as soon as it is done (with the others its chunk finished, in the
-    # runtime's train_c node): here a loss and a policy prefix per prompt, released with its group
-    # (schedule.release_finished_groups, defer_normalisation).
-    groups = 1 if scn.train_fusion else w.micro_batch_groups or layout.train_dp
+    # Train fusion compiles the runtime's graph: per decode chunk, the reference scores the groups it
+    # finished and ``train_c`` trains them (costs.CostModel._handed_on). Stage fusion without it is
+    # the unfused graph, split per finished sample by the plan (schedule.release_finished_samples).
+    fused = rollplex and scn.train_fusion and scn.stage_fusion and prefix_sharing
     shape = BatchShape(prompts=w.prompts, samples=w.samples, max_new_tokens=w.max_new_tokens,
-                       chunk_tokens=w.chunk_tokens, micro_batch_groups=groups,
+                       chunk_tokens=w.chunk_tokens, micro_batch_groups=w.micro_batch_groups or layout.train_dp,
                        prompt_tokens=w.prefix_tokens, vision_tokens=w.vision_total, prefix_sharing=prefix_sharing,
-                       prompts_per_node=w.prompts_per_node, grad_prefix_lookahead=scn.grad_prefix_lookahead)
+                       prompts_per_node=w.prompts_per_node, grad_prefix_lookahead=scn.grad_prefix_lookahead,
+                       stage_fusion=fused, train_fusion=fused)
     dims = ModelDims(m.hidden, m.layers, m.kv_heads, m.head_dim, m.vocab, m.params, 2)
     return compile_iteration(grpo, shape, ENGINES, dims, name=f"grpo-{m.name}")
 
@@ -115,7 +116,7 @@ def run_variant(scn: Scenario, name: str, rollout_gpus: int | None = None) -> Re
     cm = CostModel(scn.model, scn.cluster, scn.workload, layout, efficiency=scn.efficiency,
                    calibration=scn.calibration, weight_sharing=rollplex, prefix_sharing=sharing,
                    recompute_prefix=not rollplex)
-    graph = footprint.annotate(compile_for(scn, layout, sharing), cm)
+    graph = footprint.annotate(compile_for(scn, layout, sharing, rollplex), cm)
     # The compiler chains the forwards a backward walks (bit-determinism on one worker). Across data-
     # parallel ranks that order only matters per rank, so it must not serialize the whole cluster.
     for u, v, data in list(graph.g.edges(data=True)):

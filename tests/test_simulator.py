@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -259,13 +260,34 @@ def test_the_scenarios_grad_prefix_lookahead_orders_the_policys_prefixes_after_e
         assert len(ordered) == (3 if lookahead else 0)  # micro-batches 1–3 each wait for the previous loss
 
 
-def test_a_train_fusion_scenario_trains_each_group_alone_as_the_runtime_does():
-    """The runtime trains the groups a chunk finished in that chunk's node (``train_c``); the simulated
-    graph gives each prompt its own loss and policy prefix, released with its group."""
+def test_a_train_fusion_scenario_costs_each_group_in_the_chunk_that_finished_it_as_serial_does():
+    """Under train fusion the simulated graph is the runtime's: ``train_c{c}`` runs the policy prefix,
+    suffix with grad, loss and backward of the groups chunk c finished, and the reference scores those
+    groups. Every response ends in chunk 1 here, so chunk 0's nodes cost nothing and chunk 1's cost
+    what the unfused graph's nodes for the same groups cost, calibration overheads included."""
     w = Workload(prompts=4, samples=2, vision_tokens=16, text_tokens=8, max_new_tokens=8, chunk_tokens=4,
-                 micro_batch_groups=2, prompts_per_node=2)
-    for fused, losses in ((False, 2), (True, 4)):
+                 response="fixed:6", micro_batch_groups=4, prompts_per_node=4, checkpointing=False,
+                 actor_forward="keep")
+    cal = Calibration(factors={"prefix": 1.5, "suffix_score": 2.0, "loss": 0.7},
+                      overheads={"prefix": 0.01, "suffix_score": 0.02, "loss": 0.1})
+    graphs, costs = {}, None
+    for fused in (False, True):
         scn = S.Scenario(load_model("qwen2.5-vl-3b"), hardware("h200", 1), w, stage_fusion=True, train_fusion=fused)
-        g = S.compile_for(scn, S.layout_for(scn, "rollplex"), True)
-        assert len(g.of_kind("loss")) == losses
-        assert len([n for n in g.of_kind("prefix") if n.model == "actor"]) == losses
+        layout = S.layout_for(scn, "rollplex")
+        graphs[fused] = S.compile_for(scn, layout, True, rollplex=True)
+        costs = CostModel(scn.model, scn.cluster, w, layout, calibration=cal)
+    assert set(costs.profile.finish_chunk.values()) == {1}
+    fused, unfused = graphs[True], graphs[False]
+    assert not [n for n in fused.of_kind("prefix") if n.model == "actor"]  # the training nodes run them
+    assert [n.name for n in fused.of_kind("loss")] == ["train_c0", "train_c1"]
+    seconds = lambda g, name: costs(g.nodes[name], 1).seconds  # noqa: E731
+    assert seconds(fused, "train_c0") == 0.0 and seconds(fused, "suffix_ref_logprobs_c0") == 0.0
+    trained = sum(seconds(unfused, n.name) for n in unfused if n.model == "actor" and n.kind in ("prefix", "suffix_score", "loss"))
+    assert seconds(fused, "train_c1") == pytest.approx(trained)
+    (ref,) = [n for n in unfused.of_kind("suffix_score") if n.model == "ref"]
+    assert seconds(fused, "suffix_ref_logprobs_c1") == pytest.approx(seconds(unfused, ref.name))
+    # Micro-batches of one group: one overhead per group and kind, as serial's nodes of one group pay.
+    one = CostModel(scn.model, scn.cluster, replace(w, micro_batch_groups=1), layout, calibration=cal)
+    node = fused.nodes["train_c1"]
+    split = replace(node, args={**node.args, "micro_batch_groups": 1})
+    assert one(split, 1).seconds - costs(node, 1).seconds == pytest.approx(3 * (0.01 + 0.02 + 0.1))
