@@ -157,6 +157,10 @@ class TorchTrainEngine(TrainEngine):
         self.module = load_policy(ctx)
         self._trainable = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         self.optimizer = adamw([p for _, p in self._trainable], ctx.options)
+        # Data-parallel ranks (one per worker, in the process group the cluster formed): gradients are
+        # averaged at the step, as DeepSpeed does, so every rank takes the same step.
+        dist = torch.distributed
+        self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
     def backward(self, loss: torch.Tensor) -> None:
         # The caller normalised the loss to the whole batch, so the M calls simply add up.
@@ -169,6 +173,8 @@ class TorchTrainEngine(TrainEngine):
                     p.grad.mul_(factor)
 
     def step(self) -> StepStats:
+        if self.world > 1:
+            self._average_gradients()
         grads = [p.grad for _, p in self._trainable if p.grad is not None]
         lr = float(self.optimizer.param_groups[0]["lr"])
         if not grads:
@@ -183,6 +189,16 @@ class TorchTrainEngine(TrainEngine):
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return StepStats(grad_norm=float(norm), lr=lr)
+
+    def _average_gradients(self) -> None:
+        """Every rank all-reduces every trainable parameter's gradient in one order (a rank whose
+        groups left one unused reduces zeros), then divides by the ranks."""
+        with torch.no_grad():
+            for _, p in self._trainable:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                torch.distributed.all_reduce(p.grad)
+                p.grad.div_(self.world)
 
     def state_dict_for_sync(self, trainable_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """Module names (see the module docstring). ``trainable_only`` skips the frozen vision tower,

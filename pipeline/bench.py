@@ -188,8 +188,8 @@ def _host(cfg: BenchConfig, actor_engine, ref_engine, decode, policy: str, strea
 
 def compile_for(cfg: BenchConfig, policy: str, config):
     """``disaggregated`` runs serial's graph (its rollout GPU is a placement, not a graph change);
-    ``rollplex-dp2`` runs rollplex's over two ranks, each scoring its own chunks' samples (stage
-    fusion per rank; train fusion stays on one rank)."""
+    ``rollplex-dp2`` runs rollplex's over two ranks, each scoring (and with train fusion training)
+    what its own decode chain finished."""
     from rollplex.dags.grpo import grpo
     from rollplex.pipeline.compiler import BatchShape, EngineChoice, ModelDims, compile_iteration
     from rollplex.pipeline.ranks import distribute, fit_prompts_per_node

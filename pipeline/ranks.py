@@ -11,6 +11,8 @@
               rank's loss is scaled by R because DeepSpeed averages gradients over ranks, so the
               all-reduced update equals the single-rank one. A ``gather`` report merges the ranks'.
               Accumulation-order edges between ranks are dropped: each rank sums its own micro-batches.
+              Under stage fusion each rank's chain hands on its own finished samples and groups, and
+              the nodes that work on them (frozen scoring, train fusion's ``train_c``) split per rank.
               With ``tp_rollout`` K, each K consecutive ranks form one tensor-parallel decode engine:
               every rank's chain decodes the group's prompts (a step needs every rank of the group)
               and hands on its own; each vision node gets a copy on the group's other ranks.
@@ -90,9 +92,9 @@ def check_data_parallel(workers: int, prompts: int, micro_batch_groups: int, tra
         raise ConfigError(f"train.micro_batch_groups ({micro_batch_groups}) must divide the prompts per rank "
                           f"({per_rank}): every rank needs the same number of micro-batches (ZeRO reduces "
                           f"gradients in lock-step)")
-    if train_engine != "deepspeed":
-        raise ConfigError(f"cluster.workers={workers} trains data-parallel with DeepSpeed; engines.train is "
-                          f"{train_engine!r} (set engines.train=deepspeed)")
+    if train_engine not in ("deepspeed", "torch"):
+        raise ConfigError(f"cluster.workers={workers} trains data-parallel with DeepSpeed or the torch engine "
+                          f"(each averages the ranks' gradients); engines.train is {train_engine!r}")
     if zero_stage > 2:
         raise ConfigError(f"train.zero_stage 3 with cluster.workers={workers}: ZeRO-3 gathers parameters in "
                           f"every forward, which would need every rank's forwards in lock-step; use 0-2")
@@ -139,10 +141,9 @@ def distribute(graph: IterationGraph, ranks: int, tp_rollout: int = 1) -> Iterat
         out.add(node, **{o: {"nbytes": infos[o].nbytes, "device": infos[o].device, "what": infos[o].what}
                          for o in node.outputs})
 
-    if any(n.kind == "loss" and "handoff_chunk" in n.args for n in graph):
-        raise GraphError("train fusion (train_c nodes) cannot be split over data-parallel ranks yet: each chunk's "
-                         "update spans every rank's groups; set train.train_fusion: false")
     decode = [graph.nodes[n] for n in graph.topological_order() if graph.nodes[n].kind == "decode_chunk"]
+    split: set[str] = set()  # nodes over every prompt made one per rank; a join of their outputs splits too
+    orders: list[tuple[str, str]] = []  # each rank's training nodes in chunk order (accumulation order)
     for name in graph.topological_order():
         node = graph.nodes[name]
         if node.kind == "decode_chunk":
@@ -152,8 +153,14 @@ def distribute(graph: IterationGraph, ranks: int, tp_rollout: int = 1) -> Iterat
         if node.kind in REPLICATED:
             _replicate(graph, node, layout, add, renamed, rank_of_value)
             continue
-        if "handoff_chunk" in node.args or (node.kind == "join" and node.args.get("samples")):
+        if node.kind == "loss" and "handoff_chunk" in node.args:
+            orders += _split_fused_training(graph, node, layout, add, renamed, rank_of_value)
+            split.add(name)
+            continue
+        if "handoff_chunk" in node.args or (node.kind == "join" and (
+                node.args.get("samples") or all(graph.values[v].producer in split for v in node.inputs))):
             _split_fused_scoring(graph, node, layout, add, rank_of_value)
+            split.add(name)
             continue
         owners = {layout.rank_of(p) for p in _prompts(node)}
         rank = owners.pop() if len(owners) == 1 else 0
@@ -179,6 +186,8 @@ def distribute(graph: IterationGraph, ranks: int, tp_rollout: int = 1) -> Iterat
         if data.get("reason") == "accumulation order" and out.nodes[u].meta["rank"] != out.nodes[v].meta["rank"]:
             continue  # each rank accumulates its own micro-batches; the all-reduce joins them
         out.add_order(u, v, reason=data.get("reason", "order"))
+    for u, v in orders:
+        out.add_order(u, v, reason="accumulation order")
     out.lint()
     check_placement(out)
     return out
@@ -206,11 +215,11 @@ def _split_decode(graph: IterationGraph, chain: list[Node], layout: RankLayout, 
             if not last:
                 old = graph.values[node.outputs[0]]
                 infos = {outputs[0]: Value(outputs[0], None, old.nbytes // layout.ranks, old.device, old.what)}
-            handed = f"finished_c{chunk}"  # stage fusion: the samples this chunk finished, per rank
-            if handed in node.outputs:
-                outputs.append(f"{handed}_r{r}")
-                infos[outputs[-1]] = graph.values[handed]
-                rank_of_value[outputs[-1]] = r
+            for handed in (f"finished_c{chunk}", f"handoff_c{chunk}"):  # stage fusion: samples, groups
+                if handed in node.outputs:
+                    outputs.append(f"{handed}_r{r}")
+                    infos[outputs[-1]] = graph.values[handed]
+                    rank_of_value[outputs[-1]] = r
             args = {**node.args, "prompts": decoded} | ({"keep": mine} if decoded != mine else {})
             add(Node(f"decode_r{r}_c{node.args['chunk']}", node.kind, tuple(inputs), tuple(outputs), node.model,
                      node.engine, args, dict(node.meta)), r, infos)
@@ -244,6 +253,32 @@ def _split_fused_scoring(graph: IterationGraph, node: Node, layout: RankLayout, 
                  {**node.args, "prompts": mine}, dict(node.meta)), r, infos)
         for o in outputs:
             rank_of_value[o] = r
+
+
+def _split_fused_training(graph: IterationGraph, node: Node, layout: RankLayout, add, renamed,
+                          rank_of_value) -> list[tuple[str, str]]:
+    """Train fusion per rank: ``train_c{c}`` becomes one node per rank training the groups of its
+    prompts that its own decode chain finished in chunk c, on its frozen scores. Its loss is scaled by
+    R like every rank's loss (``world``), and the optimizer step each rank runs reads its own losses.
+    Returns the order edges that keep each rank's training nodes in chunk order."""
+    orders = []
+    for r in range(layout.ranks):
+        mine = layout.prompts_of(r)
+        own = {f"prompt_p{p}" for p in mine} | {f"vis_p{p}" for p in mine}
+        inputs = tuple(v for v in node.inputs if v in own) + tuple(
+            f"{v}_r{r}" for v in node.inputs if not v.startswith(("prompt_p", "vis_p")))
+        outputs = tuple(f"{o}_r{r}" for o in node.outputs)
+        name = f"{node.name}_r{r}"
+        add(Node(name, node.kind, inputs, outputs, node.model, node.engine,
+                 {**node.args, "prompts": mine, "world": layout.ranks}, dict(node.meta)), r,
+            {f"{o}_r{r}": graph.values[o] for o in node.outputs})
+        for o in node.outputs:
+            renamed[o, r] = f"{o}_r{r}"
+            rank_of_value[f"{o}_r{r}"] = r
+        chunk = node.args["handoff_chunk"]
+        if chunk:
+            orders.append((f"{node.name.rsplit('_c', 1)[0]}_c{chunk - 1}_r{r}", name))
+    return orders
 
 
 def _replicate(graph: IterationGraph, node: Node, layout: RankLayout, add, renamed, rank_of_value) -> None:

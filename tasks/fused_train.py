@@ -14,6 +14,8 @@ its metrics are the per-prompt tasks' own helpers (tasks/nodes.py).
 """
 from __future__ import annotations
 
+import re
+
 import torch
 
 from rollplex.tasks import lm
@@ -35,6 +37,8 @@ def train_handoff(ctx, node, inputs) -> dict:
     decl, engine = ctx.algorithm.loss_fn, ctx.train_engine(node.model)
     model = ctx.model(node.model)
     c, as_, agg = node.args["handoff_chunk"], node.args["as"], node.args["agg"]
+    # A data-parallel rank's node reads its chain's values, named with the rank (pipeline/ranks.py).
+    inputs = {re.sub(r"_r\d+$", "", name): value for name, value in inputs.items()}
     handoff = inputs[f"handoff_c{c}"]
     rewards_out, advantages_out, old_out = {}, {}, {}
     record = {"loss": 0.0, "tokens": 0.0, "sums": {}, "scalars": {}, "deferred": count_of(agg)}
@@ -73,7 +77,9 @@ def train_handoff(ctx, node, inputs) -> dict:
         if not torch.isfinite(losses).all():
             bad = next(p for (p, _, _, _), v in zip(parts, losses) if not torch.isfinite(v))
             raise FloatingPointError(f"non-finite loss {float(losses.sum())} for prompt {bad} in {node.name}")
-        engine.backward(total)
+        # With R data-parallel ranks the engine averages their gradients: scaled by R, it sums them.
+        world = int(node.args.get("world", 1))
+        engine.backward(total * world if world != 1 else total)
         for (_, _, mask, metrics), loss_value in zip(parts, losses.tolist()):
             record["loss"] += loss_value
             record["tokens"] += float(mask.sum())

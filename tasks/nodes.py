@@ -7,6 +7,7 @@ tokenizer and the iteration's settings. Functions never reach into Dask or the s
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -131,10 +132,10 @@ def decode_chunk(ctx, node, inputs):
     # A tensor-parallel rank decodes its group's prompts and hands on only its own ("keep").
     keep = set(node.args.get("keep", index))
     kept = [p for p in range(num_prompts) if index[p] in keep]
-    groups_out = f"handoff_c{chunk}"
-    # A rank's chain (pipeline/ranks.py) names its hand-off finished_c{chunk}_r{rank}.
+    # A rank's chain (pipeline/ranks.py) names its hand-offs finished_c{chunk}_r{rank}, handoff_c{chunk}_r{rank}.
+    groups_out = next((o for o in node.outputs if o.split("_r")[0] == f"handoff_c{chunk}"), None)
     samples_out = next((o for o in node.outputs if o.split("_r")[0] == f"finished_c{chunk}"), None)
-    fused = groups_out in node.outputs
+    fused = groups_out is not None
 
     def group(p: int) -> Responses | None:
         keys = [(request_id(ctx.iteration, index[p]), g) for g in range(s.samples)]
@@ -426,7 +427,8 @@ def report(ctx, node, inputs):
     trained = {alg.rollout_model: "loss_m", **{m: f"loss_{m}_m" for m in alg.model_losses}}
     extra_losses = {}
     for model, prefix in trained.items():
-        micro_batches = [v for k, v in inputs.items() if k.startswith(prefix) and k[len(prefix):].isdigit()
+        # loss_m3, or a rank's fused chunk loss_m3_r1 (pipeline/ranks.py)
+        micro_batches = [v for k, v in inputs.items() if re.fullmatch(re.escape(prefix) + r"\d+(_r\d+)?", k)
                          and not (v.get("deferred") and not v["tokens"])]  # a fused chunk that trained no group
         for value in micro_batches:
             if value.get("deferred"):  # train fusion: a sum, divided by the batch's count only now

@@ -185,3 +185,18 @@ def test_a_tensor_parallel_rollout_trains_as_the_data_parallel_one(tmp_path):
                     if line.startswith("%decode_r") and "_c0 :" in line]
     assert len(first_chunks) == 2  # each rank's chain starts from all four prompts
     assert all("(%prompt_p0, %prompt_p1, %prompt_p2, %prompt_p3," in line for line in first_chunks)
+
+
+def test_two_torch_engine_ranks_training_in_their_windows_equal_one_worker(tmp_path):
+    """Train fusion over data-parallel ranks: each rank trains the groups its own decode chain
+    finished (``train_c*_r*``) and the torch engine averages the ranks' gradients at the step, so the
+    global gradient norm, the loss and the weights are the one-worker fused run's (LocalCluster)."""
+    fused = ("--set", "engines.train=torch", "--set", "schedule=rollplex", "--set", "train.train_fusion=true")
+    logs = train_side_by_side(tmp_path, {"one": fused, "two": (*fused, "--workers", "2")})
+    assert "train fusion off" not in logs["two"].stdout + logs["two"].stderr
+    trace = json.loads((tmp_path / "two" / "traces" / "iter_000001.json").read_text())
+    assert {"train_c0_r0", "train_c0_r1"} <= {e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"}
+    one, two = rl_rows(tmp_path / "one"), rl_rows(tmp_path / "two")
+    assert [r["grad_norm"] for r in two] == pytest.approx([r["grad_norm"] for r in one], rel=1e-4)
+    assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-4, abs=1e-7)
+    assert_equal_to_rounding(final_weights(tmp_path / "two"), final_weights(tmp_path / "one"))

@@ -85,10 +85,30 @@ def test_stage_fusion_splits_per_rank_each_scoring_its_own_chains_samples(window
     for r in range(2):
         join = g.nodes[f"join_ref_logprobs_r{r}"]
         assert join.outputs == tuple(f"ref_logprobs_p{p}" for p in (2 * r, 2 * r + 1))
-    train_fused = BatchShape(prompts=4, samples=2, max_new_tokens=4, chunk_tokens=2, micro_batch_groups=1,
-                             stage_fusion=True, train_fusion=True)
-    with pytest.raises(GraphError, match="train fusion"):
-        distribute(compile_iteration(load_algorithm("grpo"), train_fused, ENGINES, DIMS), 2)
+
+
+def test_train_fusion_splits_per_rank_each_training_its_own_chains_groups():
+    """``train_c{c}`` becomes one node per rank over its own prompts, reading its chain's hand-off and
+    its own frozen scores; each rank's training nodes keep chunk order, its loss is scaled by the
+    ranks, and each rank's optimizer step reads its own losses only."""
+    shape = BatchShape(prompts=4, samples=2, max_new_tokens=6, chunk_tokens=2, micro_batch_groups=1,
+                       stage_fusion=True, train_fusion=True)
+    g = schedule(distribute(compile_iteration(load_algorithm("grpo"), shape, ENGINES, DIMS), 2), "rollplex")
+    check_placement(g)
+    for r in range(2):
+        mine = [2 * r, 2 * r + 1]
+        trains = [g.nodes[f"train_c{c}_r{r}"] for c in range(3)]
+        for c, node in enumerate(trains):
+            assert node.meta["rank"] == r and node.args["prompts"] == mine and node.args["world"] == 2
+            assert f"handoff_c{c}_r{r}" in node.inputs and f"ref_logprobs_c{c}_r{r}" in node.inputs
+            assert {g.nodes[g.values[v].producer].meta["rank"] for v in node.inputs if g.values[v].producer} == {r}
+            assert not {v for v in node.inputs if v.startswith("prompt_p")} - {f"prompt_p{p}" for p in mine}
+        assert all(g.g.has_edge(a.name, b.name) for a, b in zip(trains, trains[1:]))
+        assert set(g.nodes[f"optimizer_step_r{r}"].inputs) >= {f"loss_m{c}_r{r}" for c in range(3)}
+        assert not [v for v in g.nodes[f"optimizer_step_r{r}"].inputs if v.endswith(f"_r{1 - r}")]
+        join = g.nodes[f"join_rewards_r{r}"]
+        assert join.outputs == tuple(f"rewards_p{p}" for p in mine)
+    assert not [n for n in g if n.name.startswith("train_c") and "_r" not in n.name]
 
 
 def test_one_rank_is_the_compiled_graph_itself():
@@ -160,7 +180,7 @@ def test_balance_gives_equal_counts_and_evens_out_the_loads():
 @pytest.mark.parametrize("kwargs, field", [
     (dict(prompts=6), "rollout.prompts_per_iteration"),
     (dict(micro_batch_groups=3), "train.micro_batch_groups"),
-    (dict(train_engine="torch"), "engines.train"),
+    (dict(train_engine="hf"), "engines.train"),
     (dict(zero_stage=3), "train.zero_stage"),
     (dict(decode_engine="vllm"), "engines.decode"),
     (dict(processes=False), "cluster.processes"),
