@@ -77,8 +77,8 @@ def parse_policy(name: str) -> tuple[str, dict[str, int]]:
 def policy_shape(policy: str, *, prompts_per_node: int, stage_fusion: bool, train_fusion: bool) -> dict[str, Any]:
     """The batch-shape fields a bench policy's name sets, its options over the bench's defaults:
     prompts per node and per micro-batch, stage fusion (the rollplex policies that score in the
-    window), train fusion (rollplex, over one rank or two) and late-chunk scoring. The bench compiles with them and
-    ``benchmarks/predict_bench.py`` simulates with them."""
+    window), train fusion (rollplex, over one rank or two) and late-chunk scoring. The bench
+    compiles with them and ``benchmarks/predict_bench.py`` simulates with them."""
     base, options = parse_policy(policy)
     fused = stage_fusion and base in ("rollplex", "rollplex-dp2")
     return {"prompts_per_node": options.get("ppn", prompts_per_node), "micro_batch_groups": options.get("mb", 1),

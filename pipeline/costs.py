@@ -367,10 +367,10 @@ class CostModel:
         if node.kind == "loss":
             seconds, most = 0.0, max(1, node.args.get("micro_batch_groups") or len(groups))
             for mb in (groups[i : i + most] for i in range(0, len(groups), most)):
-                prefix = self._compute(len(mb) * self.m.prefill_flops(L), gang, self.eff.forward)
-                suffix = self._compute(sum(self.suffix_flops(p, False) for p in mb), gang, self.eff.forward)
-                seconds += (cal.apply("prefix", prefix + self._tp_comm(L * len(mb), gang))
-                            + cal.apply("suffix_score", suffix + self._tp_comm(sum(self.tokens(p, False) for p in mb), gang))
+                prefix = self._compute(len(mb) * self.m.prefill_flops(L), gang, self.eff.forward) + self._tp_comm(
+                    L * len(mb), gang)
+                suffix = self._forward({p: None for p in mb}, gang)
+                seconds += (cal.apply("prefix", prefix) + cal.apply("suffix_score", suffix)
                             + cal.apply("loss", self._loss(mb, gang, forward_kept=True)))
             return NodeCost(seconds)
         if any(v.startswith("finished_c") for v in node.inputs):  # single samples
@@ -379,11 +379,13 @@ class CostModel:
             some = {p: gs for p, gs in some.items() if gs}
         else:
             some = {p: None for p in groups}
-        if not some:
-            return NodeCost(0.0)
-        flops = sum(self.suffix_flops(p, False, gs) for p, gs in some.items())
-        tokens = sum(self.tokens(p, False, gs) for p, gs in some.items())
-        return NodeCost(cal.apply(node.kind, self._compute(flops, gang, self.eff.forward) + self._tp_comm(tokens, gang)))
+        return NodeCost(cal.apply(node.kind, self._forward(some, gang)) if some else 0.0)
+
+    def _forward(self, samples: Mapping[int, list[int] | None], gang: int) -> float:
+        """A suffix forward over the given samples of each prompt (None: all of its samples)."""
+        flops = sum(self.suffix_flops(p, False, gs) for p, gs in samples.items())
+        tokens = sum(self.tokens(p, False, gs) for p, gs in samples.items())
+        return self._compute(flops, gang, self.eff.forward) + self._tp_comm(tokens, gang)
 
     def _raw(self, node: Node, gang: int) -> NodeCost:
         w, m, eff, k = self.w, self.m, self.eff, node.kind

@@ -282,7 +282,8 @@ def test_a_train_fusion_scenario_costs_each_group_in_the_chunk_that_finished_it_
     assert [n.name for n in fused.of_kind("loss")] == ["train_c0", "train_c1"]
     seconds = lambda g, name: costs(g.nodes[name], 1).seconds  # noqa: E731
     assert seconds(fused, "train_c0") == 0.0 and seconds(fused, "suffix_ref_logprobs_c0") == 0.0
-    trained = sum(seconds(unfused, n.name) for n in unfused if n.model == "actor" and n.kind in ("prefix", "suffix_score", "loss"))
+    trained = sum(seconds(unfused, n.name) for n in unfused
+                  if n.model == "actor" and n.kind in ("prefix", "suffix_score", "loss"))
     assert seconds(fused, "train_c1") == pytest.approx(trained)
     (ref,) = [n for n in unfused.of_kind("suffix_score") if n.model == "ref"]
     assert seconds(fused, "suffix_ref_logprobs_c1") == pytest.approx(seconds(unfused, ref.name))
