@@ -90,11 +90,13 @@ def final_weights(run: Path) -> dict[str, torch.Tensor]:
 
 
 def assert_equal_to_rounding(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    """Equal up to fp32 summation order: every weight within 1% of one Adam step (lr). A lost or doubled
-    update, or a rank training on the wrong prompts, moves weights by about lr."""
+    """Equal up to fp32 summation order: every weight within 5% of one Adam step (lr). A lost or doubled
+    update, or a rank training on the wrong prompts, moves weights by about lr. Adam's step
+    g / (|g| + eps) can turn a rounding difference in a small gradient into a visible share of lr:
+    2.2% in one weight of the DeepSpeed pair on an AMD EPYC host, under 1% on earlier hosts."""
     assert a.keys() == b.keys()
     worst = max(((x.float() - b[k].float()).abs().max().item(), k) for k, x in a.items())
-    assert worst[0] <= 1e-2 * LR, f"{worst[1]} differs by {worst[0]:.3g}"
+    assert worst[0] <= 5e-2 * LR, f"{worst[1]} differs by {worst[0]:.3g}"
 
 
 def train_side_by_side(root: Path, jobs: dict[str, tuple[str, ...]],
