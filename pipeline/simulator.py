@@ -126,10 +126,12 @@ def run_variant(scn: Scenario, name: str, rollout_gpus: int | None = None) -> Re
     if rollplex and scn.workload.ref_cache_hit > 0:
         h = scn.workload.ref_cache_hit
         graph = footprint.copy_with_cache_hits(graph, cm, lambda p: (p * 0.6180339887) % 1.0 < h)
+    # A train-fused graph defers its normaliser and trains per chunk as compiled (compile_for); the plan
+    # only releases the unfused graph's groups and samples with their decode chunks.
+    fused = graph.meta["shape"].train_fusion
     first = plan(graph, scn.cluster, cm, policy, layout, release=cm.profile.finish_chunk if scn.stage_fusion else None,
-                 train_fusion=scn.train_fusion,
                  release_samples=cm.profile.sample_chunks if scn.stage_fusion else None,
-                 window_chunks=0 if scn.train_fusion else scn.window_chunks)
+                 window_chunks=0 if fused else scn.window_chunks)
     rs = footprint.residents(first.graph, cm)
     measured = memory.plan_memory(first, rs, scn.budget, enabled=False)
     g = max(measured.naive_peak, key=lambda k: (measured.naive_peak[k], -k))
