@@ -14,13 +14,11 @@ its metrics are the per-prompt tasks' own helpers (tasks/nodes.py).
 """
 from __future__ import annotations
 
-import re
-
 import torch
 
 from rollplex.tasks import lm
 from rollplex.tasks.nodes import count_of, group_advantages, group_rewards, join_samples, loss_metrics, \
-    summed_loss
+    rank_free, summed_loss
 
 
 def frozen_scores(inputs: dict, name: str, p: int, chunk: int, width: int) -> torch.Tensor:
@@ -38,7 +36,7 @@ def train_handoff(ctx, node, inputs) -> dict:
     model = ctx.model(node.model)
     c, as_, agg = node.args["handoff_chunk"], node.args["as"], node.args["agg"]
     # A data-parallel rank's node reads its chain's values, named with the rank (pipeline/ranks.py).
-    inputs = {re.sub(r"_r\d+$", "", name): value for name, value in inputs.items()}
+    inputs = {rank_free(name): value for name, value in inputs.items()}
     handoff = inputs[f"handoff_c{c}"]
     rewards_out, advantages_out, old_out = {}, {}, {}
     record = {"loss": 0.0, "tokens": 0.0, "sums": {}, "scalars": {}, "deferred": count_of(agg)}

@@ -44,6 +44,11 @@ def request_id(iteration: int, prompt: int) -> str:
     return f"it{iteration}-p{prompt}"
 
 
+def rank_free(name: str) -> str:
+    """A value's name without the ``_r{rank}`` a data-parallel rank's copy carries (pipeline/ranks.py)."""
+    return re.sub(r"_r\d+$", "", name)
+
+
 def _sample_key(seq: FinishedSequence) -> tuple[str, int]:
     """(prompt's request id, sample) for a group request (n samples) or a per-sample one (id/g)."""
     parent, _, sample = seq.request_id.partition("/")
@@ -133,8 +138,8 @@ def decode_chunk(ctx, node, inputs):
     keep = set(node.args.get("keep", index))
     kept = [p for p in range(num_prompts) if index[p] in keep]
     # A rank's chain (pipeline/ranks.py) names its hand-offs finished_c{chunk}_r{rank}, handoff_c{chunk}_r{rank}.
-    groups_out = next((o for o in node.outputs if o.split("_r")[0] == f"handoff_c{chunk}"), None)
-    samples_out = next((o for o in node.outputs if o.split("_r")[0] == f"finished_c{chunk}"), None)
+    groups_out = next((o for o in node.outputs if rank_free(o) == f"handoff_c{chunk}"), None)
+    samples_out = next((o for o in node.outputs if rank_free(o) == f"finished_c{chunk}"), None)
     fused = groups_out is not None
 
     def group(p: int) -> Responses | None:
@@ -427,8 +432,8 @@ def report(ctx, node, inputs):
     trained = {alg.rollout_model: "loss_m", **{m: f"loss_{m}_m" for m in alg.model_losses}}
     extra_losses = {}
     for model, prefix in trained.items():
-        # loss_m3, or a rank's fused chunk loss_m3_r1 (pipeline/ranks.py)
-        micro_batches = [v for k, v in inputs.items() if re.fullmatch(re.escape(prefix) + r"\d+(_r\d+)?", k)
+        # loss_m3, or a rank's fused chunk loss_m3_r1
+        micro_batches = [v for k, v in inputs.items() if re.fullmatch(re.escape(prefix) + r"\d+", rank_free(k))
                          and not (v.get("deferred") and not v["tokens"])]  # a fused chunk that trained no group
         for value in micro_batches:
             if value.get("deferred"):  # train fusion: a sum, divided by the batch's count only now
