@@ -265,7 +265,8 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
     @contextmanager
     def process_settings(policy: str):
         """The policy's process-wide options (``gil``, ``cudnn``) for one timed iteration, then the
-        process's own again: every host captures its decode graphs under torch's defaults."""
+        process's own again. Decode graphs are captured outside it, with cuDNN's attention on either way
+        (engines/attention_kernels.py)."""
         options = parse_policy(policy)[1]
         switch, cudnn = sys.getswitchinterval(), torch.backends.cuda.cudnn_sdp_enabled()
         sys.setswitchinterval(options.get("gil", round(switch * 1e6)) / 1e6)
