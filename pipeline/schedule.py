@@ -373,23 +373,21 @@ class Plan:
 
 
 def plan(graph: IterationGraph, cluster: Cluster, costs, policy: str = "rollplex", layout: Layout | None = None,
-         *, release: Mapping[int, int] | None = None, train_fusion: bool = False,
+         *, release: Mapping[int, int] | None = None,
          release_samples: Mapping[int, list[int]] | None = None, window_chunks: int = 0) -> Plan:
     """Place and time every node of ``graph`` under ``policy``. Pure: the input is not modified.
 
     ``costs`` is ``(node, gang size) -> NodeCost | seconds`` or a mapping node name → seconds.
     ``release`` (prompt → decode chunk in which its group finishes) enables stage fusion;
-    ``train_fusion`` lets a released group's loss run then too (``defer_normalisation``);
     ``release_samples`` (prompt → each sample's finish chunk) has frozen models score single samples
     as their chunks end (``release_finished_samples``), as the runtime does; from chunk
     ``window_chunks`` on (when > 0) in one node after the last chunk (``BatchShape.window_chunks``).
     """
     with gc_paused():
-        return _plan(graph, cluster, costs, policy, layout, release, train_fusion, release_samples, window_chunks)
+        return _plan(graph, cluster, costs, policy, layout, release, release_samples, window_chunks)
 
 
-def _plan(graph, cluster, costs, policy, layout, release, train_fusion=False, release_samples=None,
-          window_chunks=0) -> Plan:
+def _plan(graph, cluster, costs, policy, layout, release, release_samples=None, window_chunks=0) -> Plan:
     spec = policy_spec(policy)
     if layout is None:
         layout = Layout.colocate(cluster) if spec.colocated else Layout.split(cluster, max(1, cluster.gpus // 2))
@@ -400,8 +398,6 @@ def _plan(graph, cluster, costs, policy, layout, release, train_fusion=False, re
     planned = copy_graph(graph)
     if spec.stage_fusion and release:
         planned = release_finished_groups(planned, release)
-        if train_fusion:
-            planned = defer_normalisation(planned)
     if spec.stage_fusion and release_samples:
         planned = release_finished_samples(planned, release_samples, window_chunks)
     if not nx.is_directed_acyclic_graph(planned.g):
@@ -568,35 +564,3 @@ def release_finished_samples(graph: IterationGraph, sample_chunks: Mapping[int, 
     nodes = [replace(n, outputs=n.outputs + tuple(handed[n.args["chunk"]])) if n.kind == "decode_chunk" else n
              for n in nodes]
     return rebuild(graph, nodes, infos)
-
-
-def defer_normalisation(graph: IterationGraph) -> IterationGraph:
-    """Train fusion in a plan: a loss no longer waits for ``rollout_stats`` (the batch's token count,
-    known after the last decode chunk), since its summed gradient is divided at the optimizer step,
-    which waits for the count instead; losses accumulate in the order their groups finish, not in
-    prompt order; and the policy's prefix forward (kept for the backward) waits for its groups, as the
-    runtime's ``train_c`` node runs it with their training. Edits ``graph`` (a copy the caller owns)
-    in place and returns it."""
-    stats = graph.values.get("rollout_stats")
-    if stats is None:
-        return graph
-    for node in graph.of_kind("prefix"):
-        if node.args.get("grad"):
-            for p in node.args["prompts"]:
-                finished = graph.values.get(f"responses_p{p}")
-                if finished is not None and not graph.g.has_edge(finished.producer, node.name):
-                    graph.g.add_edge(finished.producer, node.name, values=(), reason="trained with its group")
-    losses = {n.name for n in graph.of_kind("loss")}
-    for u, v, data in list(graph.g.edges(data=True)):
-        if data.get("reason") == "accumulation order" and u in losses:  # into the next loss or its suffix
-            graph.g.remove_edge(u, v)
-        elif v in losses and u == stats.producer and "rollout_stats" in data.get("values", ()):
-            keep = tuple(x for x in data["values"] if x != "rollout_stats")
-            if keep:
-                data["values"] = keep
-            else:
-                graph.g.remove_edge(u, v)
-    for step in graph.of_kind("optimizer_step"):
-        if not graph.g.has_edge(stats.producer, step.name):
-            graph.g.add_edge(stats.producer, step.name, values=(), reason="normaliser")
-    return graph
