@@ -264,7 +264,7 @@ def report(cfg, spec, results: dict[str, PolicyResult], out_dir: Path, log, fail
             log(f"{name}: the graph of {res.same_graph_as}, which met each iteration's shapes first: "
                 f"compare the two with their order swapped too")
     for name, res in results.items():
-        if name == "rollplex-dp2":
+        if parse_policy(name)[0] == "rollplex-dp2":
             log(f"{name}: ranks' weights after the step differ by at most {res.ranks_disagree:.1e}")
     summary = {"config": cfg.__dict__ | {"policies": list(cfg.policies)}, "results": rows, "updates": updates,
                "speedups": ratios,

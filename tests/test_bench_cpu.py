@@ -103,21 +103,25 @@ def test_replay_returns_recorded_samples_and_names_a_missing_one():
         engine.add_requests([DecodeRequest("it0-p1", [1], None, None, 4, seed=0)])
 
 
+DP2 = "rollplex-dp2:ppn=1"  # the default spelled out: rows named with options are reported as plain ones
+
+
 @pytest.mark.slow
 def test_bench_two_gpu_policies_on_cpu_match_serial(tmp_path):
     """disaggregated (rollout on its own copy, weights shipped back) and rollplex-dp2 (two ranks, an
     in-process all-reduce, stage fusion per rank) run on two CPU "devices"; on serial's replayed
     rollout both compute serial's update, and the two ranks end the step with equal weights."""
     config = resolve_model_path(load_config(None, [])) + "/config.json"
+    lines: list[str] = []
     out = run(BenchConfig(model=config, device="cpu", dtype="float32", prompts=4, samples=2, vision_tokens=16,
                           text_tokens=8, max_new_tokens=8, mean_new_tokens=4, chunk_tokens=4, iterations=2,
-                          policies=("serial", "rollplex-nofusion", "disaggregated", "rollplex-dp2",
+                          policies=("serial", "rollplex-nofusion", "disaggregated", DP2,
                                     "rollplex-nofusion:gate=4"),
                           out=str(tmp_path)),
-              log=lambda *a: None)
+              log=lines.append)
     rows = {r["policy"]: r for r in json.loads((tmp_path / "bench.json").read_text())["results"]}
-    assert rows["rollplex-dp2"]["gpus"] == 2 and rows["disaggregated"]["seconds_by_kind"]["weight_sync"] > 0
-    assert rows["rollplex-dp2"]["ranks_max_weight_difference"] == 0.0
+    assert rows[DP2]["gpus"] == 2 and rows["disaggregated"]["seconds_by_kind"]["weight_sync"] > 0
+    assert rows[DP2]["ranks_max_weight_difference"] == 0.0
     updates = {u["policy"]: u for u in out["updates"]}
     assert updates["disaggregated"]["replayed"] <= 1e-6 and updates["rollplex-nofusion"]["replayed"] <= 1e-6
     assert "join" not in rows["rollplex-nofusion"]["seconds_by_kind"]  # no per-chunk scoring to join
@@ -125,8 +129,9 @@ def test_bench_two_gpu_policies_on_cpu_match_serial(tmp_path):
     # Two ranks sum their halves' gradients instead of accumulating all micro-batches in one order,
     # and each scores its own chunks' samples (stage fusion per rank: the join of their scores runs),
     # which rounds as rollplex's per-sample scoring does (1e-2, see the first test).
-    assert updates["rollplex-dp2"]["replayed"] <= 1e-2 and "join" in rows["rollplex-dp2"]["seconds_by_kind"]
-    assert any(line.startswith("rollplex-dp2 is") for line in out["speedups"])
+    assert updates[DP2]["replayed"] <= 1e-2 and "join" in rows[DP2]["seconds_by_kind"]
+    assert any(line.startswith(f"{DP2} is") for line in out["speedups"])
+    assert f"{DP2}: ranks' weights after the step differ by at most 0.0e+00" in lines  # an option-named dp2 row too
     # A variant (prefix work gated until at most 4 of the 8 rows decode) is its own row, compared with serial.
     assert updates["rollplex-nofusion:gate=4"]["replayed"] <= 1e-6
     assert any(line.startswith("rollplex-nofusion:gate=4 is") for line in out["speedups"])
