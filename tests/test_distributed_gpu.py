@@ -47,3 +47,22 @@ def test_a_tensor_parallel_rollout_over_two_gpus_trains_as_the_data_parallel_one
         assert y["reward_mean"] == x["reward_mean"] and y["response_len_mean"] == x["response_len_mean"]
         assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-4)
     assert_equal_to_rounding(final_weights(dp), final_weights(tp))
+
+
+def test_two_gpus_training_in_their_windows_with_the_torch_engine_equal_one_gpu(tmp_path):
+    """Train fusion over two GPU ranks: each trains the groups its decode chain finished, and the torch
+    engine all-reduces the gradients over NCCL at the step, so loss, gradient norm and weights are the
+    one-GPU fused run's."""
+    if torch.cuda.device_count() < 2:
+        pytest.fail(f"needs 2 CUDA devices, found {torch.cuda.device_count()}; run it on the 2-GPU machine")
+    fused = (*GPU, "--set", "engines.train=torch", "--set", "schedule=rollplex", "--set", "train.train_fusion=true")
+    one, two = tmp_path / "one", tmp_path / "two"
+    train(one, *fused)
+    log = train(two, *fused, "--workers", "2")
+    assert "train fusion off" not in log.stdout + log.stderr
+    trace = (two / "traces" / "iter_000001.json").read_text()
+    assert '"train_c0_r0"' in trace and '"train_c0_r1"' in trace
+    a, b = rl_rows(one), rl_rows(two)
+    assert [r["grad_norm"] for r in b] == pytest.approx([r["grad_norm"] for r in a], rel=1e-4)
+    assert [r["loss"] for r in b] == pytest.approx([r["loss"] for r in a], rel=1e-4, abs=1e-7)
+    assert_equal_to_rounding(final_weights(one), final_weights(two))
