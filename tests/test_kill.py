@@ -27,7 +27,7 @@ import pytest
 from reliability_harness import HF_TORCH, Chain, Launch, assert_same_run, group_gone, kinds_per_iteration, \
     run_concurrently, run_to_end
 
-KILLS = 20
+KILLS = 10
 CHAINS = 2
 SEED = int(os.environ.get("ROLLPLEX_KILL_SEED", "20261129"))
 
