@@ -14,6 +14,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from rollplex.engines.decode_attention import split_kv_attention
 from rollplex.engines.sharing import adjacent_view
 from rollplex.engines.torch_decode import _apply_top_p
 from rollplex.errors import EngineError
@@ -133,12 +134,14 @@ def _sample(logits, temp, top_p, seed, n_gen, use_top_p: bool) -> tuple[torch.Te
     return token, logp.gather(1, token.view(-1, 1)).view(-1)
 
 
-def _decoder_layer(x, cos, sin, mask, where, k_cache, v_cache, layer_weights, eps: tuple[float, float],
+def _decoder_layer(x, cos, sin, visible, where, k_cache, v_cache, layer_weights, eps: tuple[float, float],
                    heads: int, kv_heads: int, head_dim: int, scale: float, reduce=None) -> torch.Tensor:
     """One decoder layer for one token per row: writes this step's K/V into the row's slot and
     returns the new hidden state. A function of tensors, so that ``torch.compile`` makes one kernel
-    set for every layer (same shapes) instead of tracing the 36-layer loop. ``reduce``: the sum over
-    tensor-parallel ranks of a row-parallel projection's partial output (None: one rank)."""
+    set for every layer (same shapes) instead of tracing the 36-layer loop. ``visible``: the additive
+    length mask [n, 1, 1, max_len] for SDPA, or each row's filled slot count [n] (int32) for the
+    split-KV kernel (``engines/decode_attention.py``). ``reduce``: the sum over tensor-parallel ranks
+    of a row-parallel projection's partial output (None: one rank)."""
     reduce = reduce or (lambda t: t)
     n = x.shape[0]
     group = heads // kv_heads
@@ -156,10 +159,13 @@ def _decoder_layer(x, cos, sin, mask, where, k_cache, v_cache, layer_weights, ep
     q, k = _rope(q, cos, sin), _rope(k, cos, sin).view(n, kv_heads, head_dim)
     k_cache.index_put_(where, k)  # this row's slot, every kv head
     v_cache.index_put_(where, v)
-    # One query per row against its kv head's keys: SDPA's grouped-query mode reads each K/V head
-    # once for its `group` query heads (no repeat), under the additive length mask.
-    out = F.scaled_dot_product_attention(q.reshape(n, heads, 1, head_dim), k_cache[:n], v_cache[:n],
-                                         attn_mask=mask, scale=scale, enable_gqa=True)
+    if visible.dtype == torch.int32:  # up to each row's length only
+        out = split_kv_attention(q.reshape(n, heads, head_dim), k_cache[:n], v_cache[:n], visible, scale)
+    else:
+        # One query per row against its kv head's keys: SDPA's grouped-query mode reads each K/V head
+        # once for its `group` query heads (no repeat), under the additive length mask.
+        out = F.scaled_dot_product_attention(q.reshape(n, heads, 1, head_dim), k_cache[:n], v_cache[:n],
+                                             attn_mask=visible, scale=scale, enable_gqa=True)
     x = x + reduce(F.linear(out.reshape(n, heads * head_dim), o_w))
     h = _rms(x, ln2, eps[1])
     if len(layer_weights) == 7:

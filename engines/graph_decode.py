@@ -7,8 +7,9 @@ vLLM's (``DecodeEngine``). HF's eager decode is bound by kernel launches (tens o
 - The KV cache is one preallocated buffer per layer, [rows, kv_heads, max_len, head_dim]. A row's
   prompt KV (from ``tasks.lm.prefix_forward_batch``, once per prompt and copied into its n rows) fills
   slots [0, L); each step writes one slot per row at its own position, via ``index_put_``.
-- Attention is a plain grouped-query batched matmul over all slots with a length mask: no repeat of
-  K/V per query head, no host-side mask building, fixed shapes.
+- Attention reads each row's filled slots only, on CUDA (option ``attention``: ``split-kv``, the
+  default there, ``engines/decode_attention.py``); elsewhere it is SDPA's grouped-query mode over all
+  slots under a length mask. Either way: no repeat of K/V per query head, fixed shapes.
 - Sampling runs inside the step: a counter-based hash of (request seed, token index, vocab id) gives
   each row its uniform noise, so a row's tokens do not depend on the batch, the graph or the chunking.
   Gumbel-max over logits / temperature draws the token; its log-prob is taken from the same
@@ -34,6 +35,7 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.nn.functional as F
 
+from rollplex.engines import decode_attention
 from rollplex.engines.attention_kernels import graph_attention_kernels
 from rollplex.engines.base import (
     DecodeEngine,
@@ -90,7 +92,8 @@ class GraphDecodeEngine(DecodeEngine):
     (decode steps per graph launch; default 1), compile (the
     decoder layer and the sampler through torch.compile, true or a compile mode; default off), share_model (an HF model whose weights the
     engine uses in place: no second copy), tp_group (a torch.distributed group: tensor parallel over
-    its ranks, each with a full copy of the model)."""
+    its ranks, each with a full copy of the model), attention (``split-kv``: up to each row's length,
+    the default on CUDA where Triton is present; ``sdpa``: SDPA over every slot under a length mask)."""
 
     def __init__(self, ctx: EngineContext) -> None:
         opts = dict(ctx.options)
@@ -120,6 +123,7 @@ class GraphDecodeEngine(DecodeEngine):
         self.rows = int(opts.get("max_num_seqs") or 64)
         self.max_len = int(opts.get("max_model_len") or 2048)
         self.use_graphs = bool(opts.get("cuda_graphs", self.device.type == "cuda"))
+        self.split_kv = self._split_kv(opts.get("attention"))
         # compile: the decoder layer through torch.compile (fused norm/rope/residual kernels), compiled
         # once per batch size on first use (warm-up), then captured into the CUDA graphs as usual.
         self._layer, self._sample = _decoder_layer, _sample
@@ -341,6 +345,17 @@ class GraphDecodeEngine(DecodeEngine):
             t.copy_(t.index_select(0, index))
         self._live = [self._live[i] for i in order]
 
+    def _split_kv(self, attention: str | None) -> bool:
+        usable = self.device.type == "cuda" and decode_attention.usable(self.w.head_dim, self.w.heads // self.w.kv_heads)
+        if attention in (None, "auto"):
+            return usable
+        if attention not in ("split-kv", "sdpa"):
+            raise EngineError(f"engine 'torch-graph': attention {attention!r} is not one of split-kv, sdpa, auto")
+        if attention == "split-kv" and not usable:
+            raise EngineError(f"engine 'torch-graph': attention 'split-kv' needs CUDA and Triton and a power-of-two "
+                              f"head width of at least 16 (device {self.device}, head width {self.w.head_dim})")
+        return attention == "split-kv"
+
     def _graph_size(self, live: int) -> int:
         return next(s for s in self.sizes if s >= live)
 
@@ -365,12 +380,15 @@ class GraphDecodeEngine(DecodeEngine):
         sin = torch.cat([pos.sin(), pos.sin()], -1).to(x.dtype).view(n, 1, 1, -1)
         slot = b.length[:n].clamp(max=b.max_len - 1)
         rows = torch.arange(n, device=x.device)
-        valid = (torch.arange(b.max_len, device=x.device).view(1, -1) <= slot.view(-1, 1))  # [n, L]
-        mask = torch.zeros(valid.shape, dtype=x.dtype, device=x.device).masked_fill(~valid, float("-inf"))
-        mask = mask.view(n, 1, 1, -1)
+        if self.split_kv:
+            visible = (slot + 1).to(torch.int32)
+        else:
+            valid = (torch.arange(b.max_len, device=x.device).view(1, -1) <= slot.view(-1, 1))  # [n, L]
+            visible = torch.zeros(valid.shape, dtype=x.dtype, device=x.device).masked_fill(~valid, float("-inf"))
+            visible = visible.view(n, 1, 1, -1)
         where = (rows.view(-1, 1), torch.arange(w.kv_heads, device=x.device).view(1, -1), slot.view(-1, 1))
         for i, (weights, eps) in enumerate(w.layer_args):
-            x = self._layer(x, cos, sin, mask, where, b.k[i], b.v[i], weights, eps,
+            x = self._layer(x, cos, sin, visible, where, b.k[i], b.v[i], weights, eps,
                             w.heads, w.kv_heads, w.head_dim, w.attn_scale, self._reduce)
         b.logits[:n].copy_(F.linear(_rms(x, w.norm_w, w.eps), w.lm_head).float())
         b.length[:n].add_(1)

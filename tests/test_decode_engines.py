@@ -399,6 +399,16 @@ def test_graph_engine_refuses_more_stop_tokens_than_its_step_checks(graph_engine
         assert (d.token_ids[-1] in stop) == (d.finish_reason == "stop")
 
 
+def test_graph_engine_attends_over_every_slot_on_cpu_and_names_a_kernel_it_cannot_run(model_dir):
+    """The split-KV kernel (``engines/decode_attention.py``) is CUDA and Triton only: on CPU the engine
+    picks SDPA by itself, and asking for the kernel, or for an unknown one, is an error by name."""
+    assert not get_engine("torch-graph").factory(ctx(model_dir, max_num_seqs=2)).split_kv
+    with pytest.raises(EngineError, match="attention 'split-kv' needs CUDA and Triton"):
+        get_engine("torch-graph").factory(ctx(model_dir, max_num_seqs=2, attention="split-kv"))
+    with pytest.raises(EngineError, match="attention 'flash' is not one of split-kv, sdpa, auto"):
+        get_engine("torch-graph").factory(ctx(model_dir, max_num_seqs=2, attention="flash"))
+
+
 def test_graph_engine_projects_fused_groups_in_one_matmul_and_samples_what_separate_ones_do(model_dir, prompts):
     """A shared model whose q|k|v and gate|up lie back to back (``fuse_for_rollout``) is projected
     one matmul per group; the tokens and log-probs are those of separate projections."""

@@ -75,6 +75,56 @@ def test_cuda_graph_steps_equal_eager_steps(cuda, tiny_model_dir, dtype):
         assert outs[True][key].logprobs == pytest.approx(seq.logprobs, abs=1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
+@pytest.mark.parametrize("dtype, heads, kv_heads", [(torch.float32, 16, 2), (torch.bfloat16, 16, 2),
+                                                     (torch.float32, 4, 4)])
+def test_split_kv_attention_equals_sdpa_over_each_rows_filled_slots(cuda, dtype, heads, kv_heads):
+    """Slots past a row's length hold NaN here: a kernel that read one would return NaN."""
+    import torch.nn.functional as F
+
+    from rollplex.engines.decode_attention import split_kv_attention
+
+    torch.manual_seed(0)
+    n, dim, max_len = 6, 128, 700
+    lengths = torch.tensor([1, 2, 63, 64, 333, max_len], dtype=torch.int32, device=cuda)
+    q = torch.randn(n, heads, dim, device=cuda, dtype=dtype)
+    k, v = (torch.randn(n, kv_heads, max_len, dim, device=cuda, dtype=dtype) for _ in range(2))
+    filled = torch.arange(max_len, device=cuda).view(1, -1) < lengths.view(-1, 1)  # [n, L]
+    mask = torch.zeros(n, 1, 1, max_len, device=cuda, dtype=dtype).masked_fill(~filled.view(n, 1, 1, -1), float("-inf"))
+    want = F.scaled_dot_product_attention(q.view(n, heads, 1, dim), k, v, attn_mask=mask, scale=dim ** -0.5,
+                                          enable_gqa=True).view(n, heads, dim)
+    past = ~filled.view(n, 1, max_len, 1)
+    got = split_kv_attention(q, k.masked_fill(past, float("nan")), v.masked_fill(past, float("nan")), lengths,
+                             dim ** -0.5)
+    assert got.dtype == dtype and got.shape == want.shape
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, want, **tol)
+    # Under a CUDA graph, replayed on new contents, as the decode step runs it.
+    k2, v2 = k.clone(), v.clone()
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        out = split_kv_attention(q, k2, v2, lengths, dim ** -0.5)
+    k2.mul_(0.5)
+    graph.replay()
+    want = F.scaled_dot_product_attention(q.view(n, heads, 1, dim), k2, v2, attn_mask=mask, scale=dim ** -0.5,
+                                          enable_gqa=True).view(n, heads, dim)
+    torch.testing.assert_close(out, want, **tol)
+
+
+def test_split_kv_and_sdpa_decode_engines_sample_the_same_tokens(cuda, tiny_model_dir):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_model_dir, dtype=torch.float32).to(cuda).eval()
+    runs = {}
+    for attention in ("sdpa", "split-kv"):
+        engine, runs[attention] = _decode_all(model, tiny_model_dir, cuda, {"attention": attention}, tokens_per_call=3)
+        assert engine.split_kv == (attention == "split-kv")
+    assert runs["sdpa"].keys() == runs["split-kv"].keys()
+    for key, seq in runs["sdpa"].items():
+        assert runs["split-kv"][key].token_ids == seq.token_ids
+        assert runs["split-kv"][key].logprobs == pytest.approx(seq.logprobs, abs=1e-4)
+
+
 def test_decode_graphs_are_captured_with_cudnn_attention_while_eager_forwards_go_without(cuda, tiny_model_dir,
                                                                                           monkeypatch):
     """Eager work meets new shapes (cuDNN would build a plan for each); a graph is captured once."""
