@@ -24,6 +24,10 @@ def main() -> None:
     ap.add_argument("--fuse", default="on", choices=("off", "on", "both"),
                     help="q|k|v and gate|up as one buffer each, projected in one matmul per group (what a "
                          "run sharing the trainer's weights does); both: separate first, then fused")
+    ap.add_argument("--attention", default="split-kv", choices=("sdpa", "split-kv", "both"),
+                    help="the step's attention (engines/decode_attention.py); both: sdpa first")
+    ap.add_argument("--max-len", type=int, default=0,
+                    help="KV slots per row (default prompt + 300); the bench's is prompt + max new tokens")
     args = ap.parse_args()
 
     from rollplex.engines.base import DecodeRequest, EngineContext
@@ -38,12 +42,15 @@ def main() -> None:
     kv_per_token = spec.kv_bytes_per_token(2)
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
     fusions = {"off": [False], "on": [True], "both": [False, True]}[args.fuse]
-    for fused, n, compiled in ((f, n, c) for f in fusions for n in sizes for c in modes):
+    attentions = ["sdpa", "split-kv"] if args.attention == "both" else [args.attention]
+    max_len = args.max_len or args.prompt_len + 300
+    for fused, n, compiled, attention in ((f, n, c, a) for f in fusions for n in sizes for c in modes
+                                          for a in attentions):
         if fused:
             fuse_for_rollout(model.requires_grad_(False))  # in place, once: separate runs go first
         engine = GraphDecodeEngine(EngineContext("", device, torch.bfloat16, 0, {
-            "share_model": model, "max_num_seqs": n, "max_model_len": args.prompt_len + 300,
-            "compile": args.compile_mode if compiled else False}))
+            "share_model": model, "max_num_seqs": n, "max_model_len": max_len,
+            "compile": args.compile_mode if compiled else False, "attention": attention}))
         ids = torch.randint(100, 100000, (args.prompt_len,)).tolist()
         engine.add_requests([DecodeRequest(f"r{i}", ids, None, None, max_tokens=256, seed=i, n=1) for i in range(n)])
         engine.step(4)  # prefill, capture
@@ -54,11 +61,11 @@ def main() -> None:
         torch.cuda.synchronize()
         per_step = (time.perf_counter() - t) / steps
         need = weights + n * (args.prompt_len + 36) * kv_per_token
-        label = f"B={n:3d}{' compiled' if compiled else ''}{' fused' if engine.w.fused else ''}"
+        label = f"B={n:3d}{' compiled' if compiled else ''}{' fused' if engine.w.fused else ''} {attention}"
         print(f"{label}: {per_step * 1e3:6.2f} ms/step, {need / per_step / 1e12:5.2f} TB/s = "
               f"{need / per_step / args.bandwidth:5.1%} of {args.bandwidth / 1e12:.1f} TB/s; "
               f"{n / per_step:8.0f} tok/s")
-        if n == sizes[-1] and compiled == modes[-1] and fused == fusions[-1]:
+        if n == sizes[-1] and compiled == modes[-1] and fused == fusions[-1] and attention == attentions[-1]:
             engine.use_graphs = False
             from torch.profiler import ProfilerActivity, profile
 

@@ -80,6 +80,9 @@ class BenchConfig:
     # The decode engine's layer through torch.compile; None: on for CUDA (a 3B step at 64 rows 8.2 ->
     # 5.4 ms, benchmarks/decode_profile.py), off for the CPU (compile time outweighs a smoke run).
     compile_decode: bool | None = None
+    # The decode step's attention (engines/decode_attention.py): split-kv up to each row's length where
+    # CUDA and Triton are, else SDPA over every slot (auto); or either by name.
+    decode_attention: str = "auto"
     profile: tuple[str, ...] = ()  # policies to run once more under torch.profiler (untimed): profile_<policy>.txt
     # One-GPU policies take turns iteration by iteration (every iteration starts from the same
     # weights, so the order changes nothing they compute): a drift in the machine's speed, or the
@@ -251,7 +254,8 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
     fuse_for_rollout(actor.module, cfg.train_engine)  # as the runtime's hosts do (pipeline/worker.py)
     decode = get_engine("torch-graph", "decode").factory(EngineContext(
         "", device, dtype, cfg.seed, {"share_model": actor.module, "max_num_seqs": cfg.prompts * cfg.samples,
-                                      "max_model_len": longest, "compile": cfg.compile_decode}))
+                                      "max_model_len": longest, "compile": cfg.compile_decode,
+                                      "attention": cfg.decode_attention}))
     start_state = {k: v.detach().clone() for k, v in actor.module.state_dict().items()}
     weight_bytes = sum(p.numel() * p.element_size() for n, p in actor.module.named_parameters() if "visual" not in n)
     start_optim = copy.deepcopy(actor.optimizer.state_dict())

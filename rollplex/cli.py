@@ -87,7 +87,7 @@ def cmd_bench(args) -> int:
                       stage_fusion=not args.no_stage_fusion,
                       profile=tuple(args.profile.split(",")) if args.profile else (),
                       compile_decode=args.compile_decode, train_fusion=args.train_fusion,
-                      interleave=not args.sequential)
+                      decode_attention=args.decode_attention, interleave=not args.sequential)
     run(cfg)
     return 0
 
@@ -164,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--compile-decode", action=argparse.BooleanOptionalAction, default=None,
                    help="the decode engine's layer through torch.compile, compiled at start (default: on for "
                         "CUDA, where it made a step 1.5x faster; off for CPU)")
+    b.add_argument("--decode-attention", default="auto", choices=("auto", "split-kv", "sdpa"),
+                   help="the decode step's attention: split-kv reads each row's filled KV slots only (CUDA "
+                        "with Triton), sdpa every slot under a length mask; auto: split-kv where it can run")
     b.add_argument("--sequential", action="store_true",
                    help="run each one-GPU policy's iterations in a row (default: they take turns per iteration)")
     b.add_argument("--profile", metavar="POLICIES", help="run these policies once more under torch.profiler "
