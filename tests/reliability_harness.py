@@ -343,7 +343,7 @@ class Chain:
 
     def run(self, n_kills: int, timer_share: float, graceful: tuple[int, ...] = ()) -> None:
         start = time.time()
-        plan = ["decode", "optimizer", "checkpoint"]
+        plan = ["decode", "optimizer", "checkpoint", "timer"][:max(3, n_kills)]  # each kind at least once
         self.rng.shuffle(plan)
         while len(plan) < n_kills:
             plan.append("timer" if self.rng.random() < timer_share else self.rng.choice(list(CATEGORIES)))
