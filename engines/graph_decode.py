@@ -346,7 +346,8 @@ class GraphDecodeEngine(DecodeEngine):
         self._live = [self._live[i] for i in order]
 
     def _split_kv(self, attention: str | None) -> bool:
-        usable = self.device.type == "cuda" and decode_attention.usable(self.w.head_dim, self.w.heads // self.w.kv_heads)
+        group = self.w.heads // self.w.kv_heads
+        usable = self.device.type == "cuda" and decode_attention.usable(self.w.head_dim, group)
         if attention in (None, "auto"):
             return usable
         if attention not in ("split-kv", "sdpa"):
