@@ -28,6 +28,8 @@ def main() -> None:
                     help="the step's attention (engines/decode_attention.py); both: sdpa first")
     ap.add_argument("--max-len", type=int, default=0,
                     help="KV slots per row (default prompt + 300); the bench's is prompt + max new tokens")
+    ap.add_argument("--split-kv-tiles", default="",
+                    help="split-kv only: BLOCKxWARPS settings to time in turn, e.g. 64x4,128x8 (default: the module's)")
     args = ap.parse_args()
 
     from rollplex.engines.base import DecodeRequest, EngineContext
@@ -42,10 +44,17 @@ def main() -> None:
     kv_per_token = spec.kv_bytes_per_token(2)
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
     fusions = {"off": [False], "on": [True], "both": [False, True]}[args.fuse]
-    attentions = ["sdpa", "split-kv"] if args.attention == "both" else [args.attention]
+    from rollplex.engines import decode_attention
+
+    tiles = [tuple(int(x) for x in t.split("x")) for t in args.split_kv_tiles.split(",") if t]
+    tiles = tiles or [(decode_attention.BLOCK, decode_attention.NUM_WARPS)]
+    attentions = [("sdpa", None)] if args.attention in ("sdpa", "both") else []
+    attentions += [("split-kv", t) for t in tiles] if args.attention != "sdpa" else []
     max_len = args.max_len or args.prompt_len + 300
-    for fused, n, compiled, attention in ((f, n, c, a) for f in fusions for n in sizes for c in modes
-                                          for a in attentions):
+    for fused, n, compiled, (attention, tile) in ((f, n, c, a) for f in fusions for n in sizes for c in modes
+                                                  for a in attentions):
+        if tile:
+            decode_attention.BLOCK, decode_attention.NUM_WARPS = tile
         if fused:
             fuse_for_rollout(model.requires_grad_(False))  # in place, once: separate runs go first
         engine = GraphDecodeEngine(EngineContext("", device, torch.bfloat16, 0, {
@@ -61,11 +70,12 @@ def main() -> None:
         torch.cuda.synchronize()
         per_step = (time.perf_counter() - t) / steps
         need = weights + n * (args.prompt_len + 36) * kv_per_token
-        label = f"B={n:3d}{' compiled' if compiled else ''}{' fused' if engine.w.fused else ''} {attention}"
+        label = (f"B={n:3d}{' compiled' if compiled else ''}{' fused' if engine.w.fused else ''} {attention}"
+                 f"{f' {tile[0]}x{tile[1]}' if tile else ''}")
         print(f"{label}: {per_step * 1e3:6.2f} ms/step, {need / per_step / 1e12:5.2f} TB/s = "
               f"{need / per_step / args.bandwidth:5.1%} of {args.bandwidth / 1e12:.1f} TB/s; "
               f"{n / per_step:8.0f} tok/s")
-        if n == sizes[-1] and compiled == modes[-1] and fused == fusions[-1] and attention == attentions[-1]:
+        if n == sizes[-1] and compiled == modes[-1] and fused == fusions[-1] and (attention, tile) == attentions[-1]:
             engine.use_graphs = False
             from torch.profiler import ProfilerActivity, profile
 

@@ -18,7 +18,10 @@ import functools
 
 import torch
 
-BLOCK = 64  # slots per inner iteration
+# Slots per inner iteration, and warps per program: read at each call, so that
+# `benchmarks/decode_profile.py --split-kv-tiles` can time other settings.
+BLOCK = 64
+NUM_WARPS = 4
 MIN_PROGRAMS = 512  # about four per SM on an H200: enough stretches that a small batch fills it
 
 
@@ -132,7 +135,7 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), scale, stretch,
         GROUP=group, GROUP_PAD=max(16, 1 << (group - 1).bit_length()), D=dim, SPLITS=splits, BLOCK=BLOCK,
-        IEEE=q.dtype == torch.float32)
+        IEEE=q.dtype == torch.float32, num_warps=NUM_WARPS)
     out = torch.empty_like(q)
     merge_stretches[(n * heads,)](acc, m, total, out, SPLITS=splits, SPLITS_PAD=max(2, 1 << (splits - 1).bit_length()),
                                   D=dim)

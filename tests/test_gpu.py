@@ -77,12 +77,18 @@ def test_cuda_graph_steps_equal_eager_steps(cuda, tiny_model_dir, dtype):
 
 @pytest.mark.parametrize("dtype, heads, kv_heads", [(torch.float32, 16, 2), (torch.bfloat16, 16, 2),
                                                      (torch.float32, 4, 4)])
-def test_split_kv_attention_equals_sdpa_over_each_rows_filled_slots(cuda, dtype, heads, kv_heads):
-    """Slots past a row's length hold NaN here: a kernel that read one would return NaN."""
+# 128-slot blocks pass in bf16; in fp32 they need 272 KiB of shared memory, past the H200's 227.
+@pytest.mark.parametrize("tile", [(64, 4), (32, 4)])
+def test_split_kv_attention_equals_sdpa_over_each_rows_filled_slots(cuda, dtype, heads, kv_heads, tile, monkeypatch):
+    """Slots past a row's length hold NaN here: a kernel that read one would return NaN. ``tile``:
+    slots per inner iteration and warps (decode_profile.py --split-kv-tiles times them)."""
     import torch.nn.functional as F
 
+    from rollplex.engines import decode_attention
     from rollplex.engines.decode_attention import split_kv_attention
 
+    monkeypatch.setattr(decode_attention, "BLOCK", tile[0])
+    monkeypatch.setattr(decode_attention, "NUM_WARPS", tile[1])
     torch.manual_seed(0)
     n, dim, max_len = 6, 128, 700
     lengths = torch.tensor([1, 2, 63, 64, 333, max_len], dtype=torch.int32, device=cuda)
