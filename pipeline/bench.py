@@ -252,10 +252,7 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
     ref_engine = get_engine("transformers", "score").factory(EngineContext("", device, dtype, cfg.seed, {"module": ref}))
     longest = cfg.vision_tokens + cfg.text_tokens + 2 + cfg.max_new_tokens + 8
     fuse_for_rollout(actor.module, cfg.train_engine)  # as the runtime's hosts do (pipeline/worker.py)
-    decode = get_engine("torch-graph", "decode").factory(EngineContext(
-        "", device, dtype, cfg.seed, {"share_model": actor.module, "max_num_seqs": cfg.prompts * cfg.samples,
-                                      "max_model_len": longest, "compile": cfg.compile_decode,
-                                      "attention": cfg.decode_attention}))
+    decode = bench_multi.decode_engine(cfg, device, dtype, actor.module, cfg.prompts * cfg.samples, longest)
     start_state = {k: v.detach().clone() for k, v in actor.module.state_dict().items()}
     weight_bytes = sum(p.numel() * p.element_size() for n, p in actor.module.named_parameters() if "visual" not in n)
     start_optim = copy.deepcopy(actor.optimizer.state_dict())

@@ -89,7 +89,8 @@ class Replicas:
             torch.cuda.empty_cache()
 
 
-def _decode_engine(cfg, device, dtype, module, rows: int, longest: int):
+def decode_engine(cfg, device, dtype, module, rows: int, longest: int):
+    """The bench's torch-graph decode engine on ``device``, decoding in place on ``module``'s weights."""
     from rollplex.engines.base import EngineContext, get_engine
 
     return get_engine("torch-graph", "decode").factory(EngineContext(
@@ -102,7 +103,7 @@ def disaggregated(cfg, actor, ref_engine, start_state: dict, dtype, longest: int
     """The rollout GPU: a copy of the actor (weights shipped by ``weight_sync``) and its decode engine."""
     rollout = copy.deepcopy(actor.module).to(cfg.second_device).requires_grad_(False)
     fuse_for_rollout(rollout)  # frozen: every group (.to() gave each tensor its own storage)
-    decode = _decode_engine(cfg, cfg.second_device, dtype, rollout, cfg.prompts * cfg.samples, longest)
+    decode = decode_engine(cfg, cfg.second_device, dtype, rollout, cfg.prompts * cfg.samples, longest)
     return Replicas([{"actor": actor, "ref": ref_engine, "decode": decode}],
                     resets=[lambda: rollout.load_state_dict(start_state)])
 
@@ -123,7 +124,7 @@ def data_parallel(cfg, actor, ref_engine, decode, start_state: dict, start_optim
     ref1 = copy.deepcopy(ref_engine.model).to(device)
     ref1_engine = get_engine("transformers", "score").factory(EngineContext("", device, dtype, cfg.seed,
                                                                            {"module": ref1}))
-    decode1 = _decode_engine(cfg, device, dtype, actor1.module, cfg.prompts * cfg.samples // 2, longest)
+    decode1 = decode_engine(cfg, device, dtype, actor1.module, cfg.prompts * cfg.samples // 2, longest)
     group = InProcessAllReduce(2)
 
     def reset() -> None:
