@@ -58,9 +58,20 @@ def init_distributed(device: torch.device) -> None:
             # which every process this one starts (Dask workers) would inherit and try to listen on.
             torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                                  init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    _skip_shared_memory_comm_build()
     # Idempotent; adopts an existing torch.distributed group instead of creating one.
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo",
                                auto_mpi_discovery=False, verbose=False)
+
+
+def _skip_shared_memory_comm_build() -> None:
+    """DeepSpeed's torch backend JIT-compiles its CPU shared-memory all-reduce (``deepspeed_shm_comm``)
+    on first init: about a minute of both cores of a 2-core machine. Only DeepSpeed inference's
+    all-reduce calls it, which Rollplex never does (training reduces through torch.distributed), so
+    it is marked incompatible and the backend goes without it."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def ds_config(ctx: EngineContext, stage: int) -> dict:
