@@ -26,8 +26,6 @@ def main() -> None:
                          "run sharing the trainer's weights does); both: separate first, then fused")
     ap.add_argument("--attention", default="split-kv", choices=("sdpa", "split-kv", "both"),
                     help="the step's attention (engines/decode_attention.py); both: sdpa first")
-    ap.add_argument("--projections", default="cublas", choices=("cublas", "skinny", "both"),
-                    help="the step's matmuls (engines/skinny_matmul.py); both: cublas first")
     ap.add_argument("--max-len", type=int, default=0,
                     help="KV slots per row (default prompt + 300); the bench's is prompt + max new tokens")
     ap.add_argument("--split-kv-tiles", default="",
@@ -53,16 +51,15 @@ def main() -> None:
     attentions = [("sdpa", None)] if args.attention in ("sdpa", "both") else []
     attentions += [("split-kv", t) for t in tiles] if args.attention != "sdpa" else []
     max_len = args.max_len or args.prompt_len + 300
-    projections = ["cublas", "skinny"] if args.projections == "both" else [args.projections]
-    for fused, n, compiled, (attention, tile), proj in ((f, n, c, a, p) for f in fusions for n in sizes
-                                                        for c in modes for a in attentions for p in projections):
+    for fused, n, compiled, (attention, tile) in ((f, n, c, a) for f in fusions for n in sizes for c in modes
+                                                  for a in attentions):
         if tile:
             decode_attention.BLOCK, decode_attention.NUM_WARPS = tile
         if fused:
             fuse_for_rollout(model.requires_grad_(False))  # in place, once: separate runs go first
         engine = GraphDecodeEngine(EngineContext("", device, torch.bfloat16, 0, {
             "share_model": model, "max_num_seqs": n, "max_model_len": max_len,
-            "compile": args.compile_mode if compiled else False, "attention": attention, "projections": proj}))
+            "compile": args.compile_mode if compiled else False, "attention": attention}))
         ids = torch.randint(100, 100000, (args.prompt_len,)).tolist()
         engine.add_requests([DecodeRequest(f"r{i}", ids, None, None, max_tokens=256, seed=i, n=1) for i in range(n)])
         engine.step(4)  # prefill, capture
@@ -74,12 +71,11 @@ def main() -> None:
         per_step = (time.perf_counter() - t) / steps
         need = weights + n * (args.prompt_len + 36) * kv_per_token
         label = (f"B={n:3d}{' compiled' if compiled else ''}{' fused' if engine.w.fused else ''} {attention}"
-                 f"{f' {tile[0]}x{tile[1]}' if tile else ''} {proj}")
+                 f"{f' {tile[0]}x{tile[1]}' if tile else ''}")
         print(f"{label}: {per_step * 1e3:6.2f} ms/step, {need / per_step / 1e12:5.2f} TB/s = "
               f"{need / per_step / args.bandwidth:5.1%} of {args.bandwidth / 1e12:.1f} TB/s; "
               f"{n / per_step:8.0f} tok/s")
-        if n == sizes[-1] and compiled == modes[-1] and fused == fusions[-1] and (attention, tile) == attentions[-1] \
-                and proj == projections[-1]:
+        if n == sizes[-1] and compiled == modes[-1] and fused == fusions[-1] and (attention, tile) == attentions[-1]:
             engine.use_graphs = False
             from torch.profiler import ProfilerActivity, profile
 

@@ -135,27 +135,25 @@ def _sample(logits, temp, top_p, seed, n_gen, use_top_p: bool) -> tuple[torch.Te
 
 
 def _decoder_layer(x, cos, sin, visible, where, k_cache, v_cache, layer_weights, eps: tuple[float, float],
-                   heads: int, kv_heads: int, head_dim: int, scale: float, reduce=None,
-                   linear=F.linear) -> torch.Tensor:
+                   heads: int, kv_heads: int, head_dim: int, scale: float, reduce=None) -> torch.Tensor:
     """One decoder layer for one token per row: writes this step's K/V into the row's slot and
     returns the new hidden state. A function of tensors, so that ``torch.compile`` makes one kernel
     set for every layer (same shapes) instead of tracing the 36-layer loop. ``visible``: the additive
     length mask [n, 1, 1, max_len] for SDPA, or each row's filled slot count [n] (int32) for the
     split-KV kernel (``engines/decode_attention.py``). ``reduce``: the sum over tensor-parallel ranks
-    of a row-parallel projection's partial output (None: one rank). ``linear``: the projections' matmul
-    (``F.linear``, or the skinny Triton kernel of ``engines/skinny_matmul.py``)."""
+    of a row-parallel projection's partial output (None: one rank)."""
     reduce = reduce or (lambda t: t)
     n = x.shape[0]
     group = heads // kv_heads
     if len(layer_weights) == 7:  # q|k|v and gate|up each one tensor (_fused_weights)
         ln1, qkv_w, qkv_b, o_w, ln2, gate_up_w, down_w = layer_weights
         h = _rms(x, ln1, eps[0])
-        q, k, v = linear(h, qkv_w, qkv_b).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim],
+        q, k, v = F.linear(h, qkv_w, qkv_b).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim],
                                                   -1)
     else:
         ln1, q_w, q_b, k_w, k_b, v_w, v_b, o_w, ln2, gate_w, up_w, down_w = layer_weights
         h = _rms(x, ln1, eps[0])
-        q, k, v = linear(h, q_w, q_b), linear(h, k_w, k_b), linear(h, v_w, v_b)
+        q, k, v = F.linear(h, q_w, q_b), F.linear(h, k_w, k_b), F.linear(h, v_w, v_b)
     q, k, v = (q.reshape(n, kv_heads, group, head_dim), k.reshape(n, kv_heads, 1, head_dim),
                v.reshape(n, kv_heads, head_dim))
     q, k = _rope(q, cos, sin), _rope(k, cos, sin).view(n, kv_heads, head_dim)
@@ -168,13 +166,13 @@ def _decoder_layer(x, cos, sin, visible, where, k_cache, v_cache, layer_weights,
         # once for its `group` query heads (no repeat), under the additive length mask.
         out = F.scaled_dot_product_attention(q.reshape(n, heads, 1, head_dim), k_cache[:n], v_cache[:n],
                                              attn_mask=visible, scale=scale, enable_gqa=True)
-    x = x + reduce(linear(out.reshape(n, heads * head_dim), o_w))
+    x = x + reduce(F.linear(out.reshape(n, heads * head_dim), o_w))
     h = _rms(x, ln2, eps[1])
     if len(layer_weights) == 7:
-        gate, up = linear(h, gate_up_w).chunk(2, -1)
+        gate, up = F.linear(h, gate_up_w).chunk(2, -1)
     else:
-        gate, up = linear(h, gate_w), linear(h, up_w)
-    return x + reduce(linear(F.silu(gate) * up, down_w))
+        gate, up = F.linear(h, gate_w), F.linear(h, up_w)
+    return x + reduce(F.linear(F.silu(gate) * up, down_w))
 
 
 def _fused_weights(weights: tuple) -> tuple | None:

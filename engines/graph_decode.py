@@ -35,7 +35,7 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.nn.functional as F
 
-from rollplex.engines import decode_attention, skinny_matmul
+from rollplex.engines import decode_attention
 from rollplex.engines.attention_kernels import graph_attention_kernels
 from rollplex.engines.base import (
     DecodeEngine,
@@ -93,9 +93,7 @@ class GraphDecodeEngine(DecodeEngine):
     decoder layer and the sampler through torch.compile, true or a compile mode; default off), share_model (an HF model whose weights the
     engine uses in place: no second copy), tp_group (a torch.distributed group: tensor parallel over
     its ranks, each with a full copy of the model), attention (``split-kv``: up to each row's length,
-    the default on CUDA where Triton is present; ``sdpa``: SDPA over every slot under a length mask),
-    projections (``skinny``: the Triton kernel of ``engines/skinny_matmul.py`` for batches of up to
-    64 rows; ``cublas``: ``F.linear``; ``auto``: cublas)."""
+    the default on CUDA where Triton is present; ``sdpa``: SDPA over every slot under a length mask)."""
 
     def __init__(self, ctx: EngineContext) -> None:
         opts = dict(ctx.options)
@@ -126,7 +124,6 @@ class GraphDecodeEngine(DecodeEngine):
         self.max_len = int(opts.get("max_model_len") or 2048)
         self.use_graphs = bool(opts.get("cuda_graphs", self.device.type == "cuda"))
         self.split_kv = self._split_kv(opts.get("attention"))
-        self.skinny = self._skinny(opts.get("projections"))
         # compile: the decoder layer through torch.compile (fused norm/rope/residual kernels), compiled
         # once per batch size on first use (warm-up), then captured into the CUDA graphs as usual.
         self._layer, self._sample = _decoder_layer, _sample
@@ -360,15 +357,6 @@ class GraphDecodeEngine(DecodeEngine):
                               f"head width of at least 16 (device {self.device}, head width {self.w.head_dim})")
         return attention == "split-kv"
 
-    def _skinny(self, projections: str | None) -> bool:
-        if projections in (None, "auto", "cublas"):
-            return False
-        if projections != "skinny":
-            raise EngineError(f"engine 'torch-graph': projections {projections!r} is not one of skinny, cublas, auto")
-        if not (self.device.type == "cuda" and skinny_matmul.available()):
-            raise EngineError(f"engine 'torch-graph': projections 'skinny' needs CUDA and Triton (device {self.device})")
-        return True
-
     def _graph_size(self, live: int) -> int:
         return next(s for s in self.sizes if s >= live)
 
@@ -400,11 +388,10 @@ class GraphDecodeEngine(DecodeEngine):
             visible = torch.zeros(valid.shape, dtype=x.dtype, device=x.device).masked_fill(~valid, float("-inf"))
             visible = visible.view(n, 1, 1, -1)
         where = (rows.view(-1, 1), torch.arange(w.kv_heads, device=x.device).view(1, -1), slot.view(-1, 1))
-        linear = skinny_matmul.skinny_linear if self.skinny and n <= skinny_matmul.MAX_ROWS else F.linear
         for i, (weights, eps) in enumerate(w.layer_args):
             x = self._layer(x, cos, sin, visible, where, b.k[i], b.v[i], weights, eps,
-                            w.heads, w.kv_heads, w.head_dim, w.attn_scale, self._reduce, linear)
-        b.logits[:n].copy_(linear(_rms(x, w.norm_w, w.eps), w.lm_head).float())
+                            w.heads, w.kv_heads, w.head_dim, w.attn_scale, self._reduce)
+        b.logits[:n].copy_(F.linear(_rms(x, w.norm_w, w.eps), w.lm_head).float())
         b.length[:n].add_(1)
         b.rope_pos[:n].add_(1)
 

@@ -83,8 +83,6 @@ class BenchConfig:
     # The decode step's attention (engines/decode_attention.py): split-kv up to each row's length where
     # CUDA and Triton are, else SDPA over every slot (auto); or either by name.
     decode_attention: str = "auto"
-    # The decode step's projections (engines/skinny_matmul.py): skinny, cublas, or auto (the engine's).
-    decode_projections: str = "auto"
     profile: tuple[str, ...] = ()  # policies to run once more under torch.profiler (untimed): profile_<policy>.txt
     # One-GPU policies take turns iteration by iteration (every iteration starts from the same
     # weights, so the order changes nothing they compute): a drift in the machine's speed, or the

@@ -96,8 +96,7 @@ def decode_engine(cfg, device, dtype, module, rows: int, longest: int):
     return get_engine("torch-graph", "decode").factory(EngineContext(
         "", torch.device(device), dtype, cfg.seed, {"share_model": module, "max_num_seqs": rows,
                                                     "max_model_len": longest, "compile": cfg.compile_decode,
-                                                    "attention": cfg.decode_attention,
-                                                    "projections": cfg.decode_projections}))
+                                                    "attention": cfg.decode_attention}))
 
 
 def disaggregated(cfg, actor, ref_engine, start_state: dict, dtype, longest: int) -> Replicas:

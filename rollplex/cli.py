@@ -87,8 +87,7 @@ def cmd_bench(args) -> int:
                       stage_fusion=not args.no_stage_fusion,
                       profile=tuple(args.profile.split(",")) if args.profile else (),
                       compile_decode=args.compile_decode, train_fusion=args.train_fusion,
-                      decode_attention=args.decode_attention, decode_projections=args.decode_projections,
-                      interleave=not args.sequential)
+                      decode_attention=args.decode_attention, interleave=not args.sequential)
     run(cfg)
     return 0
 
@@ -168,9 +167,6 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--decode-attention", default="auto", choices=("auto", "split-kv", "sdpa"),
                    help="the decode step's attention: split-kv reads each row's filled KV slots only (CUDA "
                         "with Triton), sdpa every slot under a length mask; auto: split-kv where it can run")
-    b.add_argument("--decode-projections", default="auto", choices=("auto", "skinny", "cublas"),
-                   help="the decode step's matmuls: skinny (a Triton kernel for up to 64 rows, CUDA) or cublas "
-                        "(F.linear); auto: the engine's default")
     b.add_argument("--sequential", action="store_true",
                    help="run each one-GPU policy's iterations in a row (default: they take turns per iteration)")
     b.add_argument("--profile", metavar="POLICIES", help="run these policies once more under torch.profiler "

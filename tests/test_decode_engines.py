@@ -407,12 +407,6 @@ def test_graph_engine_attends_over_every_slot_on_cpu_and_names_a_kernel_it_canno
         get_engine("torch-graph").factory(ctx(model_dir, max_num_seqs=2, attention="split-kv"))
     with pytest.raises(EngineError, match="attention 'flash' is not one of split-kv, sdpa, auto"):
         get_engine("torch-graph").factory(ctx(model_dir, max_num_seqs=2, attention="flash"))
-    # Likewise the skinny projection kernel (engines/skinny_matmul.py).
-    assert not get_engine("torch-graph").factory(ctx(model_dir, max_num_seqs=2, projections="auto")).skinny
-    with pytest.raises(EngineError, match="projections 'skinny' needs CUDA and Triton"):
-        get_engine("torch-graph").factory(ctx(model_dir, max_num_seqs=2, projections="skinny"))
-    with pytest.raises(EngineError, match="projections 'gemv' is not one of skinny, cublas, auto"):
-        get_engine("torch-graph").factory(ctx(model_dir, max_num_seqs=2, projections="gemv"))
 
 
 def test_graph_engine_projects_fused_groups_in_one_matmul_and_samples_what_separate_ones_do(model_dir, prompts):

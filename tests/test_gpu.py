@@ -117,50 +117,6 @@ def test_split_kv_attention_equals_sdpa_over_each_rows_filled_slots(cuda, dtype,
     torch.testing.assert_close(out, want, **tol)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 8, 40, 64])
-def test_skinny_linear_equals_linear_and_replays_in_a_graph(cuda, dtype, rows):
-    """The weight is a column slice of a wider tensor with NaN in the columns it does not own (a
-    tensor-parallel share): a kernel that read past its K would return NaN. K = 2000 splits into
-    several stretches; N = 40 is not a multiple of a block."""
-    import torch.nn.functional as F
-
-    from rollplex.engines.skinny_matmul import skinny_linear, splits_for
-
-    torch.manual_seed(0)
-    n, k = 40, 2000
-    assert splits_for(n, k) > 1
-    wide = torch.full((n, k + 64), float("nan"), device=cuda, dtype=dtype)
-    wide[:, 32:32 + k] = torch.randn(n, k, device=cuda, dtype=dtype) * 0.05
-    w, b = wide[:, 32:32 + k], torch.randn(n, device=cuda, dtype=dtype)
-    x = torch.randn(rows, k, device=cuda, dtype=dtype)
-    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
-    for bias in (b, None):
-        torch.testing.assert_close(skinny_linear(x, w, bias), F.linear(x, w, bias), **tol)
-    graph = torch.cuda.CUDAGraph()
-    torch.cuda.synchronize()
-    with torch.cuda.graph(graph):
-        out = skinny_linear(x, w, b)
-    x.mul_(0.5)
-    graph.replay()
-    torch.testing.assert_close(out, F.linear(x, w, b), **tol)
-
-
-def test_skinny_and_cublas_projections_sample_the_same_tokens(cuda, tiny_model_dir):
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_model_dir, dtype=torch.float32).to(cuda).eval()
-    runs = {}
-    for projections in ("cublas", "skinny"):
-        engine, runs[projections] = _decode_all(model, tiny_model_dir, cuda, {"projections": projections},
-                                                tokens_per_call=3)
-        assert engine.skinny == (projections == "skinny")
-    assert runs["cublas"].keys() == runs["skinny"].keys()
-    for key, seq in runs["cublas"].items():
-        assert runs["skinny"][key].token_ids == seq.token_ids
-        assert runs["skinny"][key].logprobs == pytest.approx(seq.logprobs, abs=1e-4)
-
-
 def test_split_kv_and_sdpa_decode_engines_sample_the_same_tokens(cuda, tiny_model_dir):
     from transformers import Qwen2_5_VLForConditionalGeneration
 
