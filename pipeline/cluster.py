@@ -78,8 +78,10 @@ def connect(address: str | None, workers: int, threads: int, processes: bool = T
         # The scheduler serves HTTP (health, metrics) even without the dashboard; a random port keeps
         # two runs on one machine from fighting over 8787.
         dashboard_address="127.0.0.1:8787" if dashboard else "127.0.0.1:0",
-        env={"OMP_NUM_THREADS": str(threads)} if processes else None,
         silence_logs=logging.ERROR,
+        # Worker processes take their OMP threads from the environment they start with; in-process
+        # workers share this one's (and distributed's Worker refuses an env argument).
+        **({"env": {"OMP_NUM_THREADS": str(threads)}} if processes else {}),
     )
     client = Client(cluster)
     try:

@@ -217,7 +217,7 @@ def _train_loop(cfg: RunConfig, session: Session, client, state, metrics_path: P
     from rollplex.pipeline.recovery import WorkerWatch, drop_tracebacks, quiet_task_errors
 
     run_dir = session.run_dir
-    executor = DaskExecutor(client, ranks)
+    executor = DaskExecutor(client, ranks, cfg.cluster.lowering)
     watch = WorkerWatch(client)
     log(f"engines ready in {time.time() - t0:.1f}s")
     bar = tqdm(disable=not progress, desc=session.algorithm.name, unit="it", total=cfg.iterations)

@@ -488,6 +488,14 @@ def run_node(node: Node, iteration: int, uses: dict[str, int], n_values: int, *d
     return outputs
 
 
+def run_iteration(graph, iteration: int, inputs: dict[str, Any]) -> IterationResult:
+    """A Dask task: a whole iteration on this worker, its nodes run on the worker's streams by the
+    local executor (``executor.lower_whole``)."""
+    from rollplex.pipeline.local import LocalExecutor
+
+    return LocalExecutor(current_host()).run(graph, iteration, inputs)
+
+
 def provide_input(value: Any, name: str) -> dict[str, Any]:
     """A graph input (prompt tensors) entering the worker as a one-value bundle."""
     return {name: value}

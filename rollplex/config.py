@@ -134,6 +134,10 @@ class ClusterConfig:
                         "rank; it divides cluster.workers")
     threads: int = f(1, lo=1, hi=256, doc="torch/OMP threads per stream thread; streams × threads ≤ cores")
     processes: bool = f(True, doc="LocalCluster workers in separate processes")
+    lowering: str = f("auto", choices=("auto", "nodes", "iteration"),
+                      doc="what a Dask task is: nodes (one task per node, Dask's scheduler between every two), "
+                          "iteration (one task per iteration on its worker, whose streams run the nodes); auto: "
+                          "iteration with one worker, nodes with data-parallel ranks")
     dashboard: bool = f(False, doc="serve the Dask dashboard")
     memory_budget_gib: float | None = f(None, lo=0.0, doc="memory per device the engines may hold; checked "
                                         "before they start (null: no check)")
@@ -349,6 +353,10 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"rollout.prompts_per_iteration: {cfg.rollout.prompts_per_iteration} exceeds task.size "
                           f"({cfg.task.size}): the dataset holds fewer prompts than one iteration needs")
     _validate_tls(cfg.cluster)
+    if cfg.cluster.lowering == "iteration" and cfg.cluster.workers > 1:
+        raise ConfigError(f"cluster.lowering: 'iteration' runs a whole iteration on one worker; with "
+                          f"cluster.workers {cfg.cluster.workers} the ranks exchange values mid-iteration "
+                          f"(use nodes or auto)")
     if cfg.rollout.chunk_tokens > cfg.rollout.max_new_tokens:
         raise ConfigError(f"rollout.chunk_tokens: {cfg.rollout.chunk_tokens} exceeds rollout.max_new_tokens "
                           f"({cfg.rollout.max_new_tokens})")

@@ -195,6 +195,8 @@ def test_bad_choice_lists_the_choices(override, message):
     (["train.betas=[0.9]"], r"train.betas: expected two numbers in \[0, 1\)"),
     (["train.betas=[0.9, 1.0]"], r"train.betas: expected two numbers in \[0, 1\)"),
     (["rollout.chunk_tokens=16"], r"rollout.chunk_tokens: 16 exceeds rollout.max_new_tokens \(8\)"),
+    (["cluster.lowering=iteration", "cluster.workers=2"], r"cluster.lowering: 'iteration' runs a whole iteration "
+                                                          r"on one worker; with cluster.workers 2"),
 ])
 def test_cross_field_checks(overrides, message):
     with pytest.raises(ConfigError, match=message):

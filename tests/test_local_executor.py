@@ -1,4 +1,6 @@
-"""The in-process executor gives the same iteration as the Dask one: same rollouts, same update."""
+"""The in-process executor gives the same iteration as the Dask one lowered node by node: same
+rollouts, same update. (A one-worker run's default lowering is the whole iteration as one Dask task
+running this executor on the worker, so this is also that lowering against the per-node one.)"""
 from __future__ import annotations
 
 import json
@@ -21,7 +23,7 @@ def test_local_executor_matches_the_dask_executor(tmp_path, schedule):
     from rollplex.pipeline.local import LocalExecutor
     from rollplex.pipeline.worker import WorkerHost
 
-    cfg = load_config(None, [*OVERRIDES, f"schedule={schedule}"])
+    cfg = load_config(None, [*OVERRIDES, f"schedule={schedule}", "cluster.lowering=nodes"])
     train(cfg, tmp_path / "dask", progress=False, log=lambda *a: None)
 
     session = Session(cfg, tmp_path / "local")
@@ -83,3 +85,13 @@ def test_a_failing_node_is_raised_only_after_the_nodes_running_beside_it_end(mon
     with pytest.raises(NodeFailure, match="out of memory"):
         local.LocalExecutor(Host()).run(g, 0, {})
     assert ended.is_set()
+
+
+def test_in_process_workers_run_whole_iterations(tmp_path):
+    """``cluster.processes: false``: the LocalCluster's worker lives in this process (no env of its
+    own to take), and its iterations run as one Dask task each."""
+    cfg = load_config(None, [*OVERRIDES, "iterations=1", "cluster.processes=false"])
+    lines = []
+    train(cfg, tmp_path, progress=False, log=lines.append)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [0] and rows[0]["seconds_by_kind"]["decode_chunk"] > 0
