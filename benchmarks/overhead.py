@@ -32,6 +32,12 @@ ROLLPLEX_VARIANTS = {  # name -> config overrides on top of the embedded default
     "rollplex-hf-torch": ["engines.decode=hf", "engines.train=torch"],
     "rollplex-vllm-torch": ["engines.decode=vllm", "engines.train=torch"],
     "rollplex-hf-deepspeed": ["engines.decode=hf", "engines.train=deepspeed"],
+    # Dask's scheduler between every two nodes (the lowering of data-parallel runs), not per iteration
+    "rollplex-nodes": ["engines.decode=vllm", "engines.train=deepspeed", "cluster.lowering=nodes"],
+    "rollplex-hf-deepspeed-nodes": ["engines.decode=hf", "engines.train=deepspeed", "cluster.lowering=nodes"],
+    "rollplex-graph-deepspeed": ["engines.decode=torch-graph", "engines.train=deepspeed"],  # the CUDA default
+    "rollplex-graph-deepspeed-nodes": ["engines.decode=torch-graph", "engines.train=deepspeed",
+                                       "cluster.lowering=nodes"],
 }
 P, G, MAX_NEW, WARMUP_STEPS = 8, 8, 8, 2
 
