@@ -272,6 +272,9 @@ def main() -> int:
             print(f"[{v}] running ({' '.join(ROLLPLEX_VARIANTS[v])})", flush=True)
             results[v] = rollplex_run(ROLLPLEX_VARIANTS[v] + extra, args.iterations, args.skip, run_dir,
                                       lambda line, v=v: print(f"[{v}] {line}", flush=True))
+            # The run's last checkpoint is not read here; at the H200 scale one DeepSpeed checkpoint
+            # of a 3B model is tens of GB, and the next variant's would not fit beside it.
+            shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     finally:
         if args.runs_dir is None:
             shutil.rmtree(runs_root, ignore_errors=True)
