@@ -348,13 +348,20 @@ class GraphDecodeEngine(DecodeEngine):
     def _split_kv(self, attention: str | None) -> bool:
         group = self.w.heads // self.w.kv_heads
         usable = self.device.type == "cuda" and decode_attention.usable(self.w.head_dim, group)
+        # As for compile (above): under cudaMallocAsync, a Triton kernel captured in a step graph gets
+        # pointers the pool maps only at replay, and refuses them.
+        pooled = self.use_graphs and usable and torch.cuda.get_allocator_backend() == "cudaMallocAsync"
         if attention in (None, "auto"):
-            return usable
+            return usable and not pooled
         if attention not in ("split-kv", "sdpa"):
             raise EngineError(f"engine 'torch-graph': attention {attention!r} is not one of split-kv, sdpa, auto")
         if attention == "split-kv" and not usable:
             raise EngineError(f"engine 'torch-graph': attention 'split-kv' needs CUDA and Triton and a power-of-two "
                               f"head width of at least 16 (device {self.device}, head width {self.w.head_dim})")
+        if attention == "split-kv" and pooled:
+            raise EngineError("engine 'torch-graph': attention 'split-kv' under CUDA graphs needs the native CUDA "
+                              "allocator; under cudaMallocAsync (cluster.cuda_allocator / --cuda-allocator async) "
+                              "set attention: sdpa or auto")
         return attention == "split-kv"
 
     def _graph_size(self, live: int) -> int:
