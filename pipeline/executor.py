@@ -55,14 +55,18 @@ def _done(bundle: Any) -> None:
     return None
 
 
+def _check_inputs(graph: IterationGraph, inputs: dict[str, Any]) -> None:
+    missing = [v for v in graph.inputs if v not in inputs]
+    if missing:
+        raise KeyError(f"iteration inputs missing: {missing}")
+
+
 def lower(graph: IterationGraph, iteration: int, inputs: dict[str, Any],
           ranks: list[str] | None = None) -> LoweredIteration:
     """``ranks``: worker address per rank of a data-parallel graph (``pipeline/ranks.py``); each node
     is restricted to its rank's worker, and an ordering edge between ranks goes through a token task
     so that no output bundle moves for it."""
-    missing = [v for v in graph.inputs if v not in inputs]
-    if missing:
-        raise KeyError(f"iteration inputs missing: {missing}")
+    _check_inputs(graph, inputs)
     dsk: dict[str, Task] = {}
     resources: dict[str, dict[str, int]] = {}
     priority: dict[str, float] = {}
@@ -155,9 +159,7 @@ class DaskExecutor:
         return IterationResult(output, events, peak, seconds)
 
     def _run_whole(self, graph: IterationGraph, iteration: int, inputs: dict[str, Any]) -> IterationResult:
-        missing = [v for v in graph.inputs if v not in inputs]
-        if missing:
-            raise KeyError(f"iteration inputs missing: {missing}")
+        _check_inputs(graph, inputs)
         start = time.time()
         future = self.client.submit(run_iteration, graph, iteration, inputs, key=task_key(iteration, "iteration"),
                                     pure=False)

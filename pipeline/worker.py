@@ -490,7 +490,7 @@ def run_node(node: Node, iteration: int, uses: dict[str, int], n_values: int, *d
 
 def run_iteration(graph, iteration: int, inputs: dict[str, Any]) -> IterationResult:
     """A Dask task: a whole iteration on this worker, its nodes run on the worker's streams by the
-    local executor (``executor.lower_whole``)."""
+    local executor (``DaskExecutor`` with ``cluster.lowering`` iteration)."""
     from rollplex.pipeline.local import LocalExecutor
 
     return LocalExecutor(current_host()).run(graph, iteration, inputs)
