@@ -77,6 +77,8 @@ class VLLMDecodeEngine(DecodeEngine):
             if opts.get(opt) is not None:
                 kwargs[arg] = int(opts[opt])
         kwargs.update(opts.get("vllm_kwargs", {}))
+        if torch.device(ctx.device).type == "cpu":
+            _rank_tokens_eagerly()
         self._lock = threading.Lock()
         with self._lock:
             self.llm = LLM(**kwargs)
@@ -218,6 +220,16 @@ class VLLMDecodeEngine(DecodeEngine):
     def close(self) -> None:
         with self._lock:
             self.llm = self._engine = None
+
+
+def _rank_tokens_eagerly() -> None:
+    """vLLM ranks each sampled token within the vocabulary through a ``torch.compile``d count
+    (inductor on CPU, compiled in every new process): the first decode step spent 1.8 s of 1.9 in
+    that compile on 2 cores, for a rank this engine never reads. On CPU the same count runs eagerly
+    (the compile spares GPU memory for large vocabularies, not time)."""
+    from vllm.v1.sample import sampler
+
+    sampler.batched_count_greater_than = lambda x, values: (x >= values).sum(-1)
 
 
 def _finished(out) -> list[FinishedSequence]:

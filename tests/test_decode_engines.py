@@ -432,3 +432,18 @@ def test_graph_engine_projects_fused_groups_in_one_matmul_and_samples_what_separ
     for rid, seq in want.items():
         assert got[rid].token_ids == seq.token_ids
         assert got[rid].logprobs == pytest.approx(seq.logprobs, abs=1e-4)
+
+
+@pytest.mark.slow
+def test_vllm_on_cpu_ranks_sampled_tokens_without_compiling(vllm_engine, prompts):
+    """vLLM's count of logits above the sampled token's is ``torch.compile``d; on CPU its compile
+    took 1.8 s of every run's first decode step (engines/vllm_decode.py). The engine runs it eagerly
+    there, and the count is the same."""
+    from vllm.v1.sample import sampler
+
+    count = sampler.batched_count_greater_than
+    assert not hasattr(count, "_torchdynamo_orig_callable")
+    x = torch.tensor([[0.1, 0.5, 0.3], [0.2, 0.2, 0.9]])
+    assert count(x, torch.tensor([[0.3], [0.2]])).tolist() == [2, 3]
+    out = run(vllm_engine, requests(prompts, group=2, temperature=1.0, seed=3, max_tokens=4))
+    assert all(len(v.logprobs) == len(v.token_ids) for v in out.values())
