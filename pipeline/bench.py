@@ -16,7 +16,8 @@ Policies:
 - ``rollplex-nofusion``: rollplex with every suffix scored after the last decode chunk (no stage
   fusion). Each gain is then a ratio of neighbours: prefix sharing (serial ÷ serial-noshare), the
   decode window (rollplex-nofusion ÷ serial) and stage fusion (rollplex ÷ rollplex-nofusion).
-- ``disaggregated`` and ``rollplex-dp2``, on two GPUs: see ``pipeline/bench_multi.py``.
+- ``disaggregated``, ``disaggregated-noshare`` and ``rollplex-dp2``, on two GPUs: see
+  ``pipeline/bench_multi.py``.
 
 A rollplex policy may carry options (``rollplex:gate=32:target=0``), so variants run side by side
 against the same serial run. What is measured and reported lives in ``pipeline/bench_results.py``.
@@ -190,9 +191,9 @@ def _host(cfg: BenchConfig, actor_engine, ref_engine, decode, policy: str, strea
 
 
 def compile_for(cfg: BenchConfig, policy: str, config):
-    """``disaggregated`` runs serial's graph (its rollout GPU is a placement, not a graph change);
-    ``rollplex-dp2`` runs rollplex's over two ranks, each scoring (and with train fusion training)
-    what its own decode chain finished."""
+    """``disaggregated`` runs serial's graph and ``disaggregated-noshare`` serial-noshare's (the rollout
+    GPU is a placement, not a graph change); ``rollplex-dp2`` runs rollplex's over two ranks, each
+    scoring (and with train fusion training) what its own decode chain finished."""
     from rollplex.dags.grpo import grpo
     from rollplex.pipeline.compiler import BatchShape, EngineChoice, ModelDims, compile_iteration
     from rollplex.pipeline.ranks import distribute, fit_prompts_per_node
@@ -206,7 +207,7 @@ def compile_for(cfg: BenchConfig, policy: str, config):
         fields[name] = fit_prompts_per_node(fields[name], cfg.prompts // ranks)
     shape = BatchShape(prompts=cfg.prompts, samples=cfg.samples, max_new_tokens=cfg.max_new_tokens,
                        chunk_tokens=cfg.chunk_tokens, prompt_tokens=cfg.vision_tokens + cfg.text_tokens + 2,
-                       vision_tokens=cfg.vision_tokens, prefix_sharing=policy != "serial-noshare", **fields)
+                       vision_tokens=cfg.vision_tokens, prefix_sharing=not policy.endswith("-noshare"), **fields)
     engines = EngineChoice({"decode": "torch-graph", "train": cfg.train_engine, "score": "transformers"})
     compiled = compile_iteration(grpo, shape, engines, ModelDims.from_hf_config(config, 2))
     if "train_fusion_off" in compiled.meta:  # a policy named tf=1 that trains after decode would mislabel its row
@@ -343,7 +344,7 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
 
     def replicas_for(policy: str) -> bench_multi.Replicas | None:
         policy, _ = parse_policy(policy)
-        if policy == "disaggregated":
+        if policy in bench_multi.SPLIT_ROLES:
             return bench_multi.disaggregated(cfg, actor, ref_engine, start_state, dtype, longest)
         if policy == "rollplex-dp2":
             return bench_multi.data_parallel(cfg, actor, ref_engine, decode, start_state, start_optim, dtype, longest)

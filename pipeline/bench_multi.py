@@ -1,8 +1,10 @@
 """The bench's two-GPU policies, run in the bench's one process beside the one-GPU ones.
 
-- ``disaggregated``: what split runtimes do. Rollout runs on its own GPU with its own copy of the
-  actor; vision, reference and training run on the other; phases are serial (the serial schedule,
-  prefix sharing on), and after the optimizer step ``weight_sync`` ships the weights across.
+- ``disaggregated``: split roles. Rollout runs on its own GPU with its own copy of the actor;
+  vision, reference and training run on the other; phases are serial (the serial schedule, prefix
+  sharing on), and after the optimizer step ``weight_sync`` ships the weights across.
+- ``disaggregated-noshare``: the same placement, every response scored and trained over its full
+  sequence, as today's split runtimes (OpenRLHF, verl's split placement) do.
 - ``rollplex-dp2``: rollplex on both GPUs as two data-parallel ranks (``pipeline/ranks.distribute``).
   Each GPU holds a replica of actor, reference and decode engine and runs half the prompts under the
   rollplex schedule. At the optimizer step the ranks' gradients become their mean: a copy across the
@@ -21,7 +23,8 @@ import torch
 from rollplex.engines.sharing import fuse_for_rollout
 from rollplex.errors import EngineError
 
-TWO_GPU_POLICIES = ("disaggregated", "rollplex-dp2")
+TWO_GPU_POLICIES = ("disaggregated", "disaggregated-noshare", "rollplex-dp2")
+SPLIT_ROLES = ("disaggregated", "disaggregated-noshare")  # rollout on one GPU, training on the other
 
 
 class InProcessAllReduce:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rollplex.errors import RollplexError
-from rollplex.pipeline.bench_multi import TWO_GPU_POLICIES
+from rollplex.pipeline.bench_multi import SPLIT_ROLES, TWO_GPU_POLICIES
 
 if TYPE_CHECKING:
     from rollplex.pipeline.bench import BenchConfig
@@ -298,9 +298,13 @@ def speedups(results: dict[str, PolicyResult]) -> list[str]:
     GPUs as ranks vs split roles."""
     pairs = [("serial", "serial-noshare"), ("rollplex", "serial-noshare"), ("rollplex", "serial"),
              ("rollplex-nofusion", "serial"), ("rollplex", "rollplex-nofusion"),
-             ("rollplex-dp2", "disaggregated"), ("rollplex-dp2", "rollplex"), ("disaggregated", "serial")]
+             ("rollplex-dp2", "disaggregated"), ("rollplex-dp2", "disaggregated-noshare"), ("rollplex-dp2", "rollplex"),
+             ("disaggregated", "serial"), ("disaggregated", "disaggregated-noshare")]
     pairs += [(v, "serial") for v in results if ":" in v]  # variants: each against serial
-    return [f"{a} is {results[b].median / results[a].median:.2f}x {b}" for a, b in pairs
+    # Two GPUs: every ranks row against every split-roles row, whatever options each was run with.
+    split = [b for b in results if parse_policy(b)[0] in SPLIT_ROLES]
+    pairs += [(a, b) for a in results if parse_policy(a)[0] == "rollplex-dp2" for b in split]
+    return [f"{a} is {results[b].median / results[a].median:.2f}x {b}" for a, b in dict.fromkeys(pairs)
             if a in results and b in results and results[a].seconds and results[b].seconds]
 
 

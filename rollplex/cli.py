@@ -146,8 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--chunk-tokens", type=int, default=32)
     b.add_argument("--iterations", type=int, default=4, help="per policy; the first is a warm-up")
     b.add_argument("--policies", help="comma-separated, from serial-noshare,serial,rollplex (one GPU; the "
-                                      "default), rollplex-nofusion (one GPU) and disaggregated,rollplex-dp2 "
-                                      "(two GPUs); a rollplex policy takes options, e.g. rollplex:gate=32:sms=64 "
+                                      "default), rollplex-nofusion (one GPU) and disaggregated,disaggregated-noshare,"
+                                      "rollplex-dp2 (two GPUs); a rollplex policy takes options, e.g. rollplex:gate=32:sms=64 "
                                       "(gate: prefix work waits for at most that many decode rows; sms: decode's "
                                       "SMs beside compute work, 0 per chunk)")
     b.add_argument("--train-engine", default="torch", choices=("torch", "deepspeed"))

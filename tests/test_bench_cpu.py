@@ -115,7 +115,7 @@ def test_bench_two_gpu_policies_on_cpu_match_serial(tmp_path):
     lines: list[str] = []
     out = run(BenchConfig(model=config, device="cpu", dtype="float32", prompts=4, samples=2, vision_tokens=16,
                           text_tokens=8, max_new_tokens=8, mean_new_tokens=4, chunk_tokens=4, iterations=2,
-                          policies=("serial", "rollplex-nofusion", "disaggregated", DP2,
+                          policies=("serial", "rollplex-nofusion", "disaggregated", "disaggregated-noshare", DP2,
                                     "rollplex-nofusion:gate=4"),
                           out=str(tmp_path)),
               log=lines.append)
@@ -126,6 +126,14 @@ def test_bench_two_gpu_policies_on_cpu_match_serial(tmp_path):
     assert updates["disaggregated"]["replayed"] <= 1e-6 and updates["rollplex-nofusion"]["replayed"] <= 1e-6
     assert "join" not in rows["rollplex-nofusion"]["seconds_by_kind"]  # no per-chunk scoring to join
     assert updates["disaggregated"]["identical_responses"] == updates["disaggregated"]["responses"]
+    # Split roles as today's runtimes run them: full sequences scored on the training GPU. Its graph is
+    # serial-noshare's (no prefix node), its update serial's within fp32 rounding of the other sums.
+    noshare = rows["disaggregated-noshare"]
+    assert noshare["seconds_by_kind"]["weight_sync"] > 0 and "prefix" not in noshare["seconds_by_kind"]
+    assert "prefix" in rows["disaggregated"]["seconds_by_kind"]
+    assert updates["disaggregated-noshare"]["replayed"] <= 1e-3
+    assert f"{DP2} is" in " ".join(out["speedups"]) and any(
+        line.startswith(f"{DP2} is") and line.endswith("x disaggregated-noshare") for line in out["speedups"])
     # Two ranks sum their halves' gradients instead of accumulating all micro-batches in one order,
     # and each scores its own chunks' samples (stage fusion per rank: the join of their scores runs),
     # which rounds as rollplex's per-sample scoring does (1e-2, see the first test).

@@ -229,10 +229,11 @@ def test_bench_on_cuda_replays_serial_rollout_under_every_policy(cuda, tiny_mode
 def test_bench_two_gpu_policies_on_cuda(cuda, tiny_model_dir, tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.fail(f"needs 2 CUDA devices, found {torch.cuda.device_count()}; run it on the 2-GPU machine")
-    out = _tiny_bench(tiny_model_dir, tmp_path, ("serial", "disaggregated", "rollplex-dp2"))
+    out = _tiny_bench(tiny_model_dir, tmp_path, ("serial", "disaggregated", "disaggregated-noshare", "rollplex-dp2"))
     rows = {r["policy"]: r for r in out["results"]}
     assert rows["rollplex-dp2"]["ranks_max_weight_difference"] <= 1e-6
     assert rows["disaggregated"]["seconds_by_kind"]["weight_sync"] > 0
+    assert rows["disaggregated-noshare"]["seconds_by_kind"]["weight_sync"] > 0
 
 
 def test_partition_streams_get_every_graph_before_the_window(cuda, tiny_model_dir):
