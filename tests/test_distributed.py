@@ -85,18 +85,27 @@ def rl_rows(run: Path) -> list[dict]:
     return [r for r in rows if r["phase"] == "rl"]
 
 
-def final_weights(run: Path) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in checkpoint_tensors(run / "checkpoints" / "iter_000001").items() if k.startswith("model/")}
+def final_weights(run: Path, iteration: int = 1) -> dict[str, torch.Tensor]:
+    return {k: v.float() for k, v in checkpoint_tensors(run / "checkpoints" / f"iter_{iteration:06d}").items()
+            if k.startswith("model/")}
 
 
-def assert_equal_to_rounding(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    """Equal up to fp32 summation order: every weight within 5% of one Adam step (lr). A lost or doubled
-    update, or a rank training on the wrong prompts, moves weights by about lr. Adam's step
-    g / (|g| + eps) can turn a rounding difference in a small gradient into a visible share of lr:
-    2.2% in one weight of the DeepSpeed pair on an AMD EPYC host, under 1% on earlier hosts."""
+def assert_same_update(reference: Path, other: Path) -> None:
+    """The runs end equal up to fp32 summation order, measured against the last step's update u (the
+    reference's weights after iteration 1 minus after iteration 0): ‖Δ‖ ≤ 1% of ‖u‖ over the model
+    and ≤ 10% of ‖u‖ in each tensor. A lost or doubled step, or a rank training on the wrong prompts,
+    differs by about ‖u‖ everywhere. An element-wise bound would not hold across hosts: Adam's step
+    g / (√v + eps) turns a rounding difference in a tiny gradient into a share of lr, and the
+    DeepSpeed pair's worst embedding element moved 2.2% of lr on an AMD EPYC host and 19% on an
+    Intel Xeon (82 of 43k elements above 5%), where ‖Δ‖ was 0.26% of ‖u‖ (2.2% in that tensor)."""
+    a, b, start = final_weights(reference), final_weights(other), final_weights(reference, 0)
     assert a.keys() == b.keys()
-    worst = max(((x.float() - b[k].float()).abs().max().item(), k) for k, x in a.items())
-    assert worst[0] <= 5e-2 * LR, f"{worst[1]} differs by {worst[0]:.3g}"
+    diff = {k: float((a[k] - b[k]).norm()) for k in a}
+    step = {k: float((a[k] - start[k]).norm()) for k in a}
+    total = sum(d * d for d in diff.values()) ** 0.5 / max(sum(u * u for u in step.values()) ** 0.5, 1e-30)
+    assert total <= 1e-2, f"the runs' weights differ by {total:.3g} of the last update's norm"
+    worst = max((diff[k] / max(step[k], 1e-30), k) for k in a if step[k] > 0)
+    assert worst[0] <= 1e-1, f"{worst[1]} differs by {worst[0]:.3g} of its last update's norm"
 
 
 def train_side_by_side(root: Path, jobs: dict[str, tuple[str, ...]],
@@ -140,7 +149,7 @@ def test_two_data_parallel_ranks_equal_one_worker_with_the_same_global_batch(run
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-7)
     assert one[1]["grad_norm"] > 0.1  # the update is real
-    assert_equal_to_rounding(final_weights(runs["one"]), final_weights(runs["two"]))
+    assert_same_update(runs["one"], runs["two"])
     # Each rank saved its own ZeRO optimizer partition; both ranks' events are on one trace timeline.
     state = runs["two"] / "checkpoints" / "iter_000001" / "deepspeed" / "state"
     assert {p.name for p in state.glob("zero_pp_rank_*_optim_states.pt")} == {
@@ -159,7 +168,7 @@ def test_a_killed_rank_worker_is_replaced_and_no_update_is_lost_or_applied_twice
     assert "iteration 1: lost a Dask worker" in log and "rolling back to iter_000000" in log, log[-3000:]
     assert "ranks formed again" in log
     assert [r["iteration"] for r in rl_rows(runs["killed"])] == [0, 1]  # no gap, no duplicate
-    assert_equal_to_rounding(final_weights(runs["two"]), final_weights(runs["killed"]))
+    assert_same_update(runs["two"], runs["killed"])
 
 
 def test_a_tensor_parallel_rollout_trains_as_the_data_parallel_one(tmp_path):
@@ -180,7 +189,7 @@ def test_a_tensor_parallel_rollout_trains_as_the_data_parallel_one(tmp_path):
         for a, b in zip(dp, rows):
             assert a["reward_mean"] == b["reward_mean"] and a["response_len_mean"] == b["response_len_mean"]
             assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), name
-        assert_equal_to_rounding(final_weights(tmp_path / "dp"), final_weights(tmp_path / name))
+        assert_same_update(tmp_path / "dp", tmp_path / name)
     assert "decode tensor parallel: rank0 1/2, rank1 2/2" in logs["tp"], logs["tp"][-2000:]
     assert "decode tensor parallel" not in logs["dp"]
     first_chunks = [line for line in (tmp_path / "tp" / "graph.txt").read_text().splitlines()
@@ -201,4 +210,4 @@ def test_two_torch_engine_ranks_training_in_their_windows_equal_one_worker(tmp_p
     one, two = rl_rows(tmp_path / "one"), rl_rows(tmp_path / "two")
     assert [r["grad_norm"] for r in two] == pytest.approx([r["grad_norm"] for r in one], rel=1e-4)
     assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-4, abs=1e-7)
-    assert_equal_to_rounding(final_weights(tmp_path / "two"), final_weights(tmp_path / "one"))
+    assert_same_update(tmp_path / "two", tmp_path / "one")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_distributed import ARGS, assert_equal_to_rounding, final_weights, rl_rows, train
+from test_distributed import ARGS, assert_same_update, rl_rows, train
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 GPU = ["--set", "model.device=cuda", "--set", "model.dtype=float32"]
@@ -28,7 +28,7 @@ def test_one_worker_per_gpu_equals_one_gpu_with_the_same_global_batch(tmp_path):
     for x, y in zip(a, b):
         assert y["reward_mean"] == x["reward_mean"]
         assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-4)
-    assert_equal_to_rounding(final_weights(one), final_weights(two))
+    assert_same_update(one, two)
     trace = (two / "traces" / "iter_000001.json").read_text()
     assert '"rank0"' in trace and '"rank1"' in trace
 
@@ -46,7 +46,7 @@ def test_a_tensor_parallel_rollout_over_two_gpus_trains_as_the_data_parallel_one
     for x, y in zip(rl_rows(dp), rl_rows(tp)):
         assert y["reward_mean"] == x["reward_mean"] and y["response_len_mean"] == x["response_len_mean"]
         assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-4)
-    assert_equal_to_rounding(final_weights(dp), final_weights(tp))
+    assert_same_update(dp, tp)
 
 
 def test_two_gpus_training_in_their_windows_with_the_torch_engine_equal_one_gpu(tmp_path):
@@ -65,4 +65,4 @@ def test_two_gpus_training_in_their_windows_with_the_torch_engine_equal_one_gpu(
     a, b = rl_rows(one), rl_rows(two)
     assert [r["grad_norm"] for r in b] == pytest.approx([r["grad_norm"] for r in a], rel=1e-4)
     assert [r["loss"] for r in b] == pytest.approx([r["loss"] for r in a], rel=1e-4, abs=1e-7)
-    assert_equal_to_rounding(final_weights(one), final_weights(two))
+    assert_same_update(one, two)
