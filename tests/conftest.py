@@ -12,7 +12,15 @@ os.environ.setdefault("DASK_TEMPORARY_DIRECTORY", str(_CACHE / "dask"))  # not /
 
 from rollplex import runtime  # noqa: E402
 
-runtime.configure(threads=int(os.environ.get("ROLLPLEX_TEST_THREADS", "2")))
+# One OMP team per core: under `-n auto` each pytest worker gets cores ÷ workers threads. With two
+# threads per worker on two cores, a torch-graph decode test took 153 s instead of 14 s on an Intel
+# Xeon host (OMP's barriers spin against the other worker's threads).
+# Set, not defaulted: xdist's workers inherit the environment of the controller, which imported this
+# file before it counted any workers.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+_THREADS = int(os.environ.get("ROLLPLEX_TEST_THREADS", max(1, (os.cpu_count() or 1) // _WORKERS)))
+os.environ["OMP_NUM_THREADS"] = str(_THREADS)
+runtime.configure(threads=_THREADS)
 
 
 @pytest.fixture(scope="session")
