@@ -298,13 +298,12 @@ def speedups(results: dict[str, PolicyResult]) -> list[str]:
     GPUs as ranks vs split roles."""
     pairs = [("serial", "serial-noshare"), ("rollplex", "serial-noshare"), ("rollplex", "serial"),
              ("rollplex-nofusion", "serial"), ("rollplex", "rollplex-nofusion"),
-             ("rollplex-dp2", "disaggregated"), ("rollplex-dp2", "disaggregated-noshare"), ("rollplex-dp2", "rollplex"),
-             ("disaggregated", "serial"), ("disaggregated", "disaggregated-noshare")]
+             ("rollplex-dp2", "rollplex"), ("disaggregated", "serial"), ("disaggregated", "disaggregated-noshare")]
     pairs += [(v, "serial") for v in results if ":" in v]  # variants: each against serial
     # Two GPUs: every ranks row against every split-roles row, whatever options each was run with.
     split = [b for b in results if parse_policy(b)[0] in SPLIT_ROLES]
     pairs += [(a, b) for a in results if parse_policy(a)[0] == "rollplex-dp2" for b in split]
-    return [f"{a} is {results[b].median / results[a].median:.2f}x {b}" for a, b in dict.fromkeys(pairs)
+    return [f"{a} is {results[b].median / results[a].median:.2f}x {b}" for a, b in pairs
             if a in results and b in results and results[a].seconds and results[b].seconds]
 
 

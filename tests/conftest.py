@@ -13,8 +13,8 @@ os.environ.setdefault("DASK_TEMPORARY_DIRECTORY", str(_CACHE / "dask"))  # not /
 from rollplex import runtime  # noqa: E402
 
 # One OMP team per core: under `-n auto` each pytest worker gets cores ÷ workers threads. With two
-# threads per worker on two cores, a torch-graph decode test took 153–163 s instead of 14 s on an Intel
-# Xeon host (OMP's barriers spin against the other worker's threads).
+# threads per worker on two cores, a torch-graph decode test took 153–163 s instead of 14 s on an
+# Intel Xeon host (OMP's barriers spin against the other worker's threads).
 # Set, not defaulted: xdist's workers inherit the environment of the controller, which imported this
 # file before it counted any workers.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
@@ -32,8 +32,9 @@ def tiny_model_dir() -> Path:
 
 
 # The longest files, longest first (`pytest -m "not gpu" --durations=120`, summed per file: 270, 152,
-# 127 and 115 s on 2 AMD EPYC cores; 564, 403, 337 and 144 s on 2 Intel Xeon cores at 2.0 GHz). Under the README's `-n auto --dist loadfile` each starts at once on a
-# worker of its own while the others take the short files, instead of starting last and running on alone.
+# 127 and 115 s on 2 AMD EPYC cores; 564, 403, 337 and 144 s on 2 Intel Xeon cores at 2.0 GHz).
+# Under the README's `-n auto --dist loadfile` each starts at once on a worker of its own while the
+# others take the short files, instead of starting last and running on alone.
 LONGEST_FIRST = ("test_kill.py", "test_distributed.py", "test_determinism.py", "test_e2e.py")
 
 
