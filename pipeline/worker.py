@@ -229,7 +229,10 @@ class WorkerHost:
                 left = self._remaining.get(key, uses[value]) - 1
                 if left <= 0:
                     self._remaining.pop(key, None)
-                    bundle.pop(value, None)
+                    # Replaced, not popped: the same bundle may be on its way to another rank right now
+                    # (it also holds a value read there), and Dask's serializer walks its items; a
+                    # dict that shrinks under it fails that transfer and hangs the iteration.
+                    bundle[value] = RELEASED
                 else:
                     self._remaining[key] = left
 
@@ -469,6 +472,19 @@ def execute_node(host: WorkerHost, node: Node, iteration: int, inputs: dict[str,
     return outputs
 
 
+class _Released:
+    """What a released value's slot in its producer's bundle holds; one instance, also after pickling."""
+
+    def __reduce__(self) -> str:
+        return "RELEASED"
+
+    def __repr__(self) -> str:
+        return "RELEASED"
+
+
+RELEASED = _Released()
+
+
 def run_node(node: Node, iteration: int, uses: dict[str, int], n_values: int, *deps: Any) -> dict[str, Any]:
     """A Dask task: run one node. ``deps[:n_values]`` are producer bundles; the rest only order it."""
     host = current_host()
@@ -476,7 +492,7 @@ def run_node(node: Node, iteration: int, uses: dict[str, int], n_values: int, *d
     owners: dict[str, dict] = {}
     for bundle in deps[:n_values]:
         for name in node.inputs:
-            if name in bundle and name not in inputs:
+            if bundle.get(name, RELEASED) is not RELEASED and name not in inputs:
                 inputs[name] = bundle[name]
                 owners[name] = bundle
     missing = [v for v in node.inputs if v not in inputs]

@@ -163,6 +163,35 @@ def test_values_read_on_several_ranks_are_not_counted_down():
     assert uses["responses_p0", 0] >= 3 and ("responses_p0", 1) not in uses
 
 
+def test_releasing_a_value_never_shrinks_a_bundle_that_is_being_sent_to_another_rank():
+    """A bundle may hold a value read on another rank (sent whole, by Dask's serializer walking its
+    items) and one read only here, whose last local use releases it from the bundle, possibly in the
+    middle of that walk. Here the walk itself triggers the release (as a concurrent thread once did:
+    "dictionary changed size during iteration", and the 2-rank run hung): it must go through, and the
+    released value must be gone for any later reader."""
+    import threading
+    from types import SimpleNamespace
+
+    import torch
+    from distributed.protocol import deserialize, serialize
+
+    from rollplex.pipeline.worker import RELEASED, WorkerHost
+
+    host = SimpleNamespace(_lock=threading.Lock(), _remaining={})
+    bundle: dict = {}
+
+    class ReleasesOnSend:
+        def __reduce__(self):
+            WorkerHost.release(host, 0, {"local": bundle}, {"local": 1})
+            return (int, (7,))
+
+    # A tensor first: Dask then serializes the bundle item by item, as it does a real one.
+    bundle.update(shared=torch.zeros(2), trigger=ReleasesOnSend(), local=torch.ones(3))
+    header, frames = serialize(bundle, serializers=("dask", "pickle"), on_error="raise")
+    assert deserialize(header, frames)["trigger"] == 7
+    assert list(bundle) == ["shared", "trigger", "local"] and bundle["local"] is RELEASED
+
+
 def test_balance_gives_equal_counts_and_evens_out_the_loads():
     rng = random.Random(0)
     for _ in range(200):
