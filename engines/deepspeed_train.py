@@ -272,6 +272,23 @@ class DeepSpeedTrainEngine(TrainEngine):
 
     def close(self) -> None:
         self.ds.destroy()
+        _forget_cached_groups()
+
+
+def _forget_cached_groups() -> None:
+    """DeepSpeed caches the groups it derives from the world (``deepspeed.utils.groups``) for the life of
+    the process. A run whose worker shares the driver's process (cluster.processes: auto on CPU) ends
+    with vLLM destroying the world group, and the next run in that process (a notebook, a test) would
+    hand the dead group's clone to its new engine. Engines already built keep their own references."""
+    from deepspeed.utils import groups
+
+    for name in ("_WORLD_GROUP", "_ZERO_PARAM_INTRA_PARALLEL_GROUP", "_TENSOR_MODEL_PARALLEL_GROUP",
+                 "_MODEL_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP", "_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE",
+                 "_MPU_TENSOR_MODEL_PARALLEL_RANK"):
+        setattr(groups, name, None)
+    for name in ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
+                 "_EXPERT_DATA_PARALLEL_GROUP_RANKS", "_ALL_TO_ALL_GROUP"):
+        getattr(groups, name).clear()
 
 
 register_engine(EngineSpec(

@@ -91,7 +91,9 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = 
             *preflight.parameter_counts(session.model_path), 4 if cfg.model.dtype == "float32" else 2,
             session.train_engine, len(spec.frozen), spec.decode_options.get("kv_cache_bytes", 0),
             None if session.weight_plan is None else session.weight_plan.per_gpu("extra")))
-    log(f"rollplex: {session.algorithm.name} on {session.device}, schedule={cfg.schedule}, "
+    in_process = not (session.worker_processes or cfg.cluster.scheduler)
+    where = f"{session.device} (in-process worker)" if in_process else session.device
+    log(f"rollplex: {session.algorithm.name} on {where}, schedule={cfg.schedule}, "
         f"engines decode={session.decode_engine} train={session.train_engine} score={session.score_engine}, "
         f"{len(session.graph)} nodes/iteration → {run_dir}")
     if session.weight_plan is not None:  # engines.weight_sharing
@@ -112,7 +114,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = 
         stack.enter_context(dask.config.set({"distributed.scheduler.allowed-failures": 0}))
         with children_ignore_sigint():
             client = stack.enter_context(connect(cfg.cluster.scheduler, cfg.cluster.workers, cfg.cluster.threads,
-                                                 cfg.cluster.processes, cfg.cluster.dashboard,
+                                                 session.worker_processes, cfg.cluster.dashboard,
                                                  security=cluster_security(cfg)))
         stop.install()
         stack.callback(stop.uninstall)

@@ -133,7 +133,10 @@ class ClusterConfig:
                         "this many consecutive workers decodes its prompts together, one share of the heads per "
                         "rank; it divides cluster.workers")
     threads: int = f(1, lo=1, hi=256, doc="torch/OMP threads per stream thread; streams × threads ≤ cores")
-    processes: bool = f(True, doc="LocalCluster workers in separate processes")
+    processes: bool | str = f("auto", choices=("auto", True, False),
+                              doc="LocalCluster workers in processes of their own; auto: one CPU worker shares "
+                                  "the driver's process (a second process would import the same stack again "
+                                  "for nothing a CPU run needs), GPUs and data-parallel ranks get their own")
     lowering: str = f("auto", choices=("auto", "nodes", "iteration"),
                       doc="what a Dask task is: nodes (one task per node, Dask's scheduler between every two), "
                           "iteration (one task per iteration on its worker, whose streams run the nodes); auto: "
@@ -214,7 +217,15 @@ def _check_type(path: str, value: Any, annotation: Any) -> Any:
         if value is None and type(None) in options:
             return None
         inner = [o for o in options if o is not type(None)]
-        return _check_type(path, value, inner[0])
+        if len(inner) == 1:
+            return _check_type(path, value, inner[0])
+        for option in inner:  # e.g. bool | str: the first type the value has
+            try:
+                return _check_type(path, value, option)
+            except ConfigError:
+                pass
+        names = " or ".join(getattr(o, "__name__", str(o)) for o in inner)
+        raise ConfigError(f"{path}: expected {names}, got {type(value).__name__} {value!r}")
     if annotation is bool:
         if isinstance(value, bool):
             return value
@@ -267,7 +278,8 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
         value = _check_type(path, data[name], hint)
         meta = fl.metadata
         if value is not None and meta.get("choices") and value not in meta["choices"]:
-            raise ConfigError(f"{path}: {value!r} is not one of {', '.join(map(str, meta['choices']))}")
+            shown = ", ".join(str(c).lower() if isinstance(c, bool) else str(c) for c in meta["choices"])
+            raise ConfigError(f"{path}: {value!r} is not one of {shown}")
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             if meta.get("lo") is not None and value < meta["lo"]:
                 raise ConfigError(f"{path}: {value} is below the minimum {meta['lo']}")

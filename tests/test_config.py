@@ -156,10 +156,26 @@ def test_an_unknown_key_with_a_line_break_stays_on_one_line(tmp_path):
     ("model.path=3", r"^model.path: expected str, got int 3$"),
     ("params=[1]", r"^params: expected dict, got list \[1\]$"),
     ("seed=2001-13-01", r"^seed: expected int, got str '2001-13-01'$"),  # not a date: YAML would crash
+    ("cluster.processes=3", r"^cluster.processes: expected bool or str, got int 3$"),
 ])
 def test_wrong_type_names_field_and_value(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, [override])
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("cluster.processes=auto", "auto"), ("cluster.processes=true", True), ("cluster.processes=false", False)])
+def test_a_field_of_two_types_takes_either(override, expected):
+    assert load_config(None, [override]).cluster.processes == expected
+
+
+def test_one_cpu_worker_shares_the_drivers_process_unless_asked_otherwise():
+    from rollplex.pipeline.session import resolve_worker_processes
+
+    assert resolve_worker_processes("auto", 1, "cpu") is False
+    assert resolve_worker_processes("auto", 1, "cuda") is True  # a CUDA fault costs the worker, not the run
+    assert resolve_worker_processes("auto", 2, "cpu") is True  # a process group rank per process
+    assert resolve_worker_processes(True, 1, "cpu") is True and resolve_worker_processes(False, 1, "cuda") is False
 
 
 @pytest.mark.parametrize("override, message", [
@@ -182,6 +198,7 @@ def test_out_of_range_names_field_and_bound(override, message):
     ("schedule=overlap", r"^schedule: 'overlap' is not one of serial, rollplex, auto$"),
     ("model.dtype=float16", r"^model.dtype: 'float16' is not one of float32, bfloat16$"),
     ("model.device=tpu", r"^model.device: 'tpu' is not one of auto, cpu, cuda$"),
+    ("cluster.processes=maybe", r"^cluster.processes: 'maybe' is not one of auto, true, false$"),
 ])
 def test_bad_choice_lists_the_choices(override, message):
     with pytest.raises(ConfigError, match=message):

@@ -1,6 +1,6 @@
 """End to end: the same 3 GRPO iterations under the serial and the rollplex schedule.
 
-Each run starts a real LocalCluster (one worker process, a decode and a compute stream), vLLM
+Each run starts a real LocalCluster (one worker, in-process on CPU, with a decode and a compute stream), vLLM
 (decode), DeepSpeed ZeRO-2 (training) and the HF reference, exactly as ``rollplex train`` does.
 The two schedules must agree: they only order work differently, never change what it computes.
 """

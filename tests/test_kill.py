@@ -2,8 +2,10 @@
 where an uninterrupted run with the same seed ends: equal weights and optimizer state, byte-identical
 rollouts, the metrics sequence without gaps or duplicates, no corrupt or half-written file.
 
-Every launch is the real CLI in its own process group; a kill takes the driver and its Dask worker
-process at once, as a dead job would. Kill moments are drawn at random (seeded; ROLLPLEX_KILL_SEED
+Every launch is the real CLI in its own process group; a kill takes the whole group at once, as a dead
+job would. One chain runs the CPU default (the worker inside the driver's process, cluster.processes:
+auto), the other a worker process of its own (the GPU default), so both end where the reference ends
+and no worker process outlives its driver. Kill moments are drawn at random (seeded; ROLLPLEX_KILL_SEED
 replays a draw) from two sources: the named fault points of ``pipeline/faults.py`` (inside decode,
 around the loss and the optimizer step, at each step of a checkpoint write, between warm-up steps),
 which land exactly where a timer rarely would, and plain wall-clock delays into the work. One chain
@@ -27,9 +29,10 @@ import pytest
 from reliability_harness import HF_TORCH, Chain, Launch, assert_same_run, group_gone, kinds_per_iteration, \
     run_concurrently, run_to_end
 
-KILLS = 8  # four per chain: a decode, an optimizer, a checkpoint and a wall-clock moment, shuffled
+KILLS = 8  # 5 + 3: each chain a decode, an optimizer and a checkpoint moment, the first also a wall-clock one
 CHAINS = 2
 SEED = int(os.environ.get("ROLLPLEX_KILL_SEED", "20261129"))
+WORKER_PROCESS = ["--set", "cluster.processes=true"]
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +48,14 @@ def _run_chains(root: Path, reference: Path, kills: int, chains: int, seed: int,
     """``kills`` SIGKILLs shared out over ``chains`` run directories killed side by side, and the
     ``graceful`` signals dealt out one per chain in turn."""
     per_iteration = kinds_per_iteration(reference / "graph.txt")
-    runs = [Chain(root / f"chain{c}", reference, random.Random(seed + c), per_iteration, extra)
-            for c in range(chains)]
-    share = [kills // chains + (1 if c < kills % chains else 0) for c in range(chains)]
+    runs = [Chain(root / f"chain{c}", reference, random.Random(seed + c), per_iteration,
+                  extra + (WORKER_PROCESS if c % 2 else [])) for c in range(chains)]
+    # A launch with a worker process costs about twice an in-process one (a second import of the
+    # stack): those chains take 3 kills in 8, so that both chains end at about the same time.
+    weights = [3 if c % 2 else 5 for c in range(chains)]
+    share = [kills * w // sum(weights) for w in weights]
+    for c in range(kills - sum(share)):
+        share[c % chains] += 1
     try:
         run_concurrently(*(partial(chain.run, n, timer_share=0.25, graceful=graceful[c::chains])
                            for c, (chain, n) in enumerate(zip(runs, share))))
@@ -76,7 +84,7 @@ def test_killed_worker_mid_iteration_is_replayed_from_the_checkpoint(reference, 
 
     run_dir = tmp_path / "worker-loss"
     once = tmp_path / "fired"
-    launch = Launch(run_dir, HF_TORCH, {"ROLLPLEX_TEST_FAULT": "task:decode_chunk:after#5",
+    launch = Launch(run_dir, HF_TORCH + WORKER_PROCESS, {"ROLLPLEX_TEST_FAULT": "task:decode_chunk:after#5",
                                         "ROLLPLEX_TEST_FAULT_KILL": "self", "ROLLPLEX_TEST_FAULT_ONCE": str(once)})
     try:
         assert launch.wait_for(r"^it +3 "), launch.log()
