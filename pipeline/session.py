@@ -102,32 +102,33 @@ class Session:
     """Everything a run needs on the driver: data, compiled graph, and the cluster connection."""
 
     def __init__(self, cfg: RunConfig, run_dir: Path) -> None:
-        from transformers import AutoConfig, AutoProcessor
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-
-        from rollplex.engines import base  # noqa: F401 - registers engines
+        import rollplex.engines  # noqa: F401 - registers the builtin engines (light: no transformers yet)
         from rollplex.pipeline.algorithms import load_algorithm
-        from rollplex.pipeline.compiler import BatchShape, EngineChoice, ModelDims, compile_iteration
-        from rollplex.pipeline.schedule import schedule
-        from rollplex.tasks.data import PromptBuilder, PromptLoader
-        from rollplex.tasks.dataset import make_task, probe_shape
 
-        import rollplex.engines  # noqa: F401
-
-        self.cfg = cfg
-        self.run_dir = run_dir
-        self.device = resolve_device(cfg)
-        self.worker_processes = resolve_worker_processes(cfg.cluster.processes, cfg.cluster.workers, self.device)
-        self.model_path = resolve_model_path(cfg)
-        self.decode_engine, self.train_engine, self.score_engine = resolve_engines(cfg, self.device)
-        check_servable(self.model_path, self.decode_engine, self.device)
+        # What needs only the config and the DAG file is checked first: a typo is refused in a second
+        # or two, not after transformers' imports (about 8 s on a slow 2-core host).
         self.algorithm = load_algorithm(cfg.algorithm)
         unknown = sorted(set(cfg.params) - set(self.algorithm.hyperparameters()))
         if unknown:
             known = ", ".join(sorted(self.algorithm.hyperparameters())) or "none"
             raise RollplexError(f"params: {unknown} are not hyperparameters of {self.algorithm.name} (known: {known})")
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.device = resolve_device(cfg)
+        self.worker_processes = resolve_worker_processes(cfg.cluster.processes, cfg.cluster.workers, self.device)
+        self.decode_engine, self.train_engine, self.score_engine = resolve_engines(cfg, self.device)
+
+        from transformers import AutoConfig, AutoProcessor
+        from transformers.utils import logging as hf_logging
+
+        from rollplex.pipeline.compiler import BatchShape, EngineChoice, ModelDims, compile_iteration
+        from rollplex.pipeline.schedule import schedule
+        from rollplex.tasks.data import PromptBuilder, PromptLoader
+        from rollplex.tasks.dataset import make_task, probe_shape
+
+        hf_logging.disable_progress_bar()
+        self.model_path = resolve_model_path(cfg)
+        check_servable(self.model_path, self.decode_engine, self.device)
         self.processor = AutoProcessor.from_pretrained(self.model_path)
         self.task = make_task(cfg)  # the synthetic task, or data.path's rows (bad ones refused or left out)
         self.builder = PromptBuilder(self.processor)
