@@ -30,6 +30,7 @@ from pathlib import Path
 ROLLPLEX_VARIANTS = {  # name -> config overrides on top of the embedded default
     "rollplex": ["engines.decode=vllm", "engines.train=deepspeed"],
     "rollplex-hf-torch": ["engines.decode=hf", "engines.train=torch"],
+    "rollplex-worker-process": ["engines.decode=vllm", "engines.train=deepspeed", "cluster.processes=true"],
     "rollplex-vllm-torch": ["engines.decode=vllm", "engines.train=torch"],
     "rollplex-hf-deepspeed": ["engines.decode=hf", "engines.train=deepspeed"],
     # Dask's scheduler between every two nodes (the lowering of data-parallel runs), not per iteration
