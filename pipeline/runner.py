@@ -91,8 +91,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = 
             *preflight.parameter_counts(session.model_path), 4 if cfg.model.dtype == "float32" else 2,
             session.train_engine, len(spec.frozen), spec.decode_options.get("kv_cache_bytes", 0),
             None if session.weight_plan is None else session.weight_plan.per_gpu("extra")))
-    in_process = not (session.worker_processes or cfg.cluster.scheduler)
-    where = f"{session.device} (in-process worker)" if in_process else session.device
+    where = session.device if session.worker_processes else f"{session.device} (in-process worker)"
     log(f"rollplex: {session.algorithm.name} on {where}, schedule={cfg.schedule}, "
         f"engines decode={session.decode_engine} train={session.train_engine} score={session.score_engine}, "
         f"{len(session.graph)} nodes/iteration → {run_dir}")

@@ -62,11 +62,15 @@ def resolve_device(cfg: RunConfig) -> str:
     return cfg.model.device
 
 
-def resolve_worker_processes(processes: bool | str, workers: int, device: str) -> bool:
-    """Whether LocalCluster workers get processes of their own. ``auto``: not for one CPU worker, which
-    would import torch and transformers a second time (about 12 s of a core on a slow host) for an
-    isolation a CPU run does not need; yes for GPUs (a CUDA fault or an OOM kill costs the worker, and
-    the driver replays from a checkpoint) and for data-parallel ranks (one process group rank each)."""
+def resolve_worker_processes(processes: bool | str, workers: int, device: str, scheduler: str | None = None) -> bool:
+    """Whether the workers run in processes of their own. An external scheduler's always do (stock
+    `dask worker` processes); a LocalCluster's as ``processes`` says. ``auto``: not for one CPU
+    worker, which would import torch and transformers a second time (about 12 s of a core on a slow
+    host) for an isolation a CPU run does not need; yes for GPUs (a CUDA fault or an OOM kill costs
+    the worker, and the driver replays from a checkpoint) and for data-parallel ranks (one process
+    group rank each)."""
+    if scheduler:
+        return True
     if processes != "auto":
         return bool(processes)
     return workers > 1 or device != "cpu"
@@ -115,7 +119,8 @@ class Session:
         self.cfg = cfg
         self.run_dir = run_dir
         self.device = resolve_device(cfg)
-        self.worker_processes = resolve_worker_processes(cfg.cluster.processes, cfg.cluster.workers, self.device)
+        self.worker_processes = resolve_worker_processes(cfg.cluster.processes, cfg.cluster.workers, self.device,
+                                                         cfg.cluster.scheduler)
         self.decode_engine, self.train_engine, self.score_engine = resolve_engines(cfg, self.device)
 
         from transformers import AutoConfig, AutoProcessor
@@ -169,7 +174,7 @@ class Session:
 
         check_data_parallel(self.world, shape.prompts, shape.micro_batch_groups, self.train_engine,
                             cfg.train.zero_stage, self.decode_engine,
-                            processes=self.worker_processes or bool(cfg.cluster.scheduler),
+                            processes=self.worker_processes,
                             tp_rollout=cfg.cluster.tp_rollout)
         if self.world > 1:
             shape = dataclasses.replace(shape, prompts_per_node=fit_prompts_per_node(

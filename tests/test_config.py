@@ -176,6 +176,7 @@ def test_one_cpu_worker_shares_the_drivers_process_unless_asked_otherwise():
     assert resolve_worker_processes("auto", 1, "cuda") is True  # a CUDA fault costs the worker, not the run
     assert resolve_worker_processes("auto", 2, "cpu") is True  # a process group rank per process
     assert resolve_worker_processes(True, 1, "cpu") is True and resolve_worker_processes(False, 1, "cuda") is False
+    assert resolve_worker_processes(False, 1, "cpu", "tcp://127.0.0.1:8786") is True  # stock `dask worker`s
 
 
 @pytest.mark.parametrize("override, message", [
