@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -20,11 +21,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _documented_worker_config() -> str:
+    text = (Path(__file__).resolve().parents[1] / "docs" / "distributed.md").read_text()
+    return re.search(r"```yaml\n(.*?)```", text, re.S).group(1)
+
+
 @pytest.fixture
 def stock_cluster(tmp_path):
     port = _free_port()
     address = f"tcp://127.0.0.1:{port}"
-    env = {**os.environ, "DASK_TEMPORARY_DIRECTORY": str(tmp_path)}
+    # The Dask config file docs/distributed.md gives for stock workers (glibc's own malloc tuning).
+    (tmp_path / "dask-config").mkdir()
+    (tmp_path / "dask-config" / "rollplex.yaml").write_text(_documented_worker_config())
+    env = {**os.environ, "DASK_TEMPORARY_DIRECTORY": str(tmp_path), "DASK_CONFIG": str(tmp_path / "dask-config")}
     scheduler = subprocess.Popen([str(BIN / "dask"), "scheduler", "--host", "127.0.0.1", "--port", str(port),
                                   "--no-dashboard"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     worker = subprocess.Popen([str(BIN / "dask"), "worker", address, "--nthreads", "3", "--resources",
@@ -54,6 +63,15 @@ def test_train_on_a_stock_dask_cluster(stock_cluster, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows if r["phase"] == "rl"] == [0, 1]
+    from distributed import Client
+
+    with Client(stock_cluster, timeout="30s") as client:
+        # What the worker process started with; a bound method of an importable class, since the
+        # worker cannot import this test file.
+        [raw] = client.run(Path("/proc/self/environ").read_bytes).values()
+    env = dict(item.decode().split("=", 1) for item in raw.split(b"\0") if b"=" in item)
+    assert "MALLOC_TRIM_THRESHOLD_" not in env  # the documented config reached the stock nanny
+    assert env["OMP_NUM_THREADS"] == os.environ["OMP_NUM_THREADS"]
 
 
 def test_a_worker_without_stream_resources_is_refused(tmp_path):
