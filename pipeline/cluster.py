@@ -56,7 +56,7 @@ def worker_process_environ(threads: int) -> dict:
     every large tensor became a fresh mmap of zeroed pages: 25 iterations of the default CPU job spent
     13 s of system time in a worker process against 4.5 s without it, and ran slower than the same
     job's in-process worker. OpenMP's thread count must be set here too; the nanny's ``env`` argument
-    comes too late for them. A variable already in this process's environment still wins (Dask's rule).
+    comes too late for it. A variable already in this process's environment still wins (Dask's rule).
     """
     # Dask's MKL_NUM_THREADS/OPENBLAS_NUM_THREADS=1 are left out: unset, they follow OpenMP's count.
     return {"distributed.nanny.pre-spawn-environ": {"MALLOC_TRIM_THRESHOLD_": None, "OMP_NUM_THREADS": str(threads)}}
