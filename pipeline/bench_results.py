@@ -235,7 +235,7 @@ def report(cfg, spec, results: dict[str, PolicyResult], out_dir: Path, log, fail
     for name, res in results.items():
         gpus = 2 if parse_policy(name)[0] in TWO_GPU_POLICIES else 1
         bound = lower_bound(cfg, spec, res, gpus=gpus)
-        speedup = base.median / res.median if base else float("nan")
+        speedup = base.median / res.median if base else None  # JSON null, not NaN, without the baseline
         row = {"policy": name, "median_s": res.median, "all_s": res.seconds, "speedup_vs_serial_noshare": speedup,
                "peak_hbm_bytes": res.peak_bytes, "prefix_hidden_share": res.hidden_share,
                "tokens_per_s": res.tokens / res.median, "lower_bound_s": bound, "ratio_to_bound": res.median / bound,
@@ -244,7 +244,8 @@ def report(cfg, spec, results: dict[str, PolicyResult], out_dir: Path, log, fail
                "decode_bytes_per_s": res.decode_bandwidth(), "gpus": gpus,
                "ranks_max_weight_difference": res.ranks_disagree, "same_graph_as": res.same_graph_as}
         rows.append(row)
-        log(f"{name:{width}s} {res.median:7.3f} {speedup:9.2f} {res.peak_bytes / 2**30:9.1f} {res.hidden_share:7.0%} "
+        shown = f"{speedup:9.2f}" if speedup is not None else f"{'-':>9s}"
+        log(f"{name:{width}s} {res.median:7.3f} {shown} {res.peak_bytes / 2**30:9.1f} {res.hidden_share:7.0%} "
             f"{row['tokens_per_s']:8.0f} {row['ratio_to_bound']:7.2f} {res.decode_bandwidth() / 1e12:11.2f}")
     # One Perfetto trace of every policy's last timed iteration, one above the other.
     traces = {name: res.trace for name, res in results.items() if res.trace is not None}
