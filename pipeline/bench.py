@@ -430,6 +430,9 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
             running.pop(policy, None)
             log(f"  {policy}: out of memory, skipped: {exc}")
             runner.close()
+        if policy in failed:
+            # Outside the except clause: until it ends, the traceback's frames hold the failed
+            # iteration's tensors, and the allocator could not return them.
             recover_from_failed_policy()
         report(cfg, spec, results, out_dir, lambda *a: None, failed)  # partial results survive a later failure
         return True

@@ -64,14 +64,28 @@ def test_a_policy_that_runs_out_of_memory_is_reported_and_the_rest_still_run(tmp
     from rollplex.errors import NodeFailure
     from rollplex.pipeline import local
 
-    real = local.LocalExecutor.run
+    import gc
+    import weakref
+
+    import torch
+
+    real, real_collect = local.LocalExecutor.run, gc.collect
+    failed_tensors, alive_at_collect = [], []
 
     def run_or_fail(self, graph, iteration, inputs):
         if any(h.name.endswith("/serial:ppn=2") for h in self.hosts) and iteration == 1:
+            activations = torch.ones(1024)  # what the failed iteration held, reachable from its frame
+            failed_tensors.append(weakref.ref(activations))
             raise NodeFailure("loss_m0", "loss", "OutOfMemoryError: CUDA out of memory. Tried to allocate 9.9 GiB")
         return real(self, graph, iteration, inputs)
 
+    def collect(*args):
+        found = real_collect(*args)
+        alive_at_collect.extend(ref() is not None for ref in failed_tensors)
+        return found
+
     monkeypatch.setattr(local.LocalExecutor, "run", run_or_fail)
+    monkeypatch.setattr(gc, "collect", collect)
     config = resolve_model_path(load_config(None, [])) + "/config.json"
     out = run(BenchConfig(model=config, device="cpu", dtype="float32", prompts=2, samples=2, vision_tokens=16,
                           text_tokens=8, max_new_tokens=8, mean_new_tokens=4, chunk_tokens=4, iterations=2,
@@ -81,6 +95,9 @@ def test_a_policy_that_runs_out_of_memory_is_reported_and_the_rest_still_run(tmp
     assert [r["policy"] for r in saved["results"]] == ["serial", "rollplex"]
     assert [r["speedup_vs_serial_noshare"] for r in saved["results"]] == [None, None]
     assert "out of memory" in saved["failed"]["serial:ppn=2"]
+    # The bench frees the failed policy's memory after the traceback that held it is gone.
+    assert alive_at_collect and not any(alive_at_collect), alive_at_collect
+    monkeypatch.setattr(gc, "collect", real_collect)
     assert {u["policy"]: u for u in out["updates"]}["rollplex"]["replayed"] <= 1e-2
     from rollplex.pipeline.bench import out_of_memory
 
