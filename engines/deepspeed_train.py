@@ -106,6 +106,7 @@ class DeepSpeedTrainEngine(TrainEngine):
         if self.stage not in (0, 1, 2, 3):
             raise ConfigError(f"deepspeed train engine: zero_stage must be 0, 1, 2 or 3, got {self.stage}")
         init_distributed(self.device)
+        _forget_stale_cached_groups()
         model = load_policy(ctx)
         params = [p for p in model.parameters() if p.requires_grad]
         if ctx.options.get("fusion_order"):  # weight sharing: fused groups adjacent in ZeRO's flat buffer
@@ -272,6 +273,18 @@ class DeepSpeedTrainEngine(TrainEngine):
 
     def close(self) -> None:
         self.ds.destroy()
+        _forget_cached_groups()
+
+
+def _forget_stale_cached_groups() -> None:
+    """Forget DeepSpeed's cached groups if their world is gone: an engine of an earlier run in this
+    process that was never closed (an exception, a notebook cell) leaves them behind, and
+    ``deepspeed.initialize`` would fail on the dead group ("Group ... is not registered")."""
+    from deepspeed.utils import groups
+    from torch.distributed import distributed_c10d
+
+    cached = groups._WORLD_GROUP
+    if cached is not None and cached not in distributed_c10d._world.pg_map:
         _forget_cached_groups()
 
 

@@ -290,3 +290,17 @@ def test_hf_score_engine_is_frozen(model_dir):
     assert not engine.model.training and engine.dtype == torch.float32
     assert not any(p.requires_grad for p in engine.model.parameters())
     assert math.isfinite(float(next(engine.model.parameters()).sum()))
+
+
+def test_deepspeed_builds_after_an_unclosed_engines_world_is_gone(model_dir):
+    """An engine never closed leaves DeepSpeed's clone of the world group cached; a run's end
+    destroys the world (vLLM does), and the next engine in the process must not reuse the dead clone."""
+    pytest.importorskip("deepspeed")
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+
+    make("deepspeed", model_dir, zero_stage=0)
+    dist.destroy_process_group()
+    assert groups._WORLD_GROUP is not None  # the stale cache the next engine meets
+    engine = make("deepspeed", model_dir, zero_stage=0)
+    assert engine.ds.module is engine.module
