@@ -284,6 +284,7 @@ def _forget_stale_cached_groups() -> None:
     from torch.distributed import distributed_c10d
 
     cached = groups._WORLD_GROUP
+    # pg_map is torch's registry of live groups, the one its "is not registered" check reads.
     if cached is not None and cached not in distributed_c10d._world.pg_map:
         _forget_cached_groups()
 
