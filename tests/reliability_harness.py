@@ -97,6 +97,13 @@ class Launch:
         return "\n".join(self.lines[-30:]) + "\n--- stderr ---\n" + self.stderr[-3000:]
 
 
+def worker_start_environment(client) -> dict[str, str]:
+    """The environment the cluster's one worker process started with (what glibc and OpenMP read),
+    from /proc; ``read_bytes`` of an importable class travels to a worker that cannot import tests/."""
+    [raw] = client.run(Path("/proc/self/environ").read_bytes).values()
+    return dict(item.decode().split("=", 1) for item in raw.split(b"\0") if b"=" in item)
+
+
 def run_to_end(run_dir: Path, extra: list[str], env: dict[str, str] | None = None) -> Launch:
     launch = Launch(run_dir, extra, env)
     rc = launch.finish()

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from reliability_harness import worker_start_environment
 
 BIN = Path(sys.executable).parent
 
@@ -66,10 +67,7 @@ def test_train_on_a_stock_dask_cluster(stock_cluster, tmp_path):
     from distributed import Client
 
     with Client(stock_cluster, timeout="30s") as client:
-        # What the worker process started with; a bound method of an importable class, since the
-        # worker cannot import this test file.
-        [raw] = client.run(Path("/proc/self/environ").read_bytes).values()
-    env = dict(item.decode().split("=", 1) for item in raw.split(b"\0") if b"=" in item)
+        env = worker_start_environment(client)
     assert "MALLOC_TRIM_THRESHOLD_" not in env  # the documented config reached the stock nanny
     assert env["OMP_NUM_THREADS"] == os.environ["OMP_NUM_THREADS"]
 

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 import pytest
-from reliability_harness import HF_TORCH, Launch, assert_intact, metric_rows
+from reliability_harness import HF_TORCH, Launch, assert_intact, metric_rows, worker_start_environment
 
 from rollplex.errors import CheckpointError, ConfigError, RollplexError
 from rollplex.pipeline import checkpoints
@@ -73,21 +73,16 @@ def test_the_local_cluster_listens_on_loopback_only():
     assert addresses and all(a.startswith("tcp://127.0.0.1:") for a in addresses), addresses
 
 
-def _start_environment() -> tuple[dict[str, str], int]:
-    import torch
-
-    raw = Path("/proc/self/environ").read_bytes().split(b"\0")  # what the process started with
-    env = dict(item.decode().split("=", 1) for item in raw if b"=" in item)
-    return env, torch.get_num_threads()
-
-
 def test_a_local_worker_process_keeps_glibcs_malloc_tuning_and_the_threads_asked_for():
     """Dask's nanny would start it with MALLOC_TRIM_THRESHOLD_ set (every large tensor a fresh mmap)."""
+    import torch
+
     from rollplex.pipeline.cluster import connect
 
     threads = int(os.environ["OMP_NUM_THREADS"])
     with connect(None, workers=1, threads=threads, processes=True) as client:
-        [(env, torch_threads)] = client.run(_start_environment).values()
+        env = worker_start_environment(client)
+        [torch_threads] = client.run(torch.get_num_threads).values()
     assert "MALLOC_TRIM_THRESHOLD_" not in env, env.get("MALLOC_TRIM_THRESHOLD_")
     assert env["OMP_NUM_THREADS"] == str(threads) and torch_threads == threads
 
