@@ -76,6 +76,8 @@ class VLLMDecodeEngine(DecodeEngine):
                          ("kv_cache_bytes", "kv_cache_memory_bytes")):
             if opts.get(opt) is not None:
                 kwargs[arg] = int(opts[opt])
+        if torch.device(ctx.device).type == "cpu":
+            kwargs.update(_whole_prefills())
         kwargs.update(opts.get("vllm_kwargs", {}))
         if torch.device(ctx.device).type == "cpu":
             _rank_tokens_eagerly()
@@ -220,6 +222,16 @@ class VLLMDecodeEngine(DecodeEngine):
     def close(self) -> None:
         with self._lock:
             self.llm = self._engine = None
+
+
+def _whole_prefills() -> dict:
+    """No chunked prefill on CPU. A request whose prompt is cut over two steps has the token sampled
+    at the first one discarded, and vLLM rewinds its seeded generator for that with
+    ``Generator.set_offset``, which only CUDA's Philox generator has: on CPU every batch whose
+    prompts outgrow one step's token budget (16 prompts × 8 samples of the embedded task) failed
+    with "CPU Generator does not use offset". Whole prefills never discard a sample; vLLM then
+    raises the step's budget to at least the longest prompt by itself."""
+    return {"enable_chunked_prefill": False}
 
 
 def _rank_tokens_eagerly() -> None:

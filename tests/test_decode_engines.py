@@ -447,3 +447,26 @@ def test_vllm_on_cpu_ranks_sampled_tokens_without_compiling(vllm_engine, prompts
     assert count(x, torch.tensor([[0.3], [0.2]])).tolist() == [2, 3]
     out = run(vllm_engine, requests(prompts, group=2, temperature=1.0, seed=3, max_tokens=4))
     assert all(len(v.logprobs) == len(v.token_ids) for v in out.values())
+
+
+@pytest.mark.slow
+def test_vllm_on_cpu_samples_batches_larger_than_one_prefill_step(model_dir, prompts):
+    """More prompt tokens than one step's budget (here 256): vLLM's chunked prefill would cut a
+    prompt over two steps and rewind its seeded generator with ``set_offset``, which a CPU generator
+    lacks ("CPU Generator does not use offset", the failure of every run above 8 prompts). Whole
+    prefills sample what the same requests sample one at a time."""
+    pytest.importorskip("vllm")
+    engine = get_engine("vllm", "decode").factory(ctx(model_dir, max_model_len=256, kv_cache_bytes=64 << 20,
+                                                      vllm_kwargs={"max_num_batched_tokens": 256}))
+    try:
+        reqs = requests(prompts * 6, group=2, temperature=1.0, seed=5, max_tokens=6)
+        reqs = [dataclasses.replace(r, request_id=f"{r.request_id}-{i}") for i, r in enumerate(reqs)]
+        assert sum(len(r.prompt_token_ids) for r in reqs) > 256
+        together = run(engine, reqs)
+        alone = {}
+        for r in reqs:
+            alone.update(run(engine, [dataclasses.replace(r, request_id=r.request_id + "-alone")]))
+        for r in reqs:
+            assert together[r.request_id].token_ids == alone[r.request_id + "-alone"].token_ids
+    finally:
+        engine.close()

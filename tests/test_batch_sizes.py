@@ -1,0 +1,26 @@
+"""`rollplex train` at a batch a recipe uses: 64 prompts × 8 samples per iteration on the default
+engines (vLLM decode on CPU, DeepSpeed training), two iterations. Until whole prefills
+(engines/vllm_decode.py), every batch above 8 prompts failed in its first decode chunk."""
+from __future__ import annotations
+
+import json
+
+from rollplex.config import load_config
+from rollplex.pipeline.runner import train
+
+PROMPTS, SAMPLES = 64, 8
+
+
+def test_train_runs_64_prompts_per_iteration(tmp_path):
+    cfg = load_config(None, ["iterations=2", "warmup.steps=0", "stop_at_reward=null",
+                             f"rollout.prompts_per_iteration={PROMPTS}", f"rollout.samples_per_prompt={SAMPLES}"])
+    summary = train(cfg, tmp_path / "run", progress=False, log=lambda *a: None)
+    assert summary.iterations == 2
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [0, 1]
+    for it in range(2):
+        rollouts = (tmp_path / "run" / "rollouts" / f"iter_{it:06d}.jsonl").read_text().splitlines()
+        records = [json.loads(line) for line in rollouts]
+        assert len(records) == PROMPTS * SAMPLES
+        assert len({r["prompt_id"] for r in records}) == PROMPTS
+        assert all(r["response_token_ids"] for r in records)
