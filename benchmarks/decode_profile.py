@@ -35,7 +35,7 @@ def main() -> None:
     from rollplex.engines.base import DecodeRequest, EngineContext
     from rollplex.engines.graph_decode import GraphDecodeEngine
     from rollplex.engines.sharing import fuse_for_rollout
-    from rollplex.pipeline.bench import BenchConfig, build_model
+    from rollplex.pipeline.bench.bench import BenchConfig, build_model
 
     model, spec = build_model(BenchConfig(model=args.model))
     device = torch.device("cuda")

@@ -28,7 +28,7 @@ def run(n: int, args, model: str | None, root: Path) -> dict:
     from overhead import dask_time_per_node
 
     from rollplex.config import load_config
-    from rollplex.pipeline.runner import train
+    from rollplex.pipeline.run.runner import train
 
     cuda = args.device == "cuda"
     overrides = [
@@ -110,7 +110,7 @@ def main() -> int:
     if args.json:
         out = {"device": args.device, "scale": args.scale, "layers": args.layers, "args": vars(args) | {
             "json": str(args.json), "runs_dir": str(args.runs_dir)}, "results": results}
-        from rollplex.pipeline.fsio import atomic_write_text
+        from rollplex.fsio import atomic_write_text
 
         atomic_write_text(args.json, json.dumps(out, indent=1))
         print(f"wrote {args.json}")

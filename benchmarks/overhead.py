@@ -10,7 +10,7 @@ processor's batch, one padded forward for the reference and one for the policy, 
 
 Dask's own time per node (every Rollplex variant): from each RL iteration's trace, the time from the
 moment a node could start (its last predecessor done and its stream free) to its start, against the
-node's compute time (``pipeline/trace.dispatch_gaps``). At the H200 scale (a 3B-wide model, bf16):
+node's compute time (``pipeline/plan/trace.dispatch_gaps``). At the H200 scale (a 3B-wide model, bf16):
 
     python benchmarks/overhead.py --device cuda --scale h200 --variants rollplex-hf-deepspeed --iterations 8
 """
@@ -171,8 +171,8 @@ def plain_grpo(iterations: int, threads: int, seed: int = 0) -> dict:
 def dask_time_per_node(cfg, run_dir: Path, skip: int) -> dict:
     """Per node of the RL iterations after ``skip``: Dask's dispatch time (median, mean, p90) against
     the node's compute time, and their per-iteration sums."""
-    from rollplex.pipeline.session import Session
-    from rollplex.pipeline.trace import dispatch_gaps
+    from rollplex.pipeline.run.session import Session
+    from rollplex.pipeline.plan.trace import dispatch_gaps
 
     graph = Session(cfg, run_dir).graph
     preds = {n: list(graph.g.predecessors(n)) for n in graph.nodes}
@@ -196,7 +196,7 @@ def dask_time_per_node(cfg, run_dir: Path, skip: int) -> dict:
 def rollplex_run(overrides: list[str], iterations: int, skip: int, run_dir: Path, echo) -> dict:
     """One `rollplex train` in this process; executor seconds from metrics.jsonl, wall from the log."""
     from rollplex.config import load_config
-    from rollplex.pipeline.runner import train
+    from rollplex.pipeline.run.runner import train
 
     cfg = load_config(None, [f"iterations={iterations}", f"warmup.steps={WARMUP_STEPS}", "stop_at_reward=null",
                              "checkpoint.every=0", *overrides])  # no mid-run checkpoints: plain has none
@@ -314,7 +314,7 @@ def main() -> int:
                "device": args.device, "scale": args.scale,
                "load_avg_before": load_before, "load_avg_after": os.getloadavg()[0],
                "python": sys.version.split()[0], "variants": results}
-        from rollplex.pipeline.fsio import atomic_write_text
+        from rollplex.fsio import atomic_write_text
 
         atomic_write_text(args.json, json.dumps(out, indent=1))
         print(f"wrote {args.json}")

@@ -36,11 +36,11 @@ GPU_KINDS = ("vit_encode", "prefix", "decode_chunk", "suffix_score", "loss", "op
 
 def scenario(cfg: dict, policy: str, calibration=None, cluster=None):
     """The simulator's scenario for one bench policy (``serial:ppn=8:mb=2``: its batching options)."""
-    from rollplex.pipeline.bench_results import policy_shape
-    from rollplex.pipeline.costs import Workload
-    from rollplex.pipeline.hardware import hardware
-    from rollplex.pipeline.modelspec import load_model
-    from rollplex.pipeline.simulator import Scenario
+    from rollplex.pipeline.bench.results import policy_shape
+    from rollplex.pipeline.plan.costs import Workload
+    from rollplex.pipeline.plan.hardware import hardware
+    from rollplex.engines.modelspec import load_model
+    from rollplex.pipeline.plan.simulator import Scenario
 
     shape = policy_shape(policy, prompts_per_node=cfg.get("prompts_per_node", 1),
                          stage_fusion=cfg.get("stage_fusion", False), train_fusion=cfg.get("train_fusion", False))
@@ -50,7 +50,9 @@ def scenario(cfg: dict, policy: str, calibration=None, cluster=None):
                  zero=0 if cfg.get("train_engine", "torch") == "torch" else 2,
                  micro_batch_groups=shape["micro_batch_groups"], prompts_per_node=shape["prompts_per_node"],
                  checkpointing=False, actor_forward="keep", seed=cfg.get("seed", 0))
-    return Scenario(load_model(cfg["model"]), cluster or hardware("h200", 1), w, calibration=calibration,
+    from rollplex.dags.grpo import grpo
+
+    return Scenario(load_model(cfg["model"]), cluster or hardware("h200", 1), w, grpo, calibration=calibration,
                     memory=False, stage_fusion=shape["stage_fusion"], window_chunks=shape["window_chunks"],
                     train_fusion=shape["train_fusion"], grad_prefix_lookahead=shape["grad_prefix_lookahead"])
 
@@ -59,7 +61,7 @@ def variant_of(policy: str) -> str | None:
     """The simulator variant of a bench policy; None for one it does not model (two GPUs) or whose
     options no longer exist (run 7's ``cudnn=0``)."""
     from rollplex.errors import RollplexError
-    from rollplex.pipeline.bench_results import parse_policy
+    from rollplex.pipeline.bench.results import parse_policy
 
     try:
         return VARIANT_OF.get(parse_policy(policy)[0])
@@ -90,9 +92,9 @@ def main() -> None:
     ap.add_argument("--json", help="write the table here")
     args = ap.parse_args()
 
-    from rollplex.pipeline import simulator as S
-    from rollplex.pipeline.costs import Calibration
-    from rollplex.pipeline.hardware import hardware
+    from rollplex.pipeline.plan import simulator as S
+    from rollplex.pipeline.plan.costs import Calibration
+    from rollplex.pipeline.plan.hardware import hardware
 
     data = json.load(open(args.results))
     cfg, measured = data["config"], {r["policy"]: r for r in data["results"]}
@@ -159,7 +161,7 @@ def main() -> None:
     worst = {k: max(abs(t["error"]) for t in table if t["prediction"] == k and t["error"] is not None) for k in rows}
     print("\nworst |error|: " + ", ".join(f"{k} {v:.1%}" for k, v in worst.items()))
     if args.json:
-        from rollplex.pipeline.fsio import atomic_write_text
+        from rollplex.fsio import atomic_write_text
 
         atomic_write_text(args.json, json.dumps({"bench": args.results, "fit_from": args.fit_from or args.results,
                                                  "factors": cal.factors, "overheads": cal.overheads,

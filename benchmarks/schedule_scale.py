@@ -29,11 +29,11 @@ def main() -> None:
     args = ap.parse_args()
 
     from rollplex.dags.grpo import grpo
-    from rollplex.pipeline.compiler import BatchShape, EngineChoice, ModelDims, compile_iteration
-    from rollplex.pipeline.costs import CostModel, Workload
-    from rollplex.pipeline.hardware import Layout, hardware
-    from rollplex.pipeline.modelspec import PRESETS
-    from rollplex.pipeline.schedule import plan, schedule
+    from rollplex.pipeline.compile.compiler import BatchShape, EngineChoice, ModelDims, compile_iteration
+    from rollplex.pipeline.plan.costs import CostModel, Workload
+    from rollplex.pipeline.plan.hardware import Layout, hardware
+    from rollplex.engines.modelspec import PRESETS
+    from rollplex.pipeline.plan.schedule import plan, schedule
 
     model = PRESETS["qwen2.5-vl-7b"]
     cluster = hardware("h200", args.gpus)
@@ -71,7 +71,7 @@ def main() -> None:
                   f"{row['plan_cpu_s']:.3f}s → compile+plan {row['compile_cpu_s'] + row['plan_cpu_s']:.3f}s cpu "
                   f"(median of {args.repeat})")
     if args.json:
-        from rollplex.pipeline.fsio import atomic_write_text
+        from rollplex.fsio import atomic_write_text
 
         atomic_write_text(args.json, json.dumps(rows, indent=1))
 

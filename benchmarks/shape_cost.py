@@ -30,8 +30,8 @@ def main() -> None:
                     help="comma list of cudnn / nocudnn, run in that order, each on its own fresh lengths")
     args = ap.parse_args()
 
-    from rollplex.pipeline.bench import BenchConfig, build_model, make_prompts
-    from rollplex.tasks import lm
+    from rollplex.pipeline.bench.bench import BenchConfig, build_model, make_prompts
+    from rollplex.engines import vlm
 
     cfg = BenchConfig(model=args.model, prompts=args.groups, max_new_tokens=args.max_new_tokens,
                       vision_tokens=args.vision_tokens, device=args.device, layers=args.layers)
@@ -39,7 +39,7 @@ def main() -> None:
     cuda = args.device == "cuda"
     prompts = make_prompts(cfg, model.config, 0)
     with torch.no_grad():
-        visions = lm.vision_embeds_batch(model, prompts)
+        visions = vlm.vision_embeds_batch(model, prompts)
     vocab = model.config.get_text_config().vocab_size
     gen = torch.Generator().manual_seed(1)
 
@@ -59,8 +59,8 @@ def main() -> None:
         if cuda:
             torch.cuda.synchronize()
         t = time.perf_counter()
-        prefixes = lm.prefix_forward_batch(model, prompts, visions, grad=True)
-        scored = lm.suffix_logprobs_batch(model, prefixes, responses, pad_id=0, grad=True)
+        prefixes = vlm.prefix_forward_batch(model, prompts, visions, grad=True)
+        scored = vlm.suffix_logprobs_batch(model, prefixes, responses, pad_id=0, grad=True)
         loss = sum((lp * mask).sum() for lp, mask in scored)
         loss.backward()
         if cuda:

@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 
 def _workload(args) -> list:
     from rollplex.engines.base import DecodeRequest
-    from rollplex.pipeline.bench import BenchConfig, hf_config, make_prompts
+    from rollplex.pipeline.bench.bench import BenchConfig, hf_config, make_prompts
 
     cfg = BenchConfig(model=args.model, prompts=args.prompts, samples=args.samples, device="cpu")
     config, _ = hf_config(cfg)
@@ -77,7 +77,7 @@ def _measure(engine, device, sizes: list[int], prompt_len: int, rollout: list, r
 def _engine(args, device, tp_group=None):
     from rollplex.engines.base import EngineContext
     from rollplex.engines.graph_decode import GraphDecodeEngine
-    from rollplex.pipeline.bench import BenchConfig, build_model
+    from rollplex.pipeline.bench.bench import BenchConfig, build_model
 
     # The same seed on every rank: the same weights.
     model, _ = build_model(BenchConfig(model=args.model, seed=args.seed, device=str(device), layers=args.layers))

@@ -19,7 +19,7 @@ import torch
 
 def main() -> None:
     from rollplex.engines.vision_attention import batch_vision_attention
-    from rollplex.pipeline.bench import BenchConfig, build_model
+    from rollplex.pipeline.bench.bench import BenchConfig, build_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2.5-vl-3b")

@@ -25,9 +25,9 @@ def main() -> None:
 
     runtime.configure(threads=1, device="cpu")
     from rollplex.config import load_config
-    from rollplex.pipeline.local import LocalExecutor
-    from rollplex.pipeline.session import Session
-    from rollplex.pipeline.worker import WorkerHost
+    from rollplex.pipeline.run.local import LocalExecutor
+    from rollplex.pipeline.run.session import Session
+    from rollplex.pipeline.run.worker import WorkerHost
 
     cfg = load_config(None, ["warmup.steps=0", "engines.decode=vllm", *args.set])
     session = Session(cfg, Path(tempfile.mkdtemp(prefix="rollplex-vllm-steps-")))

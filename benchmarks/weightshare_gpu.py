@@ -23,7 +23,7 @@ def run_mode(mode: str, args, queue) -> None:
     import torch
 
     from rollplex.engines.base import DecodeRequest, EngineContext, get_engine
-    from rollplex.pipeline.bench import BenchConfig, build_model
+    from rollplex.pipeline.bench.bench import BenchConfig, build_model
 
     import rollplex.engines  # noqa: F401
 
@@ -114,7 +114,7 @@ def main() -> None:
               f"{r['rollout_params_on_trainer_storage']:34d}")
     if rows[0]["greedy_tokens_first"] != rows[1]["greedy_tokens_first"]:
         print("note: the first greedy tokens differ between modes (they decode the same weights)")
-    from rollplex.pipeline.fsio import atomic_write_text
+    from rollplex.fsio import atomic_write_text
 
     atomic_write_text(args.out, json.dumps({"rows": rows, "args": vars(args)}, indent=1))
 

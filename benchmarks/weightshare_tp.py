@@ -33,9 +33,9 @@ def worker(rank: int, args, port: int) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from rollplex.engines.sharing import Gang, TextDims, inside, tp_forward
-    from rollplex.pipeline.modelspec import VLMSpec
-    from rollplex.pipeline.tensorlayouts import actor_layouts
-    from rollplex.pipeline.weightshare import RolloutSide, TrainerSide, plan_gang
+    from rollplex.engines.modelspec import VLMSpec
+    from rollplex.engines.tensorlayouts import actor_layouts
+    from rollplex.pipeline.plan.weightshare import RolloutSide, TrainerSide, plan_gang
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     cuda = args.device == "cuda"
@@ -140,7 +140,7 @@ def worker(rank: int, args, port: int) -> None:
                 if not ok:
                     raise SystemExit(f"rollout forward differs from the training forward: {row}")
     if rank == 0:
-        from rollplex.pipeline.fsio import atomic_write_text
+        from rollplex.fsio import atomic_write_text
 
         atomic_write_text(args.out, json.dumps({"rows": rows, "args": vars(args)}, indent=1))
         print(f"all pairs match (tolerance {args.tol}); wrote {args.out}")

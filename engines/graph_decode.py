@@ -259,7 +259,7 @@ class GraphDecodeEngine(DecodeEngine):
         return sum(r is not None for r in self._live)
 
     def _admit(self) -> None:
-        from rollplex.tasks.lm import PromptInputs, VisionEmbeds, prefix_forward_batch
+        from rollplex.engines.vlm import PromptInputs, VisionEmbeds, prefix_forward_batch
 
         free = [i for i, r in enumerate(self._live) if r is None]
         take = []

@@ -102,7 +102,7 @@ def preset_spec(name: str, corpus: tuple[str, ...], layers: int | None = None,
                 vision_layers: int | None = None, dtype: str = "bfloat16", seed: int = 0) -> TinyVLMSpec:
     """A model of a preset's architecture (``pipeline.modelspec.PRESETS``: widths, heads, vocabulary,
     ViT) with random weights and the task's own tokenizer; ``layers``/``vision_layers`` cut the depth."""
-    from rollplex.pipeline.modelspec import load_model
+    from rollplex.engines.modelspec import load_model
 
     m = load_model(name)
     return TinyVLMSpec(hidden_size=m.hidden, intermediate_size=m.intermediate, num_hidden_layers=layers or m.layers,

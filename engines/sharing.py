@@ -1,7 +1,7 @@
 """Rollout weights on the trainer's storage: materialisation, refresh, fused allocation, and an
 emulated tensor-parallel gang (several TP ranks in one process) for tests and the GPU check.
 
-The planner (pipeline/weightshare) says per tensor and GPU whether the rollout shard is a view of
+The planner (pipeline/plan/weightshare) says per tensor and GPU whether the rollout shard is a view of
 the trainer's storage, a buffer the trainer's shard lives inside (peers' rows gathered into it), or
 a copy. This module carries that out on real tensors:
 
@@ -25,8 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from rollplex.errors import EngineError
-from rollplex.pipeline.tensorlayouts import TensorLayout, hf_name
-from rollplex.pipeline.weightshare import GangPlan, unfuse
+from rollplex.engines.tensorlayouts import TensorLayout, hf_name, unfuse
 
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -211,12 +210,12 @@ class Gang:
     (``fused`` allocation), or the rollout-shaped buffer for ``inplace`` decisions; the trainer's HF
     parameters are views into it (``train_params[gpu][hf name]``)."""
 
-    def __init__(self, layouts: Sequence[TensorLayout], plan: GangPlan, full: dict[str, torch.Tensor],
+    def __init__(self, layouts: Sequence[TensorLayout], plan, full: dict[str, torch.Tensor],
                  device: torch.device | str = "cpu", local: Sequence[int] | None = None,
                  exchange: Callable[[list], list] | None = None) -> None:
         """``local``: the GPUs this process holds (default: all, emulated); the peers' trainer buffers
         then come from ``exchange(buffers) -> buffers of every GPU`` (an all-gather across processes)."""
-        self.plan = plan
+        self.plan = plan  # a GangPlan (pipeline/plan/weightshare.py): planned there, carried out here
         self.layouts = {lay.name: lay for lay in (layouts if plan.rollout.fused else unfuse(layouts))}
         self.tt, self.tr = plan.trainer.tp, plan.rollout.tp
         self.device = torch.device(device)
@@ -470,7 +469,7 @@ def tp_forward(dims: TextDims, ids: torch.Tensor, cos: torch.Tensor, sin: torch.
 
 def layouts_for_module(module: torch.nn.Module) -> list[TensorLayout]:
     """The actor layouts of a live HF Qwen2 / Qwen2.5-VL model, from its config."""
-    from rollplex.pipeline.modelspec import from_dict
-    from rollplex.pipeline.tensorlayouts import actor_layouts
+    from rollplex.engines.modelspec import from_dict
+    from rollplex.engines.tensorlayouts import actor_layouts
 
     return actor_layouts(from_dict(module.config.to_dict(), type(module).__name__))

@@ -34,7 +34,7 @@ from rollplex.engines.base import (
 )
 from rollplex.errors import EngineError
 
-# rollplex.tasks.lm imports transformers: it is imported inside the methods that need it, so that
+# rollplex.engines.vlm imports transformers: it is imported inside the methods that need it, so that
 # `import rollplex.engines` stays fast.
 
 # Checkpoint-style names (as in model.safetensors) -> the module names transformers 5 uses.
@@ -156,7 +156,7 @@ class TorchDecodeEngine(DecodeEngine):
 
     def _add_row(self, req: DecodeRequest) -> None:
         """Queue one sample; samples of the same prompt (ids and embeddings) share one prefill group."""
-        from rollplex.tasks.lm import PromptInputs, VisionEmbeds
+        from rollplex.engines.vlm import PromptInputs, VisionEmbeds
 
         group = next((g for g in self._pending if _same_prompt(g.requests[0], req)), None)
         if group is None:
@@ -223,7 +223,7 @@ class TorchDecodeEngine(DecodeEngine):
             live += len(group.requests)
         if not take:
             return
-        from rollplex.tasks.lm import prefix_forward
+        from rollplex.engines.vlm import prefix_forward
 
         parts = [self._rows] if self._rows is not None and len(self._rows) else []
         for group in take:

@@ -5,14 +5,14 @@ The public API:
 - ``NodeKind``, ``register_kind``, ``register_task``: add a node kind of your own and what it
   computes; ``ScoreEngine``, ``TrainEngine``, ``DecodeEngine``, ``EngineSpec``, ``EngineContext``,
   ``register_engine``: add an engine that hosts a model (see ``dags/examples/reward_model.py``);
-- ``rollplex.tasks.lm``: the prefix/suffix forward passes tasks are built from.
+- ``rollplex.engines.vlm``: the prefix/suffix forward passes tasks are built from.
 The extension names import on first use, so ``import rollplex`` stays light (no torch).
 """
 from rollplex.errors import RollplexError
-from rollplex.pipeline.authoring import Algorithm
+from rollplex.pipeline.compile.authoring import Algorithm
 
 _LAZY = {
-    "NodeKind": "rollplex.pipeline.ir", "register_kind": "rollplex.pipeline.ir",
+    "NodeKind": "rollplex.pipeline.compile.ir", "register_kind": "rollplex.pipeline.compile.ir",
     "register_task": "rollplex.tasks.registry",
     "ScoreEngine": "rollplex.engines.base", "TrainEngine": "rollplex.engines.base",
     "DecodeEngine": "rollplex.engines.base", "EngineSpec": "rollplex.engines.base",

@@ -47,7 +47,7 @@ def cmd_train(args) -> int:
         cfg = _config_from(args, base=saved)  # continue the run as configured; flags and --set still apply
     request_cuda_allocator(cfg.cluster.cuda_allocator)  # before torch loads, here and in the workers
 
-    from rollplex.pipeline.runner import train
+    from rollplex.pipeline.run.runner import train
 
     summary = train(cfg, out, resume=args.resume, progress=not args.no_progress)
     print(f"done: {summary.iterations} iterations, mean reward of the last 10 {summary.final_reward:.3f}, "
@@ -56,8 +56,8 @@ def cmd_train(args) -> int:
 
 
 def cmd_graph(args) -> int:
-    from rollplex.pipeline.render import render
-    from rollplex.pipeline.session import Session
+    from rollplex.pipeline.compile.render import render
+    from rollplex.pipeline.run.session import Session
 
     cfg = _config_from(args)
     session = Session(cfg, Path("."))
@@ -73,7 +73,7 @@ def cmd_bench(args) -> int:
     from rollplex.runtime import request_cuda_allocator
 
     request_cuda_allocator(args.cuda_allocator, "--cuda-allocator")  # before the bench loads torch
-    from rollplex.pipeline.bench import POLICIES, BenchConfig, parse_policy, run
+    from rollplex.pipeline.bench.bench import POLICIES, BenchConfig, parse_policy, run
 
     policies = tuple(args.policies.split(",")) if args.policies else POLICIES
     for policy in policies:  # before the model is built: a typo costs nothing

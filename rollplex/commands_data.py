@@ -9,7 +9,7 @@ import argparse
 
 
 def cmd_plot(args) -> int:
-    from rollplex.pipeline.plot import plot_run
+    from rollplex.pipeline.run.plot import plot_run
 
     for path in plot_run(args.run_dir, args.out, args.iteration):
         print(f"wrote {path}")

@@ -69,7 +69,7 @@ def add_parser(sub) -> None:
 
 
 def _workload_and_setup(args):
-    from rollplex.pipeline.costs import Workload
+    from rollplex.pipeline.plan.costs import Workload
 
     base = dict(PAPER) if args.preset == "paper" else dict(model="qwen2.5-vl-7b", hardware="h200", gpus=8)
 
@@ -90,10 +90,10 @@ def _workload_and_setup(args):
 
 
 def cmd_simulate(args) -> int:
-    from rollplex.pipeline import simulator as S
-    from rollplex.pipeline.costs import Calibration, measured_efficiency
-    from rollplex.pipeline.hardware import hardware
-    from rollplex.pipeline.modelspec import load_model
+    from rollplex.pipeline.plan import simulator as S
+    from rollplex.pipeline.plan.costs import Calibration, measured_efficiency
+    from rollplex.pipeline.plan.hardware import hardware
+    from rollplex.engines.modelspec import load_model
 
     workload, model_name, hw, gpus = _workload_and_setup(args)
     names = [n.strip() for n in args.schedule.split(",") if n.strip()]
@@ -102,7 +102,9 @@ def cmd_simulate(args) -> int:
         raise ConfigError(f"--schedule {args.schedule!r}: unknown {unknown}; choose from {', '.join(S.VARIANTS)}")
     model = load_model(model_name)
     cluster = hardware(hw, gpus, partitioned=not args.no_partition)
-    scn = S.Scenario(model, cluster, workload, rollout_gpus=args.rollout_gpus, memory=not args.no_memory_plan,
+    from rollplex.dags.grpo import grpo
+
+    scn = S.Scenario(model, cluster, workload, grpo, rollout_gpus=args.rollout_gpus, memory=not args.no_memory_plan,
                      budget=args.budget_gib * GiB if args.budget_gib else None, train_fusion=args.train_fusion,
                      window_chunks=args.window_chunks, grad_prefix_lookahead=args.grad_prefix_lookahead)
     if args.calibrate:
@@ -133,7 +135,7 @@ def cmd_simulate(args) -> int:
 
 
 def _calibration(scn, names, path: Path, Calibration):
-    from rollplex.pipeline import simulator as S
+    from rollplex.pipeline.plan import simulator as S
 
     try:
         trace = json.loads(path.read_text())
@@ -185,7 +187,7 @@ def _speedups(results) -> str:
 
 
 def _memory_terms(results, scn, paper: bool) -> str:
-    from rollplex.pipeline import simulator as S
+    from rollplex.pipeline.plan import simulator as S
 
     name = "rollplex" if "rollplex" in results else next(iter(results))
     r = results[name]
@@ -221,7 +223,7 @@ def _memory_terms(results, scn, paper: bool) -> str:
 
 
 def _assumptions(scn, results) -> str:
-    from rollplex.pipeline.costs import HOST_SECONDS, MEASURED_H200
+    from rollplex.pipeline.plan.costs import HOST_SECONDS, MEASURED_H200
 
     c, w = scn.cluster, scn.workload
     any_r = next(iter(results.values()))

@@ -1,7 +1,7 @@
 """``rollplex weights``: what a colocated rollout engine can share with the trainer, per TP pair.
 
 For a model (preset or config.json) and pairs of training/rollout TP degrees, prints the planner's
-report (pipeline/weightshare): aliased, locally copied and gathered bytes per tensor class, HBM saved
+report (pipeline/plan/weightshare): aliased, locally copied and gathered bytes per tensor class, HBM saved
 per GPU against a second copy, and the bytes each sync still moves; then one summary row per pair.
 """
 from __future__ import annotations
@@ -43,10 +43,10 @@ def _degrees(text: str | None, flag: str) -> list[int]:
 
 
 def cmd_weights(args) -> int:
-    from rollplex.pipeline.fsio import atomic_write_text
-    from rollplex.pipeline.modelspec import load_model
-    from rollplex.pipeline.tensorlayouts import actor_layouts
-    from rollplex.pipeline.weightshare import RolloutSide, TrainerSide, format_plan, plan_gang
+    from rollplex.fsio import atomic_write_text
+    from rollplex.engines.modelspec import load_model
+    from rollplex.engines.tensorlayouts import actor_layouts
+    from rollplex.pipeline.plan.weightshare import RolloutSide, TrainerSide, format_plan, plan_gang
 
     spec = load_model(args.model)
     tt, tr = _degrees(args.tp_train, "--tp-train"), _degrees(args.tp_roll, "--tp-roll")

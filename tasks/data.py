@@ -21,7 +21,7 @@ from rollplex.tasks.rewards import get_reward
 
 if TYPE_CHECKING:
     from rollplex.engines.models import TinyVLMSpec
-    from rollplex.tasks.lm import PromptInputs
+    from rollplex.engines.vlm import PromptInputs
 
 # Six colours far apart in RGB and from the light-grey background, so one pixel names its colour.
 # Four far-apart hues. With orange and purple as well, a frozen random ViT left red/orange/yellow
@@ -210,7 +210,7 @@ class PromptBuilder:
         """One user turn of ``content`` parts ({"type": "image" | "video" | "text"}, in order), with
         ``images`` and ``videos`` (each a list of frames) filling the media parts in turn. A video's
         frames go through the processor's temporal patching, so its tokens grow with the frame count."""
-        from rollplex.tasks.lm import PromptInputs
+        from rollplex.engines.vlm import PromptInputs
 
         pil = [to_rgb_image(im, f"prompt {prompt_id} image {i}") for i, im in enumerate(images)]
         clips = [[to_rgb_image(fr, f"prompt {prompt_id} video {v} frame {i}") for i, fr in enumerate(frames)]

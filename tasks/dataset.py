@@ -33,7 +33,7 @@ from rollplex.tasks.rewards import get_reward
 
 if TYPE_CHECKING:
     from rollplex.tasks.data import PromptBuilder
-    from rollplex.tasks.lm import PromptInputs
+    from rollplex.engines.vlm import PromptInputs
 
 FORMATS = ("jsonl", "parquet")
 _SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
@@ -352,7 +352,7 @@ def export_synthetic(out_dir: str | Path, size: int = 64, kinds: tuple[str, ...]
     ``video_frames > 0``: each row holds one video of that many frames (the item's image in every
     frame) instead of an image, so its prompt carries the frames' temporal patches.
     """
-    from rollplex.pipeline.fsio import atomic_write_bytes, atomic_write_text
+    from rollplex.fsio import atomic_write_bytes, atomic_write_text
     from rollplex.tasks.data import SyntheticVisualTask
 
     if fmt not in FORMATS:

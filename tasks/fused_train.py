@@ -4,7 +4,7 @@ The compiler emits these instead of per-prompt reward, advantage, suffix and los
 step of the algorithm is per group (``compiler.train_fusable``). Each handed group runs reward →
 advantage → the policy's prefix and suffix forwards with grad → the loss → backward. Groups are
 batched into one prefix forward, one suffix forward and one backward as far as
-``lm.batches_within``'s logits budget and the micro-batch (``train.micro_batch_groups`` groups)
+``vlm.batches_within``'s logits budget and the micro-batch (``train.micro_batch_groups`` groups)
 allow, and each batch's graphs are freed before the next is built, so no prefix graph outlives its
 group's backward. The batch's token (or
 response) count is known only after the last chunk, so each group's loss is summed, not averaged;
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from rollplex.tasks import lm
+from rollplex.engines import vlm
 from rollplex.tasks.nodes import count_of, group_advantages, group_rewards, join_samples, loss_metrics, \
     rank_free, summed_loss
 
@@ -35,7 +35,7 @@ def train_handoff(ctx, node, inputs) -> dict:
     decl, engine = ctx.algorithm.loss_fn, ctx.train_engine(node.model)
     model = ctx.model(node.model)
     c, as_, agg = node.args["handoff_chunk"], node.args["as"], node.args["agg"]
-    # A data-parallel rank's node reads its chain's values, named with the rank (pipeline/ranks.py).
+    # A data-parallel rank's node reads its chain's values, named with the rank (pipeline/compile/ranks.py).
     inputs = {rank_free(name): value for name, value in inputs.items()}
     handoff = inputs[f"handoff_c{c}"]
     rewards_out, advantages_out, old_out = {}, {}, {}
@@ -46,12 +46,12 @@ def train_handoff(ctx, node, inputs) -> dict:
     # Groups share a forward and a backward as far as the logits budget and the run's micro-batch
     # (which bounds a backward's graphs) allow: eager scoring is host-bound, and each group's loss
     # sums into one backward that reaches every group's prefix.
-    for run in lm.batches_within(tokens, model.config.get_text_config().vocab_size, grad=True,
+    for run in vlm.batches_within(tokens, model.config.get_text_config().vocab_size, grad=True,
                                  most=node.args.get("micro_batch_groups")):
         batch = [ready[i] for i in run]
-        prefixes = lm.prefix_forward_batch(model, [inputs[f"prompt_p{p}"] for p in batch],
+        prefixes = vlm.prefix_forward_batch(model, [inputs[f"prompt_p{p}"] for p in batch],
                                            [inputs[f"vis_p{p}"] for p in batch], grad=True)
-        scored = lm.suffix_logprobs_batch(model, prefixes,
+        scored = vlm.suffix_logprobs_batch(model, prefixes,
                                           [handoff[p].token_ids for p in batch], pad_id=s.pad_id,
                                           temperature=s.score_temperature, grad=True)
         total, parts = None, []

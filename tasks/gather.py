@@ -1,4 +1,4 @@
-"""The ``gather`` node of a data-parallel iteration (pipeline/ranks.py): host records of the ranks merged.
+"""The ``gather`` node of a data-parallel iteration (pipeline/compile/ranks.py): host records of the ranks merged.
 
 ``what="rollout_stats"``: the ranks' decode statistics summed, so every loss divides by the tokens (or
 responses) of the global batch. ``what="report"``: the ranks' reports as the single-rank report would

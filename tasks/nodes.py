@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from rollplex.engines.base import DecodeRequest, FinishedSequence
-from rollplex.tasks import lm
+from rollplex.engines import vlm
 from rollplex.tasks.registry import register_task
 
 
@@ -30,7 +30,7 @@ class Responses:
         return [s.token_ids for s in self.sequences]
 
     def mask(self) -> torch.Tensor:
-        return lm.pad_responses(self.token_ids, 0)[1]
+        return vlm.pad_responses(self.token_ids, 0)[1]
 
 
 def sample_seed(run_seed: int, iteration: int, prompt_id: str) -> int:
@@ -45,7 +45,7 @@ def request_id(iteration: int, prompt: int) -> str:
 
 
 def rank_free(name: str) -> str:
-    """A value's name without the ``_r{rank}`` a data-parallel rank's copy carries (pipeline/ranks.py)."""
+    """A value's name without the ``_r{rank}`` a data-parallel rank's copy carries (pipeline/compile/ranks.py)."""
     return re.sub(r"_r\d+$", "", name)
 
 
@@ -59,7 +59,7 @@ def _sample_key(seq: FinishedSequence) -> tuple[str, int]:
 @register_task("vit_encode")
 def vit_encode(ctx, node, inputs):
     prompts = [inputs[v] for v in node.inputs]
-    visions = lm.vision_embeds_batch(ctx.model(node.model), prompts)
+    visions = vlm.vision_embeds_batch(ctx.model(node.model), prompts)
     return dict(zip(node.outputs, visions))
 
 
@@ -73,10 +73,10 @@ def prefix(ctx, node, inputs):
     if ctx.refcache is not None and not grad and node.model in ctx.host.spec.frozen:
         # A frozen model's prefix is the same every epoch: computed once, then loaded.
         states = ctx.refcache.lookup_or_compute(
-            node.model, prompts, visions, lambda ps, vs: lm.prefix_forward_batch(model, ps, vs, grad=False),
+            node.model, prompts, visions, lambda ps, vs: vlm.prefix_forward_batch(model, ps, vs, grad=False),
             device=ctx.host.device)
     else:
-        states = lm.prefix_forward_batch(model, prompts, visions, grad=grad)
+        states = vlm.prefix_forward_batch(model, prompts, visions, grad=grad)
     return dict(zip(node.outputs, states))
 
 
@@ -131,13 +131,13 @@ def decode_chunk(ctx, node, inputs):
     for seq in engine.step(node.args["tokens"]):
         finished[_sample_key(seq)] = seq
     num_prompts = expected // s.samples
-    # A rank's decode (pipeline/ranks.py) holds a slice of the batch: outputs by position, and the
+    # A rank's decode (pipeline/compile/ranks.py) holds a slice of the batch: outputs by position, and the
     # prompts' global indices from args.
     index = node.args.get("prompts", range(num_prompts))
     # A tensor-parallel rank decodes its group's prompts and hands on only its own ("keep").
     keep = set(node.args.get("keep", index))
     kept = [p for p in range(num_prompts) if index[p] in keep]
-    # A rank's chain (pipeline/ranks.py) names its hand-offs finished_c{chunk}_r{rank}, handoff_c{chunk}_r{rank}.
+    # A rank's chain (pipeline/compile/ranks.py) names its hand-offs finished_c{chunk}_r{rank}, handoff_c{chunk}_r{rank}.
     groups_out = next((o for o in node.outputs if rank_free(o) == f"handoff_c{chunk}"), None)
     samples_out = next((o for o in node.outputs if rank_free(o) == f"finished_c{chunk}"), None)
     fused = groups_out is not None
@@ -209,9 +209,9 @@ def suffix_score(ctx, node, inputs):
         # in this chunk: eager scoring is host-bound, so one forward per prompt would cost the window
         # a launch sequence each. A sample's row is cut to its own length (join_samples pads back).
         tokens = [sum(len(handoff[p][g].token_ids) for g in samples[p]) for p in ready]
-        for run in lm.batches_within(tokens, model.config.get_text_config().vocab_size, grad=False):
+        for run in vlm.batches_within(tokens, model.config.get_text_config().vocab_size, grad=False):
             batch = [ready[i] for i in run]
-            logprobs = lm.suffix_logprobs_batch(model, [inputs[kv_of[p]] for p in batch],
+            logprobs = vlm.suffix_logprobs_batch(model, [inputs[kv_of[p]] for p in batch],
                                                 [[handoff[p][g].token_ids for g in samples[p]] for p in batch],
                                                 pad_id=s.pad_id, temperature=s.score_temperature, grad=False)
             for p, (lp, _) in zip(batch, logprobs):
@@ -222,15 +222,15 @@ def suffix_score(ctx, node, inputs):
     head = node.args.get("head", "lm")  # "value": the model's head is scalar, its outputs are values
     if node.args.get("full_sequence"):
         prompts, visions = [inputs[v] for v in node.inputs[:n]], [inputs[v] for v in node.inputs[n:2 * n]]
-        values = [lm.full_sequence_logprobs(model, p, r, pad_id=s.pad_id, temperature=s.score_temperature,
+        values = [vlm.full_sequence_logprobs(model, p, r, pad_id=s.pad_id, temperature=s.score_temperature,
                                             grad=grad, vis=v, head=head)[0]
                   for p, v, r in zip(prompts, visions, responses)]
     elif head == "value":
         states = [inputs[v] for v in node.inputs[:n]]
-        values = [out.squeeze(-1) for out in lm.suffix_logits_batch(model, states, responses, grad=grad)]
+        values = [out.squeeze(-1) for out in vlm.suffix_logits_batch(model, states, responses, grad=grad)]
     else:
         states = [inputs[v] for v in node.inputs[:n]]
-        values = [lp for lp, _ in lm.suffix_logprobs_batch(model, states, responses, pad_id=s.pad_id,
+        values = [lp for lp, _ in vlm.suffix_logprobs_batch(model, states, responses, pad_id=s.pad_id,
                                                             temperature=s.score_temperature, grad=grad)]
     out, names = {}, iter(node.outputs)
     for value in values:

@@ -28,7 +28,7 @@ def task_for(kind: str) -> TaskFn:
     if kind not in _TASKS:
         import rollplex.tasks.nodes  # noqa: F401 - registers the builtin tasks on first use
         import rollplex.tasks.residency  # noqa: F401 - the memory plan's offload/prefetch
-        import rollplex.tasks.gather  # noqa: F401 - data-parallel merges (pipeline/ranks.py)
+        import rollplex.tasks.gather  # noqa: F401 - data-parallel merges (pipeline/compile/ranks.py)
 
     try:
         return _TASKS[kind]

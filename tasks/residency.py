@@ -1,4 +1,4 @@
-"""The memory plan's ``offload`` and ``prefetch`` nodes (pipeline/memory.py inserts them).
+"""The memory plan's ``offload`` and ``prefetch`` nodes (pipeline/plan/memory.py inserts them).
 
 A graph value's offload takes its device tensors to host memory and its prefetch brings them back;
 consumers after the gap read the prefetched copy, so the device copy dies with the offload.

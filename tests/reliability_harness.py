@@ -162,7 +162,7 @@ def _pgid(pid: int) -> int | None:
 # -- what a run directory must look like ----------------------------------------------------------
 def assert_intact(run_dir: Path) -> None:
     """After any kill: every complete checkpoint verifies, none is half there, metrics parse."""
-    from rollplex.pipeline import checkpoints
+    from rollplex.pipeline.run import checkpoints
 
     root = run_dir / "checkpoints"
     if root.exists():
@@ -243,7 +243,7 @@ def occurrences(point: str, remaining: int, warmup_pending: bool, per_iteration:
 
 def progress(run_dir: Path) -> tuple[int, bool]:
     """(iterations still to run, warm-up still to run) for the next --resume of ``run_dir``."""
-    from rollplex.pipeline import checkpoints
+    from rollplex.pipeline.run import checkpoints
 
     name = checkpoints.latest_name(run_dir)
     if name is None:
@@ -375,7 +375,7 @@ class Chain:
 # -- the CLI in a pre-imported process ------------------------------------------------------------
 _SERVER = r'''
 import json, os, sys, traceback
-import rollplex.cli, rollplex.pipeline.runner, rollplex.pipeline.preflight  # noqa: F401 - warm imports
+import rollplex.cli, rollplex.pipeline.run.runner, rollplex.pipeline.run.preflight  # noqa: F401 - warm imports
 from transformers import AutoConfig, AutoProcessor, Qwen2_5_VLForConditionalGeneration  # noqa: F401
 import rollplex.engines, rollplex.tasks.data  # noqa: F401
 sys.stdout.flush()

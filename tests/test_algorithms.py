@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rollplex.dags import dapo, grpo, ppo, reinforce_pp, rloo
-from rollplex.pipeline.algorithms import builtin_algorithms, load_algorithm
+from rollplex.pipeline.run.algorithms import builtin_algorithms, load_algorithm
 
 T = torch.tensor
 
@@ -172,8 +172,8 @@ def test_every_algorithm_compiles_under_both_schedules(name):
     """Serial barriers put grad forwards in the training phase, unless the advantage reads them (PPO's
     critic values, REINFORCE++'s old log-probs): then they stay in scoring, or the barrier would be a
     cycle. Each trained model gets its own losses and optimizer step; only the policy is synced."""
-    from rollplex.pipeline.compiler import BatchShape, EngineChoice, ModelDims, compile_iteration
-    from rollplex.pipeline.schedule import schedule
+    from rollplex.pipeline.compile.compiler import BatchShape, EngineChoice, ModelDims, compile_iteration
+    from rollplex.pipeline.plan.schedule import schedule
 
     alg = load_algorithm(name)
     choice = EngineChoice({"decode": "vllm", "train": "torch", "score": "transformers"})
@@ -205,7 +205,7 @@ def warmed_model(tmp_path_factory):
     chance), so that groups hold both rewards and every algorithm has a gradient to follow."""
     import numpy as np
 
-    from rollplex.pipeline.hostops import _warmup
+    from rollplex.pipeline.run.hostops import _warmup
     from rollplex.tasks.data import format_warmup_batch
 
     out = tmp_path_factory.mktemp("warmed")
@@ -223,9 +223,9 @@ def warmed_model(tmp_path_factory):
 
 def _host(tmp_path, algorithm: str, *extra: str, model_path=None):
     from rollplex.config import load_config
-    from rollplex.pipeline.local import LocalExecutor
-    from rollplex.pipeline.session import Session
-    from rollplex.pipeline.worker import WorkerHost
+    from rollplex.pipeline.run.local import LocalExecutor
+    from rollplex.pipeline.run.session import Session
+    from rollplex.pipeline.run.worker import WorkerHost
 
     if model_path is not None:
         extra = (*extra, f"model.path={model_path}")
@@ -277,7 +277,7 @@ def test_each_algorithm_runs_two_iterations_and_updates_its_models(tmp_path, war
 def test_ppo_checkpoint_holds_the_critic_and_restores_it(tmp_path, warmed_model):
     import os
 
-    from rollplex.pipeline.hostops import _load, _save
+    from rollplex.pipeline.run.hostops import _load, _save
 
     session, host, executor = _host(tmp_path, "ppo", model_path=warmed_model)
     try:

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollplex.pipeline.autoschedule import next_schedule
+from rollplex.pipeline.plan.autoschedule import next_schedule
 
 
 def run(times: dict[str, list[float]], trials: int, iterations: int) -> list[tuple[str, float]]:

@@ -227,8 +227,8 @@ def _build(draw_alg):
 @given(data=st.data(), prompts=st.integers(1, 4), samples=st.integers(1, 3), micro=st.integers(1, 4))
 def test_random_user_dags_compile_or_fail_with_a_graph_error(data, prompts, samples, micro):
     from rollplex.errors import RollplexError
-    from rollplex.pipeline.compiler import BatchShape, EngineChoice, ModelDims, compile_iteration
-    from rollplex.pipeline.schedule import schedule
+    from rollplex.pipeline.compile.compiler import BatchShape, EngineChoice, ModelDims, compile_iteration
+    from rollplex.pipeline.plan.schedule import schedule
 
     alg = _build(lambda: data.draw(algorithms()))
     if alg is None:  # a declaration refused at once (twice-declared model, ...) is a clear error too

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from rollplex.config import load_config
-from rollplex.pipeline.runner import train
+from rollplex.pipeline.run.runner import train
 
 PROMPTS, SAMPLES = 64, 8
 

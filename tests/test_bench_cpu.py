@@ -10,9 +10,9 @@ from rollplex.config import load_config
 from rollplex.engines.base import DecodeRequest, FinishedSequence
 from rollplex.engines.replay_decode import ReplayDecodeEngine
 from rollplex.errors import EngineError, RollplexError
-from rollplex.pipeline.bench import BenchConfig, run
-from rollplex.pipeline.bench_results import parse_policy
-from rollplex.pipeline.session import resolve_model_path
+from rollplex.pipeline.bench.bench import BenchConfig, run
+from rollplex.pipeline.bench.results import parse_policy
+from rollplex.pipeline.run.session import resolve_model_path
 
 
 @pytest.mark.slow
@@ -62,7 +62,7 @@ def test_a_policy_that_runs_out_of_memory_is_reported_and_the_rest_still_run(tmp
     """Run 6 lost every policy after the one that ran out of GPU memory. Now that one is reported as
     not measured, and the next starts clean: its update still matches serial's on the replay."""
     from rollplex.errors import NodeFailure
-    from rollplex.pipeline import local
+    from rollplex.pipeline.run import local
 
     import gc
     import weakref
@@ -99,7 +99,7 @@ def test_a_policy_that_runs_out_of_memory_is_reported_and_the_rest_still_run(tmp
     assert alive_at_collect and not any(alive_at_collect), alive_at_collect
     monkeypatch.setattr(gc, "collect", real_collect)
     assert {u["policy"]: u for u in out["updates"]}["rollplex"]["replayed"] <= 1e-2
-    from rollplex.pipeline.bench import out_of_memory
+    from rollplex.pipeline.bench.bench import out_of_memory
 
     cublas = RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
     assert out_of_memory(NodeFailure("decode_c0", "decode_chunk", f"RuntimeError: {cublas}")) and out_of_memory(cublas)
@@ -170,7 +170,7 @@ def test_an_iterations_prompts_and_lengths_do_not_depend_on_the_global_rng():
     import torch
     from transformers import AutoConfig
 
-    from rollplex.pipeline.bench import make_prompts
+    from rollplex.pipeline.bench.bench import make_prompts
 
     path = resolve_model_path(load_config(None, []))
     cfg = BenchConfig(model=path + "/config.json", device="cpu", prompts=3, samples=8, vision_tokens=16, text_tokens=8,
@@ -189,7 +189,7 @@ def test_an_iterations_prompts_and_lengths_do_not_depend_on_the_global_rng():
 def test_policy_options_batch_nodes_and_micro_batches():
     from transformers import AutoConfig
 
-    from rollplex.pipeline.bench import compile_for
+    from rollplex.pipeline.bench.bench import compile_for
 
     path = resolve_model_path(load_config(None, []))
     cfg = BenchConfig(model=path + "/config.json", device="cpu", prompts=4, samples=2, max_new_tokens=8, chunk_tokens=4,
@@ -229,7 +229,7 @@ def test_in_process_all_reduce_steps_every_rank_on_the_mean_gradient():
 
     import torch
 
-    from rollplex.pipeline.bench_multi import InProcessAllReduce
+    from rollplex.pipeline.bench.multi import InProcessAllReduce
 
     class Engine:
         def __init__(self, grad):
@@ -266,7 +266,7 @@ def test_in_process_all_reduce_steps_every_rank_on_the_mean_gradient():
 def test_a_slow_iteration_does_not_pull_the_breakdown_off_the_median():
     """The breakdown is each kind's median over the timed iterations, like the iteration time: a
     first iteration three times as slow leaves both where the other two are."""
-    from rollplex.pipeline.bench_results import PolicyResult
+    from rollplex.pipeline.bench.results import PolicyResult
 
     res = PolicyResult("serial", seconds=[15.0, 5.0, 5.2],
                        kinds=[{"decode_chunk": 6.0, "loss": 6.0}, {"decode_chunk": 2.0, "loss": 2.0},
@@ -281,7 +281,7 @@ def test_a_slow_iteration_does_not_pull_the_breakdown_off_the_median():
 def test_interleaved_policies_take_turns_and_compute_what_they_compute_in_a_row(tmp_path, monkeypatch):
     """Every iteration starts from the same weights, so taking turns changes no policy's rollout or
     update: both orders give the same responses and the same update differences from serial."""
-    from rollplex.pipeline.local import LocalExecutor
+    from rollplex.pipeline.run.local import LocalExecutor
 
     config = resolve_model_path(load_config(None, [])) + "/config.json"
     policies = ("serial", "serial:ppn=2:mb=2", "rollplex")
@@ -314,7 +314,7 @@ def test_a_policys_gil_and_cudnn_options_hold_while_its_iterations_run_and_the_p
 
     import torch
 
-    from rollplex.pipeline.local import LocalExecutor
+    from rollplex.pipeline.run.local import LocalExecutor
 
     config = resolve_model_path(load_config(None, [])) + "/config.json"
     seen: list[tuple[int, tuple[float, bool]]] = []
@@ -341,8 +341,8 @@ def test_a_policys_gil_and_cudnn_options_hold_while_its_iterations_run_and_the_p
 def test_a_policy_that_only_turns_a_runtime_knob_is_named_as_running_an_earlier_policys_graph():
     from transformers import AutoConfig
 
-    from rollplex.pipeline.bench import compile_for
-    from rollplex.pipeline.bench_results import same_graph_as
+    from rollplex.pipeline.bench.bench import compile_for
+    from rollplex.pipeline.bench.results import same_graph_as
 
     path = resolve_model_path(load_config(None, []))
     cfg = BenchConfig(model=path + "/config.json", device="cpu", prompts=4, samples=2, max_new_tokens=8, chunk_tokens=4)

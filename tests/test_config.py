@@ -170,7 +170,7 @@ def test_a_field_of_two_types_takes_either(override, expected):
 
 
 def test_one_cpu_worker_shares_the_drivers_process_unless_asked_otherwise():
-    from rollplex.pipeline.session import resolve_worker_processes
+    from rollplex.pipeline.run.session import resolve_worker_processes
 
     assert resolve_worker_processes("auto", 1, "cpu") is False
     assert resolve_worker_processes("auto", 1, "cuda") is True  # a CUDA fault costs the worker, not the run

@@ -46,9 +46,9 @@ def test_the_example_kind_runs_on_its_own_engine(tmp_path):
     have all-zero advantages; the reward model's scores make them nonzero, so its node really ran and
     fed the advantage, on the engine the example registered."""
     from rollplex.config import load_config
-    from rollplex.pipeline.local import LocalExecutor
-    from rollplex.pipeline.session import Session
-    from rollplex.pipeline.worker import WorkerHost
+    from rollplex.pipeline.run.local import LocalExecutor
+    from rollplex.pipeline.run.session import Session
+    from rollplex.pipeline.run.worker import WorkerHost
 
     cfg = load_config(None, ["seed=2", "warmup.steps=0", "stop_at_reward=null", "engines.decode=hf",
                              "engines.train=torch", "rollout.prompts_per_iteration=2", "rollout.samples_per_prompt=4",

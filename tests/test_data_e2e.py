@@ -8,7 +8,7 @@ from itertools import groupby
 import pytest
 
 from rollplex.config import load_config
-from rollplex.pipeline.runner import train
+from rollplex.pipeline.run.runner import train
 from rollplex.tasks.dataset import export_synthetic
 
 G = 2

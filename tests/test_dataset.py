@@ -193,17 +193,17 @@ def test_video_prompt_prefix_matches_a_plain_forward(tmp_path, builder, tiny_mod
     temporal positions included)."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from rollplex.tasks import lm
+    from rollplex.engines import vlm
 
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_model_dir).eval()
     prompt = FileDataset(export_synthetic(tmp_path, size=1, video_frames=4)).build(builder, 0)
-    vis = lm.vision_embeds(model, prompt)
+    vis = vlm.vision_embeds(model, prompt)
     assert vis.video.shape[0] == 32 and vis.image is None
-    state = lm.prefix_forward(model, prompt, vis, grad=False)
+    state = vlm.prefix_forward(model, prompt, vis, grad=False)
     with torch.no_grad():
         ref = model(input_ids=prompt.input_ids.view(1, -1), pixel_values_videos=prompt.pixel_values_videos,
                     video_grid_thw=prompt.video_grid_thw, second_per_grid_ts=prompt.second_per_grid_ts,
-                    mm_token_type_ids=lm.mm_token_types(prompt.input_ids.view(1, -1), model.config)).logits[0, -1]
+                    mm_token_type_ids=vlm.mm_token_types(prompt.input_ids.view(1, -1), model.config)).logits[0, -1]
     torch.testing.assert_close(state.last_logits, ref.float(), rtol=1e-4, atol=1e-4)
 
 
@@ -211,7 +211,7 @@ def test_the_compiled_graph_sees_video_tokens_and_vllm_refuses_video(tmp_path):
     """BatchShape counts a prompt's image and video pad tokens: 4 frames give 32, one image 16."""
     from rollplex.config import load_config
     from rollplex.errors import EngineError
-    from rollplex.pipeline.session import Session
+    from rollplex.pipeline.run.session import Session
 
     base = ["engines.decode=hf", "engines.train=torch", "rollout.prompts_per_iteration=2"]
     shapes = {}

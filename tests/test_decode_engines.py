@@ -45,7 +45,7 @@ def prompts(model_dir, hf_model):
     from PIL import Image
     from transformers import AutoProcessor
 
-    from rollplex.tasks.lm import PromptInputs, vision_embeds
+    from rollplex.engines.vlm import PromptInputs, vision_embeds
 
     proc = AutoProcessor.from_pretrained(model_dir)
     out = []
@@ -215,7 +215,7 @@ def test_torch_load_weights_rejects_unknown_names(torch_engine):
 
 
 def _hf_logprobs(hf_model, prompts, out, temperature):
-    from rollplex.tasks.lm import full_sequence_logprobs
+    from rollplex.engines.vlm import full_sequence_logprobs
 
     for p, vis, _ in prompts:
         seqs = [v for k, v in sorted(out.items()) if k.startswith(p.prompt_id + "-")]
@@ -240,7 +240,7 @@ def test_top_p_logprobs_are_under_the_truncated_distribution(engine, hf_model, p
     """With top-p both engines report log-probs of the renormalised nucleus, the distribution drawn
     from; the reference applies the nucleus to HF's logits the way vLLM's sampler does."""
     from rollplex.engines.torch_decode import _apply_top_p
-    from rollplex.tasks.lm import prefix_forward, suffix_logits
+    from rollplex.engines.vlm import prefix_forward, suffix_logits
 
     temperature, top_p = 0.6, 0.8
     out = run(engine, requests(prompts, group=2, temperature=temperature, top_p=top_p, max_tokens=8, seed=9))
@@ -338,24 +338,24 @@ def test_graph_engine_prefills_a_shared_prompt_once_and_counts_its_rows_meanwhil
     """Per-sample requests of one prompt (as a per-sample length cap makes them) share one prefill,
     like vLLM's prefix cache; while it runs, ``live_rows`` counts their rows (the scheduler's gate
     reads it), and the samples are those of the one n-sample request."""
-    from rollplex.tasks import lm
+    from rollplex.engines import vlm
 
     p, vis, _ = prompts[0]
     base = dict(prompt_token_ids=p.input_ids.tolist(), image_embeds=vis.image, image_grid_thw=p.image_grid_thw,
                 temperature=1.0)
     seen = []
-    real = lm.prefix_forward_batch
+    real = vlm.prefix_forward_batch
 
     def spy(model, batch, visions, *, grad):
         seen.append((len(batch), graph_engine.live_rows(), graph_engine.prefilling()))
         return real(model, batch, visions, grad=grad)
 
-    monkeypatch.setattr(lm, "prefix_forward_batch", spy)
+    monkeypatch.setattr(vlm, "prefix_forward_batch", spy)
     graph_engine.add_requests([DecodeRequest(f"s{i}", seed=5 + i, max_tokens=3 + i, **base) for i in range(4)])
     assert graph_engine.prefilling()  # queued, nothing decoding: a prefill is next
     singles = run(graph_engine, [])
     assert seen == [(1, 4, True)] and not graph_engine.prefilling()
-    monkeypatch.setattr(lm, "prefix_forward_batch", real)
+    monkeypatch.setattr(vlm, "prefix_forward_batch", real)
     graph_engine.add_requests([DecodeRequest("g", seed=5, n=4, max_tokens=6, **base)])
     grouped = []
     while graph_engine.has_unfinished():

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from rollplex.config import load_config
-from rollplex.pipeline.runner import train
-from rollplex.pipeline.trace import overlap_seconds
+from rollplex.pipeline.run.runner import train
+from rollplex.pipeline.plan.trace import overlap_seconds
 
 ITERATIONS = 3
 SEED = 3
@@ -71,7 +71,7 @@ def test_ref_logprobs_equal_a_plain_transformers_forward(runs):
     from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
 
     from rollplex.tasks.data import PromptBuilder, SyntheticVisualTask, build_item
-    from rollplex.tasks.lm import mm_token_types
+    from rollplex.engines.vlm import mm_token_types
 
     run_dir = runs["rollplex"]
     cfg = load_config(run_dir / "config.yaml")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from rollplex.pipeline.algorithms import builtin_algorithms
+from rollplex.pipeline.run.algorithms import builtin_algorithms
 
 ROOT = Path(__file__).resolve().parents[1]
 GALLERY = ROOT / "docs" / "gallery"

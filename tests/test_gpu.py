@@ -18,12 +18,12 @@ def _requests(model, tiny_model_dir, temperature):
     from transformers import AutoProcessor
 
     from rollplex.engines.base import DecodeRequest
-    from rollplex.tasks import lm
+    from rollplex.engines import vlm
     from rollplex.tasks.data import PromptBuilder, SyntheticVisualTask, build_item
 
     builder = PromptBuilder(AutoProcessor.from_pretrained(tiny_model_dir))
     prompts = [build_item(SyntheticVisualTask(image_size=112), builder, i) for i in range(3)]
-    visions = lm.vision_embeds_batch(model, prompts)
+    visions = vlm.vision_embeds_batch(model, prompts)
     return [DecodeRequest(f"r{i}", p.input_ids.tolist(), v.image, p.image_grid_thw, max_tokens=9 + 5 * i,
                           seed=7 + i, temperature=temperature, n=4, stop_token_ids=(1,))
             for i, (p, v) in enumerate(zip(prompts, visions))]
@@ -155,7 +155,7 @@ def test_decode_graphs_are_captured_with_cudnn_attention_while_eager_forwards_go
 
 
 def test_green_contexts_give_partition_streams_or_none(cuda):
-    from rollplex.pipeline.bench import sm_partitions
+    from rollplex.pipeline.bench.bench import sm_partitions
 
     parts = sm_partitions(0)  # decode_sms 0: one split per row of the live-batch table
     if parts is not None:
@@ -202,7 +202,7 @@ def test_several_steps_per_graph_sample_what_one_step_graphs_do(cuda, tiny_model
 def _tiny_bench(tiny_model_dir, tmp_path, policies, **kw):
     """The bench in-process on the tiny model, with the eager decode layer unless ``kw`` says
     otherwise: the compiled default's path is the CLI run of the allocator test below."""
-    from rollplex.pipeline.bench import BenchConfig, run
+    from rollplex.pipeline.bench.bench import BenchConfig, run
 
     kw.setdefault("compile_decode", False)
     return run(BenchConfig(model=str(tiny_model_dir / "config.json"), device="cuda", dtype="float32", prompts=4,
@@ -242,7 +242,7 @@ def test_partition_streams_get_every_graph_before_the_window(cuda, tiny_model_di
     stream."""
     from rollplex.engines.base import EngineContext
     from rollplex.engines.graph_decode import GraphDecodeEngine
-    from rollplex.pipeline.bench import sm_partitions
+    from rollplex.pipeline.bench.bench import sm_partitions
 
     parts = sm_partitions(0)
     if parts is None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from rollplex.cli import main
-from rollplex.pipeline.modelspec import PRESETS, from_config
+from rollplex.engines.modelspec import PRESETS, from_config
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollplex.errors import GraphError
-from rollplex.pipeline import ir
-from rollplex.pipeline.ir import IterationGraph, Node, NodeKind, get_kind, register_kind, registered_kinds
+from rollplex.pipeline.compile import ir
+from rollplex.pipeline.compile.ir import IterationGraph, Node, NodeKind, get_kind, register_kind, registered_kinds
 
 
 def diamond(names: dict[str, str] | None = None) -> IterationGraph:

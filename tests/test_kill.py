@@ -6,7 +6,7 @@ Every launch is the real CLI in its own process group; a kill takes the whole gr
 job would. One chain runs the CPU default (the worker inside the driver's process, cluster.processes:
 auto), the other a worker process of its own (the GPU default), so both end where the reference ends
 and no worker process outlives its driver. Kill moments are drawn at random (seeded; ROLLPLEX_KILL_SEED
-replays a draw) from two sources: the named fault points of ``pipeline/faults.py`` (inside decode,
+replays a draw) from two sources: the named fault points of ``pipeline/run/faults.py`` (inside decode,
 around the loss and the optimizer step, at each step of a checkpoint write, between warm-up steps),
 which land exactly where a timer rarely would, and plain wall-clock delays into the work. One chain
 also gets a SIGINT (to the whole group, as a Ctrl-C), the other a SIGTERM (to the driver alone); each

@@ -5,7 +5,7 @@ import pytest
 import torch
 from PIL import Image
 
-from rollplex.tasks import lm
+from rollplex.engines import vlm
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +21,7 @@ def model_and_prompt(tiny_model_dir):
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is it?"}]}]
     enc = processor(text=[processor.apply_chat_template(messages, add_generation_prompt=True)], images=[image],
                     return_tensors="pt")
-    prompt = lm.PromptInputs("p0", enc["input_ids"][0], enc["pixel_values"], enc["image_grid_thw"])
+    prompt = vlm.PromptInputs("p0", enc["input_ids"][0], enc["pixel_values"], enc["image_grid_thw"])
     return model, prompt
 
 
@@ -34,7 +34,7 @@ def _plain_hf_logprobs(model, prompt, responses):
     for r in responses:
         ids = torch.cat([prompt.input_ids, torch.tensor(r)]).view(1, -1)
         out = model(input_ids=ids, pixel_values=prompt.pixel_values, image_grid_thw=prompt.image_grid_thw,
-                    mm_token_type_ids=lm.mm_token_types(ids, model.config))
+                    mm_token_type_ids=vlm.mm_token_types(ids, model.config))
         logp = torch.log_softmax(out.logits[0, prompt.num_tokens - 1:-1].float(), -1)
         rows.append(logp.gather(-1, torch.tensor(r).view(-1, 1)).view(-1))
     return rows
@@ -43,11 +43,11 @@ def _plain_hf_logprobs(model, prompt, responses):
 def test_prefix_plus_suffix_logprobs_equal_full_sequences(model_and_prompt):
     model, prompt = model_and_prompt
     with torch.no_grad():
-        vis = lm.vision_embeds(model, prompt)
-        state = lm.prefix_forward(model, prompt, vis, grad=False)
-        shared, mask = lm.suffix_logprobs(model, state, RESPONSES, pad_id=0, grad=False)
+        vis = vlm.vision_embeds(model, prompt)
+        state = vlm.prefix_forward(model, prompt, vis, grad=False)
+        shared, mask = vlm.suffix_logprobs(model, state, RESPONSES, pad_id=0, grad=False)
         plain = _plain_hf_logprobs(model, prompt, RESPONSES)
-        full, _ = lm.full_sequence_logprobs(model, prompt, RESPONSES, pad_id=0, vis=vis)
+        full, _ = vlm.full_sequence_logprobs(model, prompt, RESPONSES, pad_id=0, vis=vis)
     for i, r in enumerate(RESPONSES):
         assert torch.allclose(shared[i, : len(r)], plain[i], atol=1e-5, rtol=0)
         assert torch.allclose(full[i, : len(r)], plain[i], atol=1e-5, rtol=0)
@@ -57,8 +57,8 @@ def test_prefix_plus_suffix_logprobs_equal_full_sequences(model_and_prompt):
 def test_first_token_is_scored_from_the_prefix_last_logits(model_and_prompt):
     model, prompt = model_and_prompt
     with torch.no_grad():
-        state = lm.prefix_forward(model, prompt, lm.vision_embeds(model, prompt), grad=False)
-        logp, _ = lm.suffix_logprobs(model, state, [[7], [9, 3]], pad_id=0, grad=False)
+        state = vlm.prefix_forward(model, prompt, vlm.vision_embeds(model, prompt), grad=False)
+        logp, _ = vlm.suffix_logprobs(model, state, [[7], [9, 3]], pad_id=0, grad=False)
     expected = torch.log_softmax(state.last_logits, -1)
     # Gathered logit less log-sum-exp against log_softmax: equal up to the CPU's summation order
     # (bit-equal on some machines, one ulp apart on others); another position's score is O(1) off.
@@ -71,10 +71,10 @@ def test_packed_scoring_ignores_empty_responses_and_zeroes_past_each_end(model_a
     a response's end is zero (logits too), whatever the other responses' lengths."""
     model, prompt = model_and_prompt
     with torch.no_grad():
-        state = lm.prefix_forward(model, prompt, lm.vision_embeds(model, prompt), grad=False)
-        alone, _ = lm.suffix_logprobs(model, state, [[5, 6, 7]], pad_id=0, grad=False)
-        mixed, mask = lm.suffix_logprobs(model, state, [[], [5, 6, 7], [8]], pad_id=0, grad=False)
-        logits = lm.suffix_logits_batch(model, [state], [[[], [5, 6, 7], [8]]], grad=False)[0]
+        state = vlm.prefix_forward(model, prompt, vlm.vision_embeds(model, prompt), grad=False)
+        alone, _ = vlm.suffix_logprobs(model, state, [[5, 6, 7]], pad_id=0, grad=False)
+        mixed, mask = vlm.suffix_logprobs(model, state, [[], [5, 6, 7], [8]], pad_id=0, grad=False)
+        logits = vlm.suffix_logits_batch(model, [state], [[[], [5, 6, 7], [8]]], grad=False)[0]
     assert mask.tolist() == [[0, 0, 0], [1, 1, 1], [1, 0, 0]]
     assert torch.allclose(mixed[1], alone[0], atol=1e-6, rtol=0)
     assert not mixed[mask == 0].any() and not logits[1:, 1:][mask[1:, 1:] == 0].any()
@@ -93,9 +93,9 @@ def test_prefix_plus_suffix_gradient_equals_full_sequence_gradient(model_and_pro
         return (flat * weights).sum()
 
     model.zero_grad()
-    vis = lm.vision_embeds(model, prompt)
-    state = lm.prefix_forward(model, prompt, vis, grad=True)
-    shared, _ = lm.suffix_logprobs(model, state, RESPONSES, pad_id=0, grad=True)
+    vis = vlm.vision_embeds(model, prompt)
+    state = vlm.prefix_forward(model, prompt, vis, grad=True)
+    shared, _ = vlm.suffix_logprobs(model, state, RESPONSES, pad_id=0, grad=True)
     weighted([shared[i, : len(r)] for i, r in enumerate(RESPONSES)]).backward()
     grads_shared = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
@@ -114,7 +114,7 @@ def _prompt(processor, size, text):
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
     enc = processor(text=[processor.apply_chat_template(messages, add_generation_prompt=True)], images=[image],
                     return_tensors="pt")
-    return lm.PromptInputs(text, enc["input_ids"][0], enc["pixel_values"], enc["image_grid_thw"])
+    return vlm.PromptInputs(text, enc["input_ids"][0], enc["pixel_values"], enc["image_grid_thw"])
 
 
 def test_batched_forwards_equal_one_prompt_at_a_time(model_and_prompt, tiny_model_dir):
@@ -131,13 +131,13 @@ def test_batched_forwards_equal_one_prompt_at_a_time(model_and_prompt, tiny_mode
     def run(batched: bool):
         model.zero_grad()
         if batched:
-            visions = lm.vision_embeds_batch(model, prompts)
-            states = lm.prefix_forward_batch(model, prompts, visions, grad=True)
-            scored = lm.suffix_logprobs_batch(model, states, groups, pad_id=0, grad=True)
+            visions = vlm.vision_embeds_batch(model, prompts)
+            states = vlm.prefix_forward_batch(model, prompts, visions, grad=True)
+            scored = vlm.suffix_logprobs_batch(model, states, groups, pad_id=0, grad=True)
         else:
-            visions = [lm.vision_embeds(model, p) for p in prompts]
-            states = [lm.prefix_forward(model, p, v, grad=True) for p, v in zip(prompts, visions)]
-            scored = [lm.suffix_logprobs(model, s, g, pad_id=0, grad=True) for s, g in zip(states, groups)]
+            visions = [vlm.vision_embeds(model, p) for p in prompts]
+            states = [vlm.prefix_forward(model, p, v, grad=True) for p, v in zip(prompts, visions)]
+            scored = [vlm.suffix_logprobs(model, s, g, pad_id=0, grad=True) for s, g in zip(states, groups)]
         total = sum((lp * mask).sum() * (i + 1) for i, (lp, mask) in enumerate(scored))
         total.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -158,7 +158,7 @@ def test_batched_forwards_equal_one_prompt_at_a_time(model_and_prompt, tiny_mode
 def test_scoring_batches_stay_within_the_logits_budget_and_cover_every_group_in_order():
     import random
 
-    from rollplex.tasks.lm import batches_within
+    from rollplex.engines.vlm import batches_within
 
     rng = random.Random(0)
     for _ in range(200):

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from rollplex.config import load_config
-from rollplex.pipeline.runner import train
-from rollplex.pipeline.session import Session
+from rollplex.pipeline.run.runner import train
+from rollplex.pipeline.run.session import Session
 
 OVERRIDES = ["iterations=2", "seed=5", "warmup.steps=0", "stop_at_reward=null", "engines.decode=hf",
              "engines.train=torch", "checkpoint.every=1"]
@@ -20,8 +20,8 @@ OVERRIDES = ["iterations=2", "seed=5", "warmup.steps=0", "stop_at_reward=null", 
 def test_local_executor_matches_the_dask_executor(tmp_path, schedule):
     from safetensors.torch import load_file
 
-    from rollplex.pipeline.local import LocalExecutor
-    from rollplex.pipeline.worker import WorkerHost
+    from rollplex.pipeline.run.local import LocalExecutor
+    from rollplex.pipeline.run.worker import WorkerHost
 
     cfg = load_config(None, [*OVERRIDES, f"schedule={schedule}", "cluster.lowering=nodes"])
     train(cfg, tmp_path / "dask", progress=False, log=lambda *a: None)
@@ -58,8 +58,8 @@ def test_a_failing_node_is_raised_only_after_the_nodes_running_beside_it_end(mon
     from concurrent.futures import ThreadPoolExecutor
 
     from rollplex.errors import NodeFailure
-    from rollplex.pipeline import local
-    from rollplex.pipeline.ir import IterationGraph, Node
+    from rollplex.pipeline.run import local
+    from rollplex.pipeline.compile.ir import IterationGraph, Node
 
     ended = threading.Event()
 

@@ -10,12 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollplex.errors import MemoryPlanError
-from rollplex.pipeline import memory as M
-from rollplex.pipeline.costs import NodeCost
-from rollplex.pipeline.hardware import hardware
-from rollplex.pipeline.ir import IterationGraph, Node
-from rollplex.pipeline.memory import Resident, plan_memory
-from rollplex.pipeline.schedule import plan
+from rollplex.pipeline.plan import memory as M
+from rollplex.pipeline.plan.costs import NodeCost
+from rollplex.pipeline.plan.hardware import hardware
+from rollplex.pipeline.compile.ir import IterationGraph, Node
+from rollplex.pipeline.plan.memory import Resident, plan_memory
+from rollplex.pipeline.plan.schedule import plan
 
 GiB = 1024**3
 EPS = 1e-9

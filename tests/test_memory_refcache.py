@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rollplex.errors import ConfigError
-from rollplex.pipeline.refcache import RefPrefixCache, prompt_digest, tensor_nbytes, weights_digest
+from rollplex.pipeline.run.refcache import RefPrefixCache, prompt_digest, tensor_nbytes, weights_digest
 from reliability_harness import run_concurrently
 
 

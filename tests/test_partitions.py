@@ -1,4 +1,4 @@
-"""SM partitions follow the live decode batch, re-chosen as each decode chunk starts (pipeline/partitions.py)."""
+"""SM partitions follow the live decode batch, re-chosen as each decode chunk starts (pipeline/run/partitions.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -6,8 +6,8 @@ import dataclasses
 
 import torch
 
-from rollplex.pipeline.bench import BenchConfig, _host, bench_reward
-from rollplex.pipeline.partitions import AUTO_SPLITS, Partitions, decode_sms_for
+from rollplex.pipeline.bench.bench import BenchConfig, _host, bench_reward
+from rollplex.pipeline.run.partitions import AUTO_SPLITS, Partitions, decode_sms_for
 
 
 def test_fewer_live_rows_leave_decode_fewer_sms():
@@ -83,8 +83,8 @@ def test_the_host_rechooses_the_split_per_decode_chunk_and_compute_takes_the_com
 
 def test_the_runtime_asks_for_partitions_under_the_rollplex_schedule_only(tmp_path):
     from rollplex.config import load_config
-    from rollplex.pipeline.session import Session
-    from rollplex.pipeline.worker import WorkerHost
+    from rollplex.pipeline.run.session import Session
+    from rollplex.pipeline.run.worker import WorkerHost
 
     asked = ["cluster.sm_partitions=true"]
     specs = {s: Session(load_config(None, [f"schedule={s}", *asked]), tmp_path / s).host_spec()
@@ -144,7 +144,7 @@ def test_attaching_partitions_captures_decode_graphs_on_every_split_with_its_tar
 def test_measured_step_times_pick_the_fewest_sms_that_keep_decode_within_tolerance():
     """Heavy decode needs its SMs; light decode steps as fast on a third of the GPU, so compute
     work gets the rest. The graph that holds the live rows is the one timed."""
-    from rollplex.pipeline.partitions import fewest_sms_within
+    from rollplex.pipeline.run.partitions import fewest_sms_within
 
     measured = {32: {8: 6.0, 64: 20.0}, 64: {8: 5.9, 64: 11.0}, 96: {8: 5.8, 64: 9.0}}
     assert fewest_sms_within(measured, 64, 0.10) == 96  # 11.0 > 1.1 × 9.0

@@ -8,8 +8,8 @@ import pytest
 
 from rollplex.cli import main
 from rollplex.errors import DataError
-from rollplex.pipeline.plot import plot_run, read_metrics, seconds_per_kind
-from rollplex.pipeline.trace import chrome_trace
+from rollplex.pipeline.run.plot import plot_run, read_metrics, seconds_per_kind
+from rollplex.pipeline.plan.trace import chrome_trace
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -1,4 +1,4 @@
-"""The data-parallel pass (pipeline/ranks.py) and its lowering onto Dask workers, on compiled graphs.
+"""The data-parallel pass (pipeline/compile/ranks.py) and its lowering onto Dask workers, on compiled graphs.
 CPU only, no engines: invariants of the placed graph, not snapshots."""
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import pytest
 from dask._task_spec import TaskRef
 
 from rollplex.errors import ConfigError, GraphError
-from rollplex.pipeline.algorithms import load_algorithm
-from rollplex.pipeline.compiler import BatchShape, EngineChoice, ModelDims, compile_iteration
-from rollplex.pipeline.executor import lower, task_key
-from rollplex.pipeline.ir import Node
-from rollplex.pipeline.ranks import (balance, check_data_parallel, check_placement, distribute, fit_prompts_per_node,
+from rollplex.pipeline.run.algorithms import load_algorithm
+from rollplex.pipeline.compile.compiler import BatchShape, EngineChoice, ModelDims, compile_iteration
+from rollplex.pipeline.run.executor import lower, task_key
+from rollplex.pipeline.compile.ir import Node
+from rollplex.pipeline.compile.ranks import (balance, check_data_parallel, check_placement, distribute, fit_prompts_per_node,
                                      rank_loads, rank_uses)
-from rollplex.pipeline.schedule import schedule
+from rollplex.pipeline.plan.schedule import schedule
 
 DIMS = ModelDims(128, 2, 2, 32, 1000, 10**6)
 ENGINES = EngineChoice({"decode": "hf", "train": "deepspeed", "score": "transformers"})
@@ -175,7 +175,7 @@ def test_releasing_a_value_never_shrinks_a_bundle_that_is_being_sent_to_another_
     import torch
     from distributed.protocol import deserialize, serialize
 
-    from rollplex.pipeline.worker import RELEASED, WorkerHost
+    from rollplex.pipeline.run.worker import RELEASED, WorkerHost
 
     host = SimpleNamespace(_lock=threading.Lock(), _remaining={})
     bundle: dict = {}
@@ -227,7 +227,7 @@ def test_dispatch_gaps_count_only_time_a_ready_node_waited_on_an_idle_stream():
        c ─(order)─▶ d   lane (w1, host): c [0, 30), x [30, 50), d [52, 60)
                         d's predecessor c ended at 30, but its stream was busy until 50: 2 µs
     """
-    from rollplex.pipeline.trace import dispatch_gaps
+    from rollplex.pipeline.plan.trace import dispatch_gaps
 
     ev = lambda name, ts, dur, pid, tid: {"name": name, "ts": ts, "dur": dur, "pid": pid, "tid": tid}  # noqa: E731
     events = [ev("a", 0, 10, "w0", "compute"), ev("b", 15, 5, "w0", "compute"), ev("c", 0, 30, "w1", "host"),
@@ -239,7 +239,7 @@ def test_dispatch_gaps_count_only_time_a_ready_node_waited_on_an_idle_stream():
 def test_a_node_under_two_ranks_decode_at_once_is_hidden_once():
     """  prefix [0, 10) on w0; rank 0 and rank 1 decode [0, 10) and [5, 15) on the same worker:
     the prefix is hidden for 10 µs, not the 15 µs the two overlaps add to (the bench once printed 153%)."""
-    from rollplex.pipeline.trace import overlap_seconds
+    from rollplex.pipeline.plan.trace import overlap_seconds
 
     x = lambda cat, ts, dur, pid="w0": {"ph": "X", "cat": cat, "name": f"{cat}{ts}", "ts": ts, "dur": dur, "pid": pid}  # noqa: E731
     trace = {"traceEvents": [x("prefix", 0, 10), x("decode_chunk", 0, 10), x("decode_chunk", 5, 10),
@@ -299,7 +299,7 @@ def test_a_tensor_parallel_rollout_is_checked_by_name():
 def test_the_automatic_decode_engine_is_one_that_serves_the_cluster(device, workers, tp, expected):
     from rollplex.config import RunConfig
     from rollplex.engines.base import get_engine
-    from rollplex.pipeline.session import resolve_engines
+    from rollplex.pipeline.run.session import resolve_engines
 
     import rollplex.engines  # noqa: F401
 

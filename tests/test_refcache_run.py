@@ -6,7 +6,7 @@ import json
 import torch
 
 from rollplex.config import load_config
-from rollplex.pipeline.runner import train
+from rollplex.pipeline.run.runner import train
 
 
 def test_second_epoch_hits_the_cache_and_the_run_is_unchanged(tmp_path):

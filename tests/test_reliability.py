@@ -18,7 +18,7 @@ import pytest
 from reliability_harness import HF_TORCH, Launch, assert_intact, metric_rows, worker_start_environment
 
 from rollplex.errors import CheckpointError, ConfigError, RollplexError
-from rollplex.pipeline import checkpoints
+from rollplex.pipeline.run import checkpoints
 
 NAN_AT = 2  # one loss micro-batch per iteration below, so the loss's third call is iteration 2
 ONE_MICRO_BATCH = ["--set", "train.micro_batch_groups=2"]
@@ -65,7 +65,7 @@ def test_resume_after_a_nan_continues_from_the_last_good_checkpoint(nan_runs):
 
 # -- security defaults ---------------------------------------------------------------------------
 def test_the_local_cluster_listens_on_loopback_only():
-    from rollplex.pipeline.cluster import connect
+    from rollplex.pipeline.run.cluster import connect
 
     with connect(None, workers=1, threads=1) as client:
         info = client.scheduler_info()
@@ -77,7 +77,7 @@ def test_a_local_worker_process_keeps_glibcs_malloc_tuning_and_the_threads_asked
     """Dask's nanny would start it with MALLOC_TRIM_THRESHOLD_ set (every large tensor a fresh mmap)."""
     import torch
 
-    from rollplex.pipeline.cluster import connect
+    from rollplex.pipeline.run.cluster import connect
 
     threads = int(os.environ["OMP_NUM_THREADS"])
     with connect(None, workers=1, threads=threads, processes=True) as client:
@@ -103,8 +103,8 @@ def test_tls_options_reach_a_tls_only_scheduler_which_refuses_plain_clients(tmp_
     from distributed import LocalCluster
 
     from rollplex.config import load_config
-    from rollplex.pipeline.cluster import connect
-    from rollplex.pipeline.runner import cluster_security
+    from rollplex.pipeline.run.cluster import connect
+    from rollplex.pipeline.run.runner import cluster_security
 
     temp, files = _tls_files(tmp_path)
     with LocalCluster(n_workers=0, protocol="tls", host="127.0.0.1", security=temp, dashboard_address=None) as cluster:

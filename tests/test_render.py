@@ -10,10 +10,10 @@ import pytest
 
 from rollplex.dags.grpo import grpo
 from rollplex.errors import ConfigError
-from rollplex.pipeline import render as R
-from rollplex.pipeline.compiler import BatchShape, EngineChoice, ModelDims, compile_iteration
-from rollplex.pipeline.ir import IterationGraph, Node
-from rollplex.pipeline.layout import layered_layout, longest_path_layers
+from rollplex.pipeline.compile import render as R
+from rollplex.pipeline.compile.compiler import BatchShape, EngineChoice, ModelDims, compile_iteration
+from rollplex.pipeline.compile.ir import IterationGraph, Node
+from rollplex.pipeline.compile.layout import layered_layout, longest_path_layers
 
 SVG = "{http://www.w3.org/2000/svg}"
 

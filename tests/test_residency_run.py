@@ -11,9 +11,9 @@ import torch
 from rollplex.config import load_config
 from rollplex.engines.base import EngineError, move_tensors
 from rollplex.errors import ConfigError, MemoryPlanError
-from rollplex.pipeline.residency import GiB, plan_residency
-from rollplex.pipeline.runner import train
-from rollplex.pipeline.session import Session
+from rollplex.pipeline.plan.residency import GiB, plan_residency
+from rollplex.pipeline.run.runner import train
+from rollplex.pipeline.run.session import Session
 from rollplex.tasks.residency import to_device
 
 BASE = ["iterations=2", "seed=5", "warmup.steps=0", "stop_at_reward=null", "checkpoint.every=1"]
@@ -62,7 +62,7 @@ def test_engines_refuse_parts_they_cannot_move_and_moves_are_in_place():
 def test_a_value_goes_to_host_memory_and_back_to_the_workers_device():
     from types import SimpleNamespace
 
-    from rollplex.pipeline.ir import Node
+    from rollplex.pipeline.compile.ir import Node
     from rollplex.tasks.residency import offload, prefetch
 
     ctx = SimpleNamespace(host=SimpleNamespace(device=torch.device("cpu"), engines={}))

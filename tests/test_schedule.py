@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 
 from rollplex.dags.grpo import grpo
 from rollplex.errors import GraphError
-from rollplex.pipeline.compiler import BatchShape, EngineChoice, ModelDims, compile_iteration
-from rollplex.pipeline.ir import IterationGraph, Node
-from rollplex.pipeline.schedule import POLICIES, SERIAL_PHASES, schedule
+from rollplex.pipeline.compile.compiler import BatchShape, EngineChoice, ModelDims, compile_iteration
+from rollplex.pipeline.compile.ir import IterationGraph, Node
+from rollplex.pipeline.plan.schedule import POLICIES, SERIAL_PHASES, schedule
 
 DIMS = ModelDims(hidden=128, layers=2, kv_heads=2, head_dim=32, vocab=600, params=600_000)
 ENGINES = EngineChoice({"decode": "vllm", "train": "deepspeed", "score": "transformers"})

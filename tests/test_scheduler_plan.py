@@ -10,11 +10,11 @@ from hypothesis import strategies as st
 
 from rollplex.dags.grpo import grpo
 from rollplex.errors import GraphError
-from rollplex.pipeline.compiler import BatchShape, EngineChoice, ModelDims, compile_iteration
-from rollplex.pipeline.costs import NodeCost
-from rollplex.pipeline.hardware import Layout, hardware
-from rollplex.pipeline.ir import IterationGraph, Node
-from rollplex.pipeline.schedule import PLAN_POLICIES, SERIAL_PHASES, placement, plan, retime, schedule
+from rollplex.pipeline.compile.compiler import BatchShape, EngineChoice, ModelDims, compile_iteration
+from rollplex.pipeline.plan.costs import NodeCost
+from rollplex.pipeline.plan.hardware import Layout, hardware
+from rollplex.pipeline.compile.ir import IterationGraph, Node
+from rollplex.pipeline.plan.schedule import PLAN_POLICIES, SERIAL_PHASES, placement, plan, retime, schedule
 
 EPS = 1e-9
 KINDS = ("vit_encode", "decode_chunk", "prefix", "suffix_score", "reward", "loss", "optimizer_step", "weight_sync")

@@ -13,11 +13,12 @@ import pytest
 
 from rollplex.cli import main
 from rollplex.errors import ConfigError
-from rollplex.pipeline import simulator as S
-from rollplex.pipeline.costs import MEASURED_H200, Calibration, CostModel, Workload, measured_efficiency, parse_lengths
-from rollplex.pipeline.hardware import Layout, hardware
-from rollplex.pipeline.modelspec import PRESETS, from_config, load_model
-from rollplex.pipeline.trace import chrome_trace
+from rollplex.pipeline.plan import simulator as S
+from rollplex.pipeline.plan.costs import MEASURED_H200, Calibration, CostModel, Workload, measured_efficiency, parse_lengths
+from rollplex.pipeline.plan.hardware import Layout, hardware
+from rollplex.engines.modelspec import PRESETS, from_config, load_model
+from rollplex.dags.grpo import grpo
+from rollplex.pipeline.plan.trace import chrome_trace
 
 SMALL = Workload(prompts=4, samples=2, max_new_tokens=64, chunk_tokens=16, vision_tokens=256,
                  response="lognormal:24:0.6")
@@ -25,7 +26,7 @@ SMALL = Workload(prompts=4, samples=2, max_new_tokens=64, chunk_tokens=16, visio
 
 @pytest.fixture(scope="module")
 def small_results():
-    scn = S.Scenario(PRESETS["qwen2.5-vl-3b"], hardware("h200", 2), SMALL)
+    scn = S.Scenario(PRESETS["qwen2.5-vl-3b"], hardware("h200", 2), SMALL, grpo)
     return scn, S.run(scn)
 
 
@@ -140,7 +141,7 @@ def test_the_simulated_trace_has_the_runtime_format(small_results):
 def test_calibrating_from_a_trace_recovers_per_kind_factors():
     """A serial plan's trace (no interference) calibrates to 1; with every loss 2× slower, the loss
     factor is 2 and a replay with it is slower by exactly the loss time."""
-    scn = S.Scenario(PRESETS["qwen2.5-vl-3b"], hardware("h200", 2), SMALL, memory=False)
+    scn = S.Scenario(PRESETS["qwen2.5-vl-3b"], hardware("h200", 2), SMALL, grpo, memory=False)
     r = S.run_variant(scn, "serial")
     predicted = {n: r.costs(r.plan.graph.nodes[n], len(s.gpus)).seconds for n, s in r.plan.slots.items()}
     trace = S.chrome_trace_of(r.plan)
@@ -254,7 +255,7 @@ def test_the_scenarios_grad_prefix_lookahead_orders_the_policys_prefixes_after_e
     w = Workload(prompts=4, samples=2, vision_tokens=16, text_tokens=8, max_new_tokens=8, chunk_tokens=4,
                  micro_batch_groups=1)
     for lookahead in (0, 1):
-        scn = S.Scenario(load_model("qwen2.5-vl-3b"), hardware("h200", 1), w, grad_prefix_lookahead=lookahead)
+        scn = S.Scenario(load_model("qwen2.5-vl-3b"), hardware("h200", 1), w, grpo, grad_prefix_lookahead=lookahead)
         g = S.compile_for(scn, S.layout_for(scn, "rollplex"), True)
         ordered = [(u, v) for u, v in g.g.edges if g.nodes[u].kind == "loss" and g.nodes[v].kind == "prefix"]
         assert len(ordered) == (3 if lookahead else 0)  # micro-batches 1–3 each wait for the previous loss
@@ -272,7 +273,7 @@ def test_a_train_fusion_scenario_costs_each_group_in_the_chunk_that_finished_it_
                       overheads={"prefix": 0.01, "suffix_score": 0.02, "loss": 0.1})
     graphs, costs = {}, None
     for fused in (False, True):
-        scn = S.Scenario(load_model("qwen2.5-vl-3b"), hardware("h200", 1), w, stage_fusion=True, train_fusion=fused)
+        scn = S.Scenario(load_model("qwen2.5-vl-3b"), hardware("h200", 1), w, grpo, stage_fusion=True, train_fusion=fused)
         layout = S.layout_for(scn, "rollplex")
         graphs[fused] = S.compile_for(scn, layout, True, rollplex=True)
         costs = CostModel(scn.model, scn.cluster, w, layout, calibration=cal)

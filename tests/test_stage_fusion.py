@@ -15,9 +15,9 @@ import torch
 
 from rollplex.dags.grpo import grpo
 from rollplex.engines.base import FinishedSequence
-from rollplex.pipeline.compiler import BatchShape, EngineChoice, ModelDims, compile_iteration
-from rollplex.pipeline.schedule import schedule
-from rollplex.pipeline.worker import IterationSettings
+from rollplex.pipeline.compile.compiler import BatchShape, EngineChoice, ModelDims, compile_iteration
+from rollplex.pipeline.plan.schedule import schedule
+from rollplex.pipeline.run.worker import IterationSettings
 from rollplex.tasks.nodes import decode_chunk, join, request_id
 
 ENGINES = EngineChoice({"decode": "vllm", "train": "deepspeed", "score": "transformers"})

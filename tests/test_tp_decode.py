@@ -37,7 +37,7 @@ def _requests(model_dir: Path) -> list[DecodeRequest]:
     from PIL import Image
     from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
 
-    from rollplex.tasks.lm import PromptInputs, vision_embeds
+    from rollplex.engines.vlm import PromptInputs, vision_embeds
 
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
     proc = AutoProcessor.from_pretrained(model_dir)

@@ -41,7 +41,7 @@ def batch(model_dir):
     from PIL import Image
     from transformers import AutoProcessor
 
-    from rollplex.tasks.lm import PromptInputs
+    from rollplex.engines.vlm import PromptInputs
 
     proc = AutoProcessor.from_pretrained(model_dir)
     tok = proc.tokenizer
@@ -61,7 +61,7 @@ def batch(model_dir):
 
 
 def micro_losses(module, batch) -> list[torch.Tensor]:
-    from rollplex.tasks.lm import prefix_forward, suffix_logprobs, vision_embeds
+    from rollplex.engines.vlm import prefix_forward, suffix_logprobs, vision_embeds
 
     groups, pad_id = batch
     total = sum(sum(len(r) for r in responses) for _, responses, _ in groups)

@@ -17,10 +17,10 @@ from rollplex.config import load_config
 from rollplex.dags.grpo import grpo
 from rollplex.dags.ppo import ppo
 from rollplex.errors import ConfigError
-from rollplex.pipeline.compiler import BatchShape, EngineChoice, ModelDims, compile_iteration, train_fusable
-from rollplex.pipeline.runner import train
-from rollplex.pipeline.schedule import schedule
-from rollplex.pipeline.session import Session
+from rollplex.pipeline.compile.compiler import BatchShape, EngineChoice, ModelDims, compile_iteration, train_fusable
+from rollplex.pipeline.run.runner import train
+from rollplex.pipeline.plan.schedule import schedule
+from rollplex.pipeline.run.session import Session
 
 ENGINES = EngineChoice({"decode": "hf", "train": "torch", "score": "transformers"})
 DIMS = ModelDims(64, 2, 2, 16, 1000, 10**6, 2)
@@ -86,9 +86,9 @@ def test_a_chunks_groups_train_in_micro_batches(tmp_path, monkeypatch):
     """Four groups over two chunks: some chunk finishes two or more. With micro-batches of one group
     each trains in a backward of its own; with four, a chunk's groups share one."""
     from rollplex.engines.torch_train import TorchTrainEngine
-    from rollplex.pipeline.bench import BenchConfig, run
-    from rollplex.pipeline.local import LocalExecutor
-    from rollplex.pipeline.session import resolve_model_path
+    from rollplex.pipeline.bench.bench import BenchConfig, run
+    from rollplex.pipeline.run.local import LocalExecutor
+    from rollplex.pipeline.run.session import resolve_model_path
 
     config = resolve_model_path(load_config(None, [])) + "/config.json"
     backwards: list[int] = []
@@ -125,8 +125,8 @@ def test_the_fused_update_equals_the_serial_one_on_the_same_rollout(tmp_path):
     """The bench's parity reward has real variance, so the gradient is not rounding noise (the
     embedded task's reward is 0 before the format is learned, and Adam's first step turns a noise
     gradient into ±lr everywhere)."""
-    from rollplex.pipeline.bench import BenchConfig, run
-    from rollplex.pipeline.session import resolve_model_path
+    from rollplex.pipeline.bench.bench import BenchConfig, run
+    from rollplex.pipeline.run.session import resolve_model_path
 
     config = resolve_model_path(load_config(None, [])) + "/config.json"
     out = run(BenchConfig(model=config, device="cpu", dtype="float32", prompts=4, samples=2, vision_tokens=16,
@@ -147,8 +147,8 @@ def test_two_data_parallel_ranks_each_training_in_its_window_update_as_serial_do
     its loss scaled by the ranks, and the averaged update equals serial's on the same rollout."""
     from transformers import AutoConfig
 
-    from rollplex.pipeline.bench import BenchConfig, compile_for, run
-    from rollplex.pipeline.session import resolve_model_path
+    from rollplex.pipeline.bench.bench import BenchConfig, compile_for, run
+    from rollplex.pipeline.run.session import resolve_model_path
 
     config = resolve_model_path(load_config(None, [])) + "/config.json"
     cfg = BenchConfig(model=config, device="cpu", dtype="float32", prompts=4, samples=2, vision_tokens=16,
@@ -190,8 +190,8 @@ def test_the_bench_refuses_a_train_fusion_policy_that_would_train_after_decode()
     from transformers import AutoConfig
 
     from rollplex.errors import RollplexError
-    from rollplex.pipeline.bench import BenchConfig, compile_for
-    from rollplex.pipeline.session import resolve_model_path
+    from rollplex.pipeline.bench.bench import BenchConfig, compile_for
+    from rollplex.pipeline.run.session import resolve_model_path
 
     config = AutoConfig.from_pretrained(resolve_model_path(load_config(None, [])))
     one_chunk = BenchConfig(device="cpu", prompts=2, samples=2, max_new_tokens=4, chunk_tokens=4)

@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 
 from rollplex.engines.sharing import Gang, SharedWeights, TextDims, fuse_parameters, inside, tp_forward
 from rollplex.errors import ConfigError
-from rollplex.pipeline.modelspec import PRESETS, VLMSpec
-from rollplex.pipeline.tensorlayouts import actor_layouts
-from rollplex.pipeline.weightshare import RolloutSide, TrainerSide, format_plan, plan_gang
+from rollplex.engines.modelspec import PRESETS, VLMSpec
+from rollplex.engines.tensorlayouts import actor_layouts
+from rollplex.pipeline.plan.weightshare import RolloutSide, TrainerSide, format_plan, plan_gang
 
 TPS = (1, 2, 4, 8)
 
@@ -255,7 +255,7 @@ def test_deepspeed_zero2_shares_its_flat_buffer_and_zero3_is_refused(tiny_model_
     pytest.importorskip("deepspeed")
     from rollplex.engines.base import EngineContext, get_engine
     from rollplex.engines.sharing import layouts_for_module
-    from rollplex.pipeline.weightshare import sharing_refusal
+    from rollplex.pipeline.plan.weightshare import sharing_refusal
 
     if stage == 3:
         assert "ZeRO-3" in sharing_refusal("vllm", "deepspeed", 3)
@@ -346,8 +346,8 @@ def test_weights_cli_prints_hbm_saved_and_refuses_bad_degrees(capsys, tmp_path):
 
 def test_weight_sync_node_carries_the_plan(tiny_model_dir):
     from rollplex.dags.grpo import grpo
-    from rollplex.pipeline.compiler import BatchShape, EngineChoice, ModelDims, compile_iteration
-    from rollplex.pipeline.weightshare import annotate_run
+    from rollplex.pipeline.compile.compiler import BatchShape, EngineChoice, ModelDims, compile_iteration
+    from rollplex.pipeline.plan.weightshare import annotate_run
 
     dims = ModelDims(hidden=128, layers=2, kv_heads=2, head_dim=32, vocab=600, params=600_000)
     graph = compile_iteration(grpo, BatchShape(prompts=2, samples=2, max_new_tokens=8, chunk_tokens=4,

@@ -19,7 +19,7 @@ import torch
 from rollplex import (Algorithm, EngineSpec, NodeKind, ScoreEngine, register_engine, register_kind,
                       register_task)
 from rollplex.dags.grpo import policy_loss
-from rollplex.tasks import lm
+from rollplex.engines import vlm
 
 
 class RewardModel(ScoreEngine):
@@ -36,9 +36,9 @@ class RewardModel(ScoreEngine):
 
     def score(self, prompt, vision, responses: list[list[int]]) -> torch.Tensor:
         with torch.no_grad():
-            state = lm.prefix_forward(self.model, prompt, vision, grad=False)
-            tokens, mask = lm.pad_responses(responses, pad_id=0)
-            values = lm.suffix_logits(self.model, state, tokens, grad=False).squeeze(-1).cpu()
+            state = vlm.prefix_forward(self.model, prompt, vision, grad=False)
+            tokens, mask = vlm.pad_responses(responses, pad_id=0)
+            values = vlm.suffix_logits(self.model, state, tokens, grad=False).squeeze(-1).cpu()
         return (values * mask).sum(-1) / mask.sum(-1).clamp(min=1)
 
 

@@ -17,7 +17,7 @@ import dask
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from rollplex.errors import EngineError, RollplexError
-from rollplex.pipeline.worker import STREAMS, HostSpec
+from rollplex.pipeline.run.worker import STREAMS, HostSpec
 
 WORKER_FLAGS = '--nthreads 3 --resources "decode=1,compute=1,host=1"'
 PLUGIN_NAME = "rollplex-engines"
@@ -33,9 +33,9 @@ class RollplexPlugin(WorkerPlugin):
 
     def setup(self, worker) -> None:
         from rollplex import runtime
-        from rollplex.pipeline.worker import install_host
+        from rollplex.pipeline.run.worker import install_host
 
-        from rollplex.pipeline.recovery import quiet_task_errors
+        from rollplex.pipeline.run.recovery import quiet_task_errors
 
         runtime.configure(threads=self.spec.threads, device=self.spec.device)
         quiet_task_errors()  # the driver reports a failed node once; the worker's log would repeat it
@@ -44,7 +44,7 @@ class RollplexPlugin(WorkerPlugin):
         install_host(self.spec, name=worker.name if isinstance(worker.name, str) else f"worker{worker.name}")
 
     def teardown(self, worker) -> None:
-        from rollplex.pipeline.worker import uninstall_host
+        from rollplex.pipeline.run.worker import uninstall_host
 
         uninstall_host()
 
@@ -162,7 +162,7 @@ def _join_group(spec: HostSpec, rank: int, world: int, master: str, port: int, l
 
     import torch
 
-    from rollplex.pipeline.worker import install_host
+    from rollplex.pipeline.run.worker import install_host
 
     os.environ.update(MASTER_ADDR=master, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(local_rank))
@@ -231,7 +231,7 @@ def reform_ranks(client, spec: HostSpec, world: int, watch, log) -> list[str]:
     their engines: one may be blocked in a collective with the dead rank, and a torch.distributed group
     takes no newcomer. Every rank then starts fresh and the runner restores them all from the last
     checkpoint (or replays from the beginning before the first one)."""
-    from rollplex.pipeline.recovery import REPLACEMENT_TIMEOUT_S
+    from rollplex.pipeline.run.recovery import REPLACEMENT_TIMEOUT_S
 
     try:
         client.restart(timeout=REPLACEMENT_TIMEOUT_S, wait_for_workers=False)

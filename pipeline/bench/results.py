@@ -1,6 +1,6 @@
 """What ``rollplex bench`` measures and prints: policy names and variants, each policy's result,
 the update comparison against serial, the lower bound, the report and its chart, and the profile of
-one iteration. ``pipeline/bench.py`` runs the iterations."""
+one iteration. ``pipeline/bench/bench.py`` runs the iterations."""
 from __future__ import annotations
 
 import json
@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rollplex.errors import RollplexError
-from rollplex.pipeline.bench_multi import SPLIT_ROLES, TWO_GPU_POLICIES
+from rollplex.pipeline.bench.multi import SPLIT_ROLES, TWO_GPU_POLICIES
 
 if TYPE_CHECKING:
-    from rollplex.pipeline.bench import BenchConfig
+    from rollplex.pipeline.bench.bench import BenchConfig
 
 POLICIES = ("serial-noshare", "serial", "rollplex")  # one GPU, the default
 # rollplex-nofusion: the decode window without stage fusion, so each gain shows on its own.
-ALL_POLICIES = POLICIES + ("rollplex-nofusion",) + TWO_GPU_POLICIES  # two-GPU ones: pipeline/bench_multi.py
+ALL_POLICIES = POLICIES + ("rollplex-nofusion",) + TWO_GPU_POLICIES  # two-GPU ones: pipeline/bench/multi.py
 # Options of the rollplex policies only: how the decode window is shared.
 VARIANT_KEYS = {"gate": "prefix work waits until decode has at most this many live rows",
                 "sms": "decode's SMs while both streams are busy (0: re-chosen per chunk)",
@@ -145,7 +145,7 @@ def profile_iteration(executor, graph, inputs: dict[str, Any], path: Path) -> No
     node kind (record_function ranges named after the node kinds) and overall."""
     from torch.profiler import ProfilerActivity, profile
 
-    from rollplex.pipeline.fsio import atomic_write_text
+    from rollplex.fsio import atomic_write_text
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     try:  # nodes run on the stream threads, not this one
@@ -179,7 +179,7 @@ def record_iteration(cfg: BenchConfig, spec, weight_bytes: int, res: PolicyResul
                      policy: str) -> None:
     """Add one timed iteration to the policy's result. ``weight_bytes``: the LM weights a decode step
     reads (the vision tower is not read)."""
-    from rollplex.pipeline.trace import chrome_trace, overlap_seconds, seconds_by_kind
+    from rollplex.pipeline.plan.trace import chrome_trace, overlap_seconds, seconds_by_kind
 
     res.seconds.append(result.seconds)
     res.peak_bytes = max(res.peak_bytes, result.peak_memory_bytes)
@@ -222,8 +222,8 @@ def lower_bound(cfg: BenchConfig, spec, res: PolicyResult, decode_bw: float = 4.
 
 
 def report(cfg, spec, results: dict[str, PolicyResult], out_dir: Path, log, failed: dict[str, str] | None = None) -> dict:
-    from rollplex.pipeline.fsio import atomic_write_text
-    from rollplex.pipeline.trace import combine_traces
+    from rollplex.fsio import atomic_write_text
+    from rollplex.pipeline.plan.trace import combine_traces
 
     results = {p: results[p] for p in cfg.policies if p in results}
     base = results.get("serial-noshare")

@@ -17,10 +17,10 @@ Policies:
   fusion). Each gain is then a ratio of neighbours: prefix sharing (serial ÷ serial-noshare), the
   decode window (rollplex-nofusion ÷ serial) and stage fusion (rollplex ÷ rollplex-nofusion).
 - ``disaggregated``, ``disaggregated-noshare`` and ``rollplex-dp2``, on two GPUs: see
-  ``pipeline/bench_multi.py``.
+  ``pipeline/bench/multi.py``.
 
 A rollplex policy may carry options (``rollplex:gate=32:target=0``), so variants run side by side
-against the same serial run. What is measured and reported lives in ``pipeline/bench_results.py``.
+against the same serial run. What is measured and reported lives in ``pipeline/bench/results.py``.
 """
 from __future__ import annotations
 
@@ -37,8 +37,8 @@ from typing import Any
 import torch
 
 from rollplex.errors import RollplexError
-from rollplex.pipeline.bench_multi import TWO_GPU_POLICIES
-from rollplex.pipeline.bench_results import (  # noqa: F401 - POLICIES, ALL_POLICIES: the CLI's names
+from rollplex.pipeline.bench.multi import TWO_GPU_POLICIES
+from rollplex.pipeline.bench.results import (  # noqa: F401 - POLICIES, ALL_POLICIES: the CLI's names
     ALL_POLICIES,
     POLICIES,
     PolicyResult,
@@ -117,7 +117,7 @@ def bench_reward(text: str, answer: str) -> float:
 def hf_config(cfg: BenchConfig):
     from transformers import Qwen2_5_VLConfig
 
-    from rollplex.pipeline.modelspec import load_model
+    from rollplex.engines.modelspec import load_model
 
     spec = load_model(cfg.model)
     half = spec.head_dim // 2
@@ -156,7 +156,7 @@ def build_model(cfg: BenchConfig):
 def make_prompts(cfg: BenchConfig, config, iteration: int) -> list:
     """P prompts: vision start, one image of ``vision_tokens`` merged tokens, text, generation
     header; random pixels; per-sample response lengths drawn from a long-tailed distribution."""
-    from rollplex.tasks.lm import PromptInputs
+    from rollplex.engines.vlm import PromptInputs
 
     gen = torch.Generator().manual_seed(cfg.seed * 1000 + iteration)
     side = int(math.sqrt(cfg.vision_tokens)) * 2  # merged tokens = (side/2)²
@@ -178,7 +178,7 @@ def make_prompts(cfg: BenchConfig, config, iteration: int) -> list:
 
 # ------------------------------------------------------------------------------------------------
 def _host(cfg: BenchConfig, actor_engine, ref_engine, decode, policy: str, streams: dict, device: str = ""):
-    from rollplex.pipeline.worker import HostSpec, IterationSettings, WorkerHost
+    from rollplex.pipeline.run.worker import HostSpec, IterationSettings, WorkerHost
 
     settings = IterationSettings(seed=cfg.seed, samples=cfg.samples, max_new_tokens=cfg.max_new_tokens,
                                  temperature=1.0, top_p=1.0, pad_id=0, stop_token_ids=(), params={})
@@ -195,9 +195,9 @@ def compile_for(cfg: BenchConfig, policy: str, config):
     GPU is a placement, not a graph change); ``rollplex-dp2`` runs rollplex's over two ranks, each
     scoring (and with train fusion training) what its own decode chain finished."""
     from rollplex.dags.grpo import grpo
-    from rollplex.pipeline.compiler import BatchShape, EngineChoice, ModelDims, compile_iteration
-    from rollplex.pipeline.ranks import distribute, fit_prompts_per_node
-    from rollplex.pipeline.schedule import schedule
+    from rollplex.pipeline.compile.compiler import BatchShape, EngineChoice, ModelDims, compile_iteration
+    from rollplex.pipeline.compile.ranks import distribute, fit_prompts_per_node
+    from rollplex.pipeline.plan.schedule import schedule
 
     fields = policy_shape(policy, prompts_per_node=cfg.prompts_per_node, stage_fusion=cfg.stage_fusion,
                           train_fusion=cfg.train_fusion)
@@ -221,8 +221,8 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
     from rollplex.engines.base import EngineContext, get_engine
     from rollplex.engines.replay_decode import Recorder, ReplayDecodeEngine
     from rollplex.engines.sharing import fuse_for_rollout
-    from rollplex.pipeline import bench_multi
-    from rollplex.pipeline.local import LocalExecutor
+    from rollplex.pipeline.bench import multi as bench_multi
+    from rollplex.pipeline.run.local import LocalExecutor
     from rollplex.tasks.rewards import get_reward, register_reward
 
     import rollplex.engines  # noqa: F401 - registers the engines
@@ -252,7 +252,7 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
     actor = get_engine(cfg.train_engine, "train").factory(train_ctx)
     ref_engine = get_engine("transformers", "score").factory(EngineContext("", device, dtype, cfg.seed, {"module": ref}))
     longest = cfg.vision_tokens + cfg.text_tokens + 2 + cfg.max_new_tokens + 8
-    fuse_for_rollout(actor.module, cfg.train_engine)  # as the runtime's hosts do (pipeline/worker.py)
+    fuse_for_rollout(actor.module, cfg.train_engine)  # as the runtime's hosts do (pipeline/run/worker.py)
     decode = bench_multi.decode_engine(cfg, device, dtype, actor.module, cfg.prompts * cfg.samples, longest)
     start_state = {k: v.detach().clone() for k, v in actor.module.state_dict().items()}
     weight_bytes = sum(p.numel() * p.element_size() for n, p in actor.module.named_parameters() if "visual" not in n)
@@ -478,9 +478,9 @@ def out_of_memory(exc: BaseException) -> bool:
 
 
 def sm_partitions(decode_sms: int, device_index: int = 0):
-    """Green-context streams for decode and compute while both run (pipeline/partitions.py): the one
+    """Green-context streams for decode and compute while both run (pipeline/run/partitions.py): the one
     split ``decode_sms`` names, or with 0 one per row of the live-batch table, re-chosen per chunk."""
-    from rollplex.pipeline.partitions import make
+    from rollplex.pipeline.run.partitions import make
 
     return make(device_index, [decode_sms] if decode_sms else None)
 

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from rollplex.errors import GraphError
-from rollplex.pipeline.authoring import Algorithm
+from rollplex.pipeline.compile.authoring import Algorithm
 
 
 def builtin_algorithms() -> list[str]:

@@ -10,16 +10,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from rollplex.dags.grpo import grpo
 from rollplex.errors import MemoryPlanError
-from rollplex.pipeline import footprint, memory
-from rollplex.pipeline.compiler import BatchShape, EngineChoice, ModelDims, compile_iteration
-from rollplex.pipeline.costs import Calibration, CostModel, Efficiency, Workload
-from rollplex.pipeline.hardware import Cluster, Layout
-from rollplex.pipeline.ir import IterationGraph
-from rollplex.pipeline.modelspec import VLMSpec
-from rollplex.pipeline.schedule import Plan, plan, retime
-from rollplex.pipeline.trace import chrome_trace
+from rollplex.pipeline.plan import footprint
+from rollplex.pipeline.plan import memory
+from rollplex.pipeline.compile.compiler import BatchShape, EngineChoice, ModelDims, compile_iteration
+from rollplex.pipeline.plan.costs import Calibration, CostModel, Efficiency, Workload
+from rollplex.pipeline.plan.hardware import Cluster, Layout
+from rollplex.pipeline.compile.authoring import Algorithm
+from rollplex.pipeline.compile.ir import IterationGraph
+from rollplex.engines.modelspec import VLMSpec
+from rollplex.pipeline.plan.schedule import Plan, plan, retime
+from rollplex.pipeline.plan.trace import chrome_trace
 
 GiB = 1024**3
 ENGINES = EngineChoice({"decode": "vllm", "train": "deepspeed", "score": "transformers"})
@@ -39,6 +40,7 @@ class Scenario:
     model: VLMSpec
     cluster: Cluster
     workload: Workload
+    algorithm: Algorithm  # what the iteration runs: the costs model its kinds, not its formulas
     rollout_gpus: int | None = None  # disaggregated split; None: the best of the valid splits
     calibration: Calibration | None = None
     efficiency: Efficiency | None = None
@@ -86,7 +88,7 @@ def compile_for(scn: Scenario, layout: Layout, prefix_sharing: bool, rollplex: b
                        prompts_per_node=w.prompts_per_node, grad_prefix_lookahead=scn.grad_prefix_lookahead,
                        stage_fusion=fused, train_fusion=fused)
     dims = ModelDims(m.hidden, m.layers, m.kv_heads, m.head_dim, m.vocab, m.params, 2)
-    return compile_iteration(grpo, shape, ENGINES, dims, name=f"grpo-{m.name}")
+    return compile_iteration(scn.algorithm, shape, ENGINES, dims, name=f"{scn.algorithm.name}-{m.name}")
 
 
 def layout_for(scn: Scenario, policy: str, rollout_gpus: int | None = None) -> Layout:
@@ -243,7 +245,7 @@ def write_png(results: dict[str, Result], path: str, gpus_shown: int = 8) -> Non
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from rollplex.pipeline.render import kind_colour
+    from rollplex.pipeline.compile.render import kind_colour
 
     rows = list(results.values())
     fig, axes = plt.subplots(len(rows), 2, figsize=(16, 2.6 * len(rows) + 0.6), squeeze=False,

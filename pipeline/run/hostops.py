@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import os
 
-from rollplex.pipeline.faults import point
+from rollplex.pipeline.run.faults import point
 
 
 def _warmup(host, examples: list, lr: float) -> float:
     """One supervised answer-format step: -mean log p(target | prompt) on the policy."""
-    from rollplex.tasks import lm
+    from rollplex.engines import vlm
     from rollplex.tasks.data import warmup_target_ids
 
     policy = host.algorithm.rollout_model
@@ -24,11 +24,11 @@ def _warmup(host, examples: list, lr: float) -> float:
     # Examples share a forward and a backward as far as the logits budget allows: one example per
     # call made a step on the tiny default model about 1 s, nearly all of it per-call overhead.
     vocab = engine.module.config.get_text_config().vocab_size
-    for run in lm.batches_within([len(ids) for ids in targets], vocab, grad=True):
+    for run in vlm.batches_within([len(ids) for ids in targets], vocab, grad=True):
         prompts = [examples[i][0] for i in run]
-        visions = lm.vision_embeds_batch(vision_model, prompts)
-        states = lm.prefix_forward_batch(engine.module, prompts, visions, grad=True)
-        scored = lm.suffix_logprobs_batch(engine.module, states, [[targets[i]] for i in run],
+        visions = vlm.vision_embeds_batch(vision_model, prompts)
+        states = vlm.prefix_forward_batch(engine.module, prompts, visions, grad=True)
+        scored = vlm.suffix_logprobs_batch(engine.module, states, [[targets[i]] for i in run],
                                           pad_id=host.spec.settings.pad_id, grad=True)
         loss = -sum((logp * mask).sum() for logp, mask in scored) / total
         engine.backward(loss)
@@ -64,7 +64,7 @@ def _adopt_reference(host, directory: str) -> None:
 
 
 def _save(host, directory: str, pids: set[int]) -> None:
-    from rollplex.pipeline.recovery import expect_host
+    from rollplex.pipeline.run.recovery import expect_host
 
     expect_host(pids)
     host.train_engine(host.algorithm.rollout_model).save(directory)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from rollplex.errors import ConfigError, GraphError
-from rollplex.pipeline.ir import IterationGraph, Node, Value
+from rollplex.pipeline.compile.ir import IterationGraph, Node, Value
 
 REPLICATED = ("optimizer_step", "weight_sync", "report")  # one per rank: each rank steps its own engine
 

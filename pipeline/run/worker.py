@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from rollplex.errors import NodeFailure, RollplexError
-from rollplex.pipeline.ir import Node
+from rollplex.pipeline.compile.ir import Node
 
 STREAMS = ("decode", "compute", "host")  # a worker's streams; Dask resources of the same names
 
@@ -76,9 +76,9 @@ class HostSpec:
     frozen: tuple[str, ...] = ("ref",)
     ref_cache_bytes: int = 0  # cross-iteration cache of frozen models' prefixes; 0 disables it
     world_size: int = 1  # data-parallel ranks; >1: engines are built by cluster.form_ranks, not the plugin
-    tp_rollout: int = 1  # ranks per tensor-parallel decode engine (consecutive ranks; pipeline/ranks.py)
+    tp_rollout: int = 1  # ranks per tensor-parallel decode engine (consecutive ranks; pipeline/compile/ranks.py)
     weight_sharing: str = "off"  # auto: the decode engine runs on the policy trainer's storage (engines/sharing.py)
-    sm_partitions: bool = False  # green-context SM partitions on CUDA (pipeline/partitions.py)
+    sm_partitions: bool = False  # green-context SM partitions on CUDA (pipeline/run/partitions.py)
 
 
 class WorkerHost:
@@ -89,7 +89,7 @@ class WorkerHost:
                  streams: dict | None = None, tokenizer=None) -> None:
         from rollplex.engines.attention_kernels import eager_attention_without_cudnn
         from rollplex.engines.base import EngineContext, get_engine
-        from rollplex.pipeline.algorithms import load_algorithm
+        from rollplex.pipeline.run.algorithms import load_algorithm
         from rollplex.tasks.rewards import get_reward
 
         self.spec = spec
@@ -137,12 +137,12 @@ class WorkerHost:
         self.streams = streams if streams is not None else self._make_streams()
         self.refcache = None
         if spec.ref_cache_bytes and self.engines and spec.frozen:
-            from rollplex.pipeline.refcache import RefPrefixCache
+            from rollplex.pipeline.run.refcache import RefPrefixCache
 
             self.refcache = RefPrefixCache(spec.ref_cache_bytes)
             for model in spec.frozen:
                 self.register_frozen(model)
-        # Optional SM partitions (pipeline/partitions.py), re-chosen from the live decode batch at each
+        # Optional SM partitions (pipeline/run/partitions.py), re-chosen from the live decode batch at each
         # decode chunk. A GPU stream runs on its partition while the other GPU stream is busy, and on
         # the whole GPU alone.
         self.partitions = None
@@ -154,7 +154,7 @@ class WorkerHost:
         if capture is not None and self.streams.get("decode") is not None:
             capture(self.streams["decode"], top_p=self.nucleus)  # every batch size now, not mid-rollout
         if spec.sm_partitions and self.device.type == "cuda" and self.streams:
-            from rollplex.pipeline.partitions import make
+            from rollplex.pipeline.run.partitions import make
 
             self.use_partitions(make(self.device.index or 0))
         self._busy = {"decode": 0, "compute": 0}
@@ -182,7 +182,7 @@ class WorkerHost:
     def _decode_options(self, spec: HostSpec) -> dict:
         """With engines.weight_sharing auto, the decode engine runs on the policy trainer's storage
         (its module, fused groups allocated as one buffer for vLLM); where it cannot, say why."""
-        from rollplex.pipeline.weightshare import sharing_refusal
+        from rollplex.pipeline.plan.weightshare import sharing_refusal
 
         train = self.engines.get(self.algorithm.rollout_model)
         if spec.weight_sharing == "off" or train is None or getattr(train, "role", "") != "train":
@@ -279,7 +279,7 @@ class WorkerHost:
         """Attach SM partitions (or None). The decode engine captures its graphs on every split's
         stream now: a capture synchronizes the device and empties the allocator's cache, which in
         the middle of a decode window would stall the compute stream."""
-        from rollplex.pipeline.partitions import sm_target
+        from rollplex.pipeline.run.partitions import sm_target
 
         self.partitions = partitions
         capture = getattr(self.decode, "capture_graphs", None)
@@ -334,7 +334,7 @@ class WorkerHost:
                     s = self.partitions.stream(stream)
                     sms = self.partitions.sms_of(stream)
             self._busy[stream] = self._busy.get(stream, 0) + 1
-        from rollplex.pipeline.partitions import sm_target
+        from rollplex.pipeline.run.partitions import sm_target
 
         total = self.partitions.total_sms if self.partitions is not None else 0
         try:
@@ -409,7 +409,7 @@ def tensor_parallel_group(size: int):
     in one order, since torch.distributed.new_group is collective over the whole world."""
     import torch.distributed as dist
 
-    from rollplex.pipeline.ranks import tp_groups
+    from rollplex.pipeline.compile.ranks import tp_groups
 
     if not dist.is_initialized() or dist.get_world_size() % size:
         raise RollplexError(f"cluster.tp_rollout={size}: needs a process group of a multiple of {size} ranks "
@@ -507,7 +507,7 @@ def run_node(node: Node, iteration: int, uses: dict[str, int], n_values: int, *d
 def run_iteration(graph, iteration: int, inputs: dict[str, Any]) -> IterationResult:
     """A Dask task: a whole iteration on this worker, its nodes run on the worker's streams by the
     local executor (``DaskExecutor`` with ``cluster.lowering`` iteration)."""
-    from rollplex.pipeline.local import LocalExecutor
+    from rollplex.pipeline.run.local import LocalExecutor
 
     return LocalExecutor(current_host()).run(graph, iteration, inputs)
 

@@ -2,7 +2,7 @@
 
 ``Session`` resolves the config against what is installed and visible (engines, device, model
 path), builds the prompt loader, compiles the algorithm for the batch shape (data-parallel ranks,
-stage fusion, the memory plan when asked) and schedules it. ``pipeline/runner.py`` drives it.
+stage fusion, the memory plan when asked) and schedules it. ``pipeline/run/runner.py`` drives it.
 """
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from pathlib import Path
 
 from rollplex.config import RunConfig
 from rollplex.errors import ConfigError, EngineError, GraphError, RollplexError
-from rollplex.pipeline import checkpoints
-from rollplex.pipeline.autoschedule import CANDIDATES, Choice, next_schedule
-from rollplex.pipeline.hostops import _save
-from rollplex.pipeline.preflight import check_servable
+from rollplex.pipeline.run import checkpoints
+from rollplex.pipeline.plan.autoschedule import CANDIDATES, Choice, next_schedule
+from rollplex.pipeline.run.hostops import _save
+from rollplex.pipeline.run.preflight import check_servable
 
 
 def resolve_engines(cfg: RunConfig, device: str) -> tuple[str, str, str]:
@@ -42,7 +42,7 @@ def resolve_engines(cfg: RunConfig, device: str) -> tuple[str, str, str]:
             raise EngineError(f"engines.{role}: engine {name!r} is not installed "
                               f"(missing {', '.join(spec.missing())})")
     for kind, name in cfg.engines.overrides.items():
-        from rollplex.pipeline.ir import get_kind
+        from rollplex.pipeline.compile.ir import get_kind
 
         try:
             role = get_kind(kind).role
@@ -107,7 +107,7 @@ class Session:
 
     def __init__(self, cfg: RunConfig, run_dir: Path) -> None:
         import rollplex.engines  # noqa: F401 - registers the builtin engines (light: no transformers yet)
-        from rollplex.pipeline.algorithms import load_algorithm
+        from rollplex.pipeline.run.algorithms import load_algorithm
 
         # What needs only the config and the DAG file is checked first: a typo is refused in a second
         # or two, not after transformers' imports (about 8 s on a slow 2-core host).
@@ -126,8 +126,8 @@ class Session:
         from transformers import AutoConfig, AutoProcessor
         from transformers.utils import logging as hf_logging
 
-        from rollplex.pipeline.compiler import BatchShape, EngineChoice, ModelDims, compile_iteration
-        from rollplex.pipeline.schedule import schedule
+        from rollplex.pipeline.compile.compiler import BatchShape, EngineChoice, ModelDims, compile_iteration
+        from rollplex.pipeline.plan.schedule import schedule
         from rollplex.tasks.data import PromptBuilder, PromptLoader
         from rollplex.tasks.dataset import make_task, probe_shape
 
@@ -159,7 +159,7 @@ class Session:
             vision_tokens=vision_tokens,
             prefix_sharing=cfg.train.prefix_sharing,
             # Set per schedule below: serial scores after the rollout by definition; with data-parallel
-            # ranks, each rank scores its own decode chain's samples (pipeline/ranks.py).
+            # ranks, each rank scores its own decode chain's samples (pipeline/compile/ranks.py).
             stage_fusion=cfg.train.stage_fusion,
             train_fusion=cfg.train.train_fusion,
             window_chunks=cfg.train.window_chunks,
@@ -170,7 +170,7 @@ class Session:
                               "accumulated gradients at the step; set engines.train: torch or train.train_fusion: false")
         # cluster.workers > 1: data-parallel ranks, one per worker, each with a share of the batch.
         self.world = cfg.cluster.workers
-        from rollplex.pipeline.ranks import check_data_parallel, fit_prompts_per_node
+        from rollplex.pipeline.compile.ranks import check_data_parallel, fit_prompts_per_node
 
         check_data_parallel(self.world, shape.prompts, shape.micro_batch_groups, self.train_engine,
                             cfg.train.zero_stage, self.decode_engine,
@@ -186,12 +186,12 @@ class Session:
         # After a warm-up the reference is the warmed-up policy, saved once in the run directory.
         warmed = run_dir / "reference"
         self.reference_path = str(warmed) if (warmed / "config.json").exists() else self.model_path
-        # schedule: auto times both schedules' graphs and keeps the faster (pipeline/autoschedule.py).
+        # schedule: auto times both schedules' graphs and keeps the faster (pipeline/plan/autoschedule.py).
         self.schedules = CANDIDATES if cfg.schedule == "auto" else (cfg.schedule,)
         self.graphs, self.memory_plans, compiled_graphs = {}, {}, {}
         self.train_fusion_off: str | None = None  # asked for, but the rollplex graph trains after decode: why
         try:
-            from rollplex.pipeline.ranks import distribute
+            from rollplex.pipeline.compile.ranks import distribute
 
             for name in self.schedules:
                 fused = dataclasses.replace(shape, stage_fusion=shape.stage_fusion and name == "rollplex")
@@ -210,7 +210,7 @@ class Session:
         self.compiled, self.graph = compiled_graphs[self.schedules[0]], self.graphs[self.schedules[0]]
         self.memory_plan = self.memory_plans[self.schedules[0]]
         self.tokenizer = self.processor.tokenizer
-        from rollplex.pipeline.weightshare import annotate_run  # weight_sync nodes: what is aliased, rebuilt
+        from rollplex.pipeline.plan.weightshare import annotate_run  # weight_sync nodes: what is aliased, rebuilt
 
         self.weight_plan = annotate_run(self.graphs.values(), self.model_path, self.decode_engine, self.train_engine,
                                         cfg.model.dtype, cfg.train.zero_stage, cfg.engines.weight_sharing)
@@ -227,8 +227,8 @@ class Session:
                                 keep_last=self.cfg.checkpoint.keep_last, reward=reward)
 
     def plan_memory(self, graph, schedule_name: str):
-        """Offload/prefetch nodes so one device fits ``cluster.memory_budget_gib`` (pipeline/residency.py)."""
-        from rollplex.pipeline.residency import GiB, plan_residency
+        """Offload/prefetch nodes so one device fits ``cluster.memory_budget_gib`` (pipeline/plan/residency.py)."""
+        from rollplex.pipeline.plan.residency import GiB, plan_residency
 
         cfg = self.cfg
         if cfg.cluster.memory_budget_gib is None:
@@ -242,10 +242,10 @@ class Session:
 
     def balanced(self, batch: list) -> list:
         """The batch in slot order: rank r's slots get prompts whose predicted prefix + decode cost
-        evens out the ranks' loads (pipeline/ranks.py); unchanged on one rank."""
+        evens out the ranks' loads (pipeline/compile/ranks.py); unchanged on one rank."""
         if self.world <= 1:
             return batch
-        from rollplex.pipeline.ranks import balance, prompt_cost
+        from rollplex.pipeline.compile.ranks import balance, prompt_cost
 
         s, d = self.shape, self.dims
         costs = [prompt_cost(int(p.input_ids.numel()), int(max(p.meta.get("max_tokens") or [s.max_new_tokens])),
@@ -253,7 +253,7 @@ class Session:
         return [batch[i] for i in balance(costs, self.world)]
 
     def host_spec(self):
-        from rollplex.pipeline.worker import HostSpec, IterationSettings
+        from rollplex.pipeline.run.worker import HostSpec, IterationSettings
 
         tok = self.tokenizer
         stop = tuple(sorted({tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")}))

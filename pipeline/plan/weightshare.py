@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from rollplex.errors import ConfigError
-from rollplex.pipeline.tensorlayouts import TensorLayout
+from rollplex.engines.tensorlayouts import TensorLayout, unfuse
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 MAPPINGS = ("aligned", "contiguous")
@@ -236,19 +236,6 @@ def decide(layout: TensorLayout, trainer: TrainerSide, rollout: RolloutSide, tra
     return make("alias", "view" if view.contiguous else "strided view", aliased=nbytes, view=view)
 
 
-def unfuse(layouts: Sequence[TensorLayout]) -> list[TensorLayout]:
-    """One layout per HF tensor, for an engine that runs fused groups as separate matmuls. Parts that
-    are row ranges of one HF tensor (the vision tower's qkv) stay together: that is HF's own layout."""
-    out = []
-    for lay in layouts:
-        if len({p.hf for p in lay.parts}) == 1:
-            out.append(lay)
-            continue
-        for p in lay.parts:
-            out.append(replace(lay, name=p.hf, parts=(replace(p, hf_row0=0),)))
-    return out
-
-
 def _replicate_unsplittable_vision(layouts: Sequence[TensorLayout], degrees: Sequence[int]):
     """Frozen vision tensors whose shapes do not split over a TP degree (Qwen2.5-VL's 3420-wide MLP
     over 8) become replicated, all of them together: a tower is either sharded or replicated."""
@@ -374,8 +361,8 @@ def annotate_run(graphs, model_path: str, decode_engine: str, train_engine: str,
                  mode: str) -> GangPlan | None:
     """Plan a ``rollplex train`` run's sharing (one GPU, TP 1) once and annotate the weight_sync
     nodes of each of its ``graphs`` (one per schedule it may run)."""
-    from rollplex.pipeline.modelspec import from_config
-    from rollplex.pipeline.tensorlayouts import actor_layouts
+    from rollplex.engines.modelspec import from_config
+    from rollplex.engines.tensorlayouts import actor_layouts
 
     why = "engines.weight_sharing is off" if mode == "off" else sharing_refusal(decode_engine, train_engine, zero_stage)
     plan = None

@@ -8,7 +8,7 @@ runs two tasks on one stream. The whole iteration is submitted as one graph, so 
 cannot drop the annotations, and only the report's future is held by the client.
 
 With one worker the default is coarser (``cluster.lowering``): the whole iteration is one Dask task
-on that worker, whose local executor (``pipeline/local.py``) runs the nodes on its stream threads
+on that worker, whose local executor (``pipeline/run/local.py``) runs the nodes on its stream threads
 under the same rules. Dask's scheduler then sits between iterations, not between every two nodes,
 which on a small job was a third of the iteration (4.75 ms per node, 38 nodes, on 2 CPU cores).
 Data-parallel ranks keep one task per node: their host values cross workers through Dask.
@@ -22,8 +22,8 @@ from typing import Any
 import dask
 from dask._task_spec import DataNode, Task, TaskRef
 
-from rollplex.pipeline.ir import IterationGraph
-from rollplex.pipeline.worker import IterationResult, provide_input, run_iteration, run_node
+from rollplex.pipeline.compile.ir import IterationGraph
+from rollplex.pipeline.run.worker import IterationResult, provide_input, run_iteration, run_node
 
 
 class KeyLookup:
@@ -63,7 +63,7 @@ def _check_inputs(graph: IterationGraph, inputs: dict[str, Any]) -> None:
 
 def lower(graph: IterationGraph, iteration: int, inputs: dict[str, Any],
           ranks: list[str] | None = None) -> LoweredIteration:
-    """``ranks``: worker address per rank of a data-parallel graph (``pipeline/ranks.py``); each node
+    """``ranks``: worker address per rank of a data-parallel graph (``pipeline/compile/ranks.py``); each node
     is restricted to its rank's worker, and an ordering edge between ranks goes through a token task
     so that no output bundle moves for it."""
     _check_inputs(graph, inputs)
@@ -72,7 +72,7 @@ def lower(graph: IterationGraph, iteration: int, inputs: dict[str, Any],
     priority: dict[str, float] = {}
     workers: dict[str, list[str]] = {}
     if ranks:
-        from rollplex.pipeline.ranks import rank_uses
+        from rollplex.pipeline.compile.ranks import rank_uses
 
         per_rank = rank_uses(graph)
     else:
@@ -137,7 +137,7 @@ class DaskExecutor:
         self.whole_iterations = lowering == "iteration" or (lowering == "auto" and not ranks)
 
     def run(self, graph: IterationGraph, iteration: int, inputs: dict[str, Any]) -> IterationResult:
-        from rollplex.pipeline.worker import current_host  # noqa: F401 - fail early if misinstalled
+        from rollplex.pipeline.run.worker import current_host  # noqa: F401 - fail early if misinstalled
 
         if self.whole_iterations:
             return self._run_whole(graph, iteration, inputs)
@@ -173,7 +173,7 @@ class DaskExecutor:
     def call(self, fn, *args, stream: str = "compute") -> Any:
         """Run ``fn(host, *args)`` on a worker's engines, on one of its streams. With ranks, on every
         rank at once (their engines step together: collectives inside), returning rank 0's result."""
-        from rollplex.pipeline.worker import call_on_host
+        from rollplex.pipeline.run.worker import call_on_host
 
         if not self.ranks:
             future = self.client.submit(call_on_host, fn, *args, stream=stream, resources={stream: 1}, pure=False)
@@ -185,6 +185,6 @@ class DaskExecutor:
 
 
 def _drain(dask_worker=None) -> dict:
-    from rollplex.pipeline.worker import current_host
+    from rollplex.pipeline.run.worker import current_host
 
     return current_host().drain()

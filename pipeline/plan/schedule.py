@@ -11,7 +11,7 @@ Both return a copy of the graph whose nodes carry ``meta["stream"]`` and ``meta[
 (higher runs first on its stream) and, for serial, ordering edges with reason "barrier". The update
 is the same under both: barriers only order work, they never change what a node computes.
 
-``plan(graph, cluster, costs, policy)`` goes further: a list scheduler (pipeline/timing.py) places
+``plan(graph, cluster, costs, policy)`` goes further: a list scheduler (pipeline/plan/timing.py) places
 every node on a GPU gang and a lane and predicts its start and finish, under three policies:
 
 - ``serial``: colocated, phase barriers (verl/OpenRLHF today).
@@ -37,10 +37,10 @@ from dataclasses import dataclass, field, replace
 import networkx as nx
 
 from rollplex.errors import GraphError
-from rollplex.pipeline.compiler import scoring_tail
-from rollplex.pipeline.hardware import Cluster, Layout
-from rollplex.pipeline.ir import IterationGraph, Node, gc_paused
-from rollplex.pipeline.timing import Job, Problem, Timing, dispatch, lane_orders, replay
+from rollplex.pipeline.compile.compiler import scoring_tail
+from rollplex.pipeline.plan.hardware import Cluster, Layout
+from rollplex.pipeline.compile.ir import IterationGraph, Node, gc_paused
+from rollplex.pipeline.plan.timing import Job, Problem, Timing, dispatch, lane_orders, replay
 
 POLICIES = ("serial", "rollplex")
 

@@ -15,13 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from rollplex.errors import ConfigError
-from rollplex.pipeline import footprint, memory
-from rollplex.pipeline.compiler import BatchShape
-from rollplex.pipeline.costs import CostModel, Workload
-from rollplex.pipeline.hardware import Layout, hardware
-from rollplex.pipeline.ir import IterationGraph
-from rollplex.pipeline.modelspec import from_config
-from rollplex.pipeline.schedule import plan
+from rollplex.pipeline.plan import footprint
+from rollplex.pipeline.plan import memory
+from rollplex.pipeline.compile.compiler import BatchShape
+from rollplex.pipeline.plan.costs import CostModel, Workload
+from rollplex.pipeline.plan.hardware import Layout, hardware
+from rollplex.pipeline.compile.ir import IterationGraph
+from rollplex.engines.modelspec import from_config
+from rollplex.pipeline.plan.schedule import plan
 
 GiB = 1024**3
 

@@ -4,7 +4,7 @@ Everything here is a pure function of the graph (plus options) that returns text
 that text atomically. Whatever scheduling passes put in ``node.meta`` (``stream``, ``placement``,
 ``priority``, ``start``/``finish`` in seconds, residency) is shown where present and ignored where
 not. Nothing needs the graphviz binary: the SVG uses the pure-Python layered layout in
-``rollplex.pipeline.layout``, and the HTML inlines that SVG, the one-line-per-node table and a
+``rollplex.pipeline.compile.layout``, and the HTML inlines that SVG, the one-line-per-node table and a
 small script, so the file opens offline and can be attached to a bug report as is.
 """
 from __future__ import annotations
@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from rollplex.errors import ConfigError
-from rollplex.pipeline.ir import PHASES, IterationGraph, Node, format_bytes, registered_kinds
-from rollplex.pipeline.layout import layered_layout
+from rollplex.pipeline.compile.ir import PHASES, IterationGraph, Node, format_bytes, registered_kinds
+from rollplex.pipeline.compile.layout import layered_layout
 
 FORMATS = ("dot", "html", "json", "svg")
 JSON_FORMAT = "rollplex.iteration-graph/1"

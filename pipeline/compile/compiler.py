@@ -17,8 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from rollplex.errors import EngineError, GraphError
-from rollplex.pipeline.authoring import Algorithm
-from rollplex.pipeline.ir import IterationGraph, Node, gc_paused, get_kind
+from rollplex.pipeline.compile.authoring import Algorithm
+from rollplex.pipeline.compile.ir import IterationGraph, Node, gc_paused, get_kind
 
 
 @dataclass(frozen=True)

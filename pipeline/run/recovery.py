@@ -88,7 +88,7 @@ def quiet_task_errors() -> None:
 
 
 def _has_engines() -> bool:
-    from rollplex.pipeline import worker
+    from rollplex.pipeline.run import worker
 
     return worker._HOST is not None
 
@@ -168,7 +168,7 @@ class WorkerWatch:
 
     def on_each(self, fn, *args) -> None:
         """Run ``fn(host, *args)`` on every worker's engines, on its compute stream."""
-        from rollplex.pipeline.worker import call_on_host
+        from rollplex.pipeline.run.worker import call_on_host
 
         futures = [self.client.submit(call_on_host, fn, *args, workers=[addr], resources={"compute": 1},
                                       pure=False, allow_other_workers=False)

@@ -13,10 +13,10 @@ without checkpointing, 2·h (the layer input) with it.
 """
 from __future__ import annotations
 
-from rollplex.pipeline.costs import CostModel
-from rollplex.pipeline.ir import IterationGraph, Node
-from rollplex.pipeline.memory import Resident
-from rollplex.pipeline.schedule import copy_graph, rebuild
+from rollplex.pipeline.plan.costs import CostModel
+from rollplex.pipeline.compile.ir import IterationGraph, Node
+from rollplex.pipeline.plan.memory import Resident
+from rollplex.pipeline.plan.schedule import copy_graph, rebuild
 
 GiB = 1024**3
 

@@ -15,7 +15,7 @@ its tensor-parallel style and the HF tensors it fuses, in order along dim 0:
   vision patch embedding).
 
 The training side shards the same way (Megatron's column/row parallelism). How the trainer
-*allocates* its shard decides what can be shared; that is the planner's input (pipeline/weightshare).
+*allocates* its shard decides what can be shared; that is the planner's input (pipeline/plan/weightshare).
 
 Names are canonical and relative to the language model (``layers.3.self_attn.qkv_proj.weight``,
 ``embed_tokens.weight``, ``lm_head.weight``) or to the vision tower (``visual.blocks.0.attn.qkv.weight``);
@@ -23,10 +23,11 @@ Names are canonical and relative to the language model (``layers.3.self_attn.qkv
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 from rollplex.errors import ConfigError
-from rollplex.pipeline.modelspec import VLMSpec
+from rollplex.engines.modelspec import VLMSpec
 
 STYLES = ("column", "row", "vocab", "replicated")
 VOCAB_PAD = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
@@ -206,3 +207,16 @@ def hf_name(canonical: str, lm_prefix: str = "model.language_model.", vision_pre
     if canonical.startswith("visual."):
         return vision_prefix + canonical
     return lm_prefix + canonical
+
+
+def unfuse(layouts: Sequence[TensorLayout]) -> list[TensorLayout]:
+    """One layout per HF tensor, for an engine that runs fused groups as separate matmuls. Parts that
+    are row ranges of one HF tensor (the vision tower's qkv) stay together: that is HF's own layout."""
+    out = []
+    for lay in layouts:
+        if len({p.hf for p in lay.parts}) == 1:
+            out.append(lay)
+            continue
+        for p in lay.parts:
+            out.append(replace(lay, name=p.hf, parts=(replace(p, hf_row0=0),)))
+    return out

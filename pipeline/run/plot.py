@@ -15,7 +15,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from rollplex.errors import DataError
-from rollplex.pipeline.fsio import atomic_write_bytes
+from rollplex.fsio import atomic_write_bytes
 
 EXTRA_CURVES = ("value_loss", "entropy", "clip_frac")  # plotted when an algorithm logs them
 _TRACE = re.compile(r"^iter_(-?\d+)\.json$")

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from rollplex.errors import CheckpointError
-from rollplex.pipeline.faults import point
-from rollplex.pipeline.fsio import atomic_write_text, fsync_dir
+from rollplex.pipeline.run.faults import point
+from rollplex.fsio import atomic_write_text, fsync_dir
 
 
 @dataclass

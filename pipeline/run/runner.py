@@ -9,7 +9,7 @@ Run directory layout:
 Every file is written atomically (temp file + rename); ``--resume`` continues from the last
 complete checkpoint and truncates later metric rows, so the sequence has no gaps or duplicates.
 A lost Dask worker rolls the run back to its last checkpoint and replays from there, and
-SIGINT/SIGTERM stop it after the iteration in flight with a checkpoint (``pipeline/recovery.py``).
+SIGINT/SIGTERM stop it after the iteration in flight with a checkpoint (``pipeline/run/recovery.py``).
 """
 from __future__ import annotations
 
@@ -23,12 +23,12 @@ from typing import Any
 
 from rollplex.config import RunConfig, dump_config
 from rollplex.errors import Interrupted, NodeFailure, NonFiniteError, RollplexError, WorkerLost
-from rollplex.pipeline import checkpoints
-from rollplex.pipeline.faults import point
-from rollplex.pipeline.fsio import append_line, atomic_write_text
-from rollplex.pipeline.hostops import _adopt_reference, _end_warmup, _restore, _sync_decode, _warmup
-from rollplex.pipeline.session import Session, resolve_device
-from rollplex.pipeline.trace import chrome_trace, seconds_by_kind
+from rollplex.pipeline.run import checkpoints
+from rollplex.pipeline.run.faults import point
+from rollplex.fsio import append_line, atomic_write_text
+from rollplex.pipeline.run.hostops import _adopt_reference, _end_warmup, _restore, _sync_decode, _warmup
+from rollplex.pipeline.run.session import Session, resolve_device
+from rollplex.pipeline.plan.trace import chrome_trace, seconds_by_kind
 
 
 MOVING_WINDOW = 10  # iterations averaged for stop_at_reward and the summary's final reward
@@ -55,9 +55,9 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = 
     import dask
 
     from rollplex import runtime
-    from rollplex.pipeline import faults
-    from rollplex.pipeline.cluster import connect, install_engines, uninstall_engines
-    from rollplex.pipeline.recovery import StopSignals, children_ignore_sigint, quiet_task_errors
+    from rollplex.pipeline.run import faults
+    from rollplex.pipeline.run.cluster import connect, install_engines, uninstall_engines
+    from rollplex.pipeline.run.recovery import StopSignals, children_ignore_sigint, quiet_task_errors
 
     runtime.configure(threads=cfg.cluster.threads, device=resolve_device(cfg))
     run_dir = Path(run_dir)
@@ -85,7 +85,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = 
     if session.memory_plan is not None:
         log(session.memory_plan.describe())
     elif cfg.cluster.memory_budget_gib is not None:  # without a plan, everything stays resident
-        from rollplex.pipeline import preflight
+        from rollplex.pipeline.run import preflight
 
         preflight.check_memory_budget(cfg.cluster.memory_budget_gib, preflight.memory_terms(
             *preflight.parameter_counts(session.model_path), 4 if cfg.model.dtype == "float32" else 2,
@@ -100,7 +100,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = 
         log(f"weight sharing: the decode engine runs on the trainer's weights ({plan.per_gpu('aliased') / 2**20:.1f} "
             f"MiB as views, {plan.per_gpu('extra') / 2**20:.1f} MiB rebuilt)")
     elif cfg.engines.weight_sharing != "off":  # asked for, but these engines cannot (ZeRO-3, say): say why
-        from rollplex.pipeline.weightshare import sharing_refusal
+        from rollplex.pipeline.plan.weightshare import sharing_refusal
 
         log(f"weight sharing off: {sharing_refusal(session.decode_engine, session.train_engine, cfg.train.zero_stage)}")
     if session.train_fusion_off:  # asked for, but this algorithm or shape cannot: say why
@@ -123,12 +123,12 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = 
         install_engines(client, spec)
         ranks = None
         if session.world > 1:
-            from rollplex.pipeline.cluster import form_ranks
+            from rollplex.pipeline.run.cluster import form_ranks
 
             ranks = form_ranks(client, spec, session.world)
             log(f"{session.world} data-parallel ranks: {', '.join(ranks)}")
             if spec.tp_rollout > 1:
-                from rollplex.pipeline.worker import decode_tensor_parallel
+                from rollplex.pipeline.run.worker import decode_tensor_parallel
 
                 shares = client.run(decode_tensor_parallel)
                 log("decode tensor parallel: " + ", ".join(
@@ -213,9 +213,9 @@ def _train_loop(cfg: RunConfig, session: Session, client, state, metrics_path: P
                 t0: float, stop, ranks: list[str] | None = None) -> RunSummary:
     from tqdm import tqdm
 
-    from rollplex.pipeline import faults
-    from rollplex.pipeline.executor import DaskExecutor, task_key
-    from rollplex.pipeline.recovery import WorkerWatch, drop_tracebacks, quiet_task_errors
+    from rollplex.pipeline.run import faults
+    from rollplex.pipeline.run.executor import DaskExecutor, task_key
+    from rollplex.pipeline.run.recovery import WorkerWatch, drop_tracebacks, quiet_task_errors
 
     run_dir = session.run_dir
     executor = DaskExecutor(client, ranks, cfg.cluster.lowering)
@@ -292,7 +292,7 @@ def _train_loop(cfg: RunConfig, session: Session, client, state, metrics_path: P
         log(f"{where}: lost a Dask worker: {lost}; rolling back to "
             f"{state.directory.name if state else 'the beginning'} and replaying from there")
         if session.world > 1:  # the survivors' process group lost a member: restart every rank afresh
-            from rollplex.pipeline.cluster import reform_ranks
+            from rollplex.pipeline.run.cluster import reform_ranks
 
             executor.ranks = reform_ranks(client, session.host_spec(), session.world, watch, log)
         if iteration is not None:

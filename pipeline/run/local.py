@@ -1,6 +1,6 @@
 """Run a scheduled iteration in this process, on one ``WorkerHost``'s stream threads.
 
-The same node semantics as the Dask path (``pipeline/executor.py``): a node starts once every
+The same node semantics as the Dask path (``pipeline/run/executor.py``): a node starts once every
 predecessor (value or ordering edge) has finished, each stream runs one node at a time and picks its
 ready node of highest priority, each value is dropped after its last consumer, and every node leaves a
 trace event. What it leaves out is the scheduler between nodes, so it serves benchmarks that compare
@@ -8,7 +8,7 @@ policies side by side in one process (``rollplex bench``) and single-device jobs
 milliseconds per Dask hop would matter.
 
 Given several hosts (one per GPU), a node runs on ``hosts[node.meta["rank"]]``: the data-parallel
-iteration of ``pipeline/ranks.py`` in one process, each rank's streams its own threads.
+iteration of ``pipeline/compile/ranks.py`` in one process, each rank's streams its own threads.
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import queue
 import time
 from typing import Any
 
-from rollplex.pipeline.ir import IterationGraph
-from rollplex.pipeline.worker import IterationResult, WorkerHost, execute_node
+from rollplex.pipeline.compile.ir import IterationGraph
+from rollplex.pipeline.run.worker import IterationResult, WorkerHost, execute_node
 
 
 class LocalExecutor:

@@ -5,7 +5,7 @@
   sharing on), and after the optimizer step ``weight_sync`` ships the weights across.
 - ``disaggregated-noshare``: the same placement, every response scored and trained over its full
   sequence, as today's split runtimes (OpenRLHF, verl's split placement) do.
-- ``rollplex-dp2``: rollplex on both GPUs as two data-parallel ranks (``pipeline/ranks.distribute``).
+- ``rollplex-dp2``: rollplex on both GPUs as two data-parallel ranks (``pipeline/compile/ranks.distribute``).
   Each GPU holds a replica of actor, reference and decode engine and runs half the prompts under the
   rollplex schedule. At the optimizer step the ranks' gradients become their mean: a copy across the
   GPUs and an add, standing in for the NCCL all-reduce that DeepSpeed's ranks do in a multi-process

@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rollplex.errors import ConfigError
-from rollplex.pipeline.hardware import Cluster, Layout
-from rollplex.pipeline.ir import Node
-from rollplex.pipeline.modelspec import PRESETS, VLMSpec, vision_patches
+from rollplex.pipeline.plan.hardware import Cluster, Layout
+from rollplex.pipeline.compile.ir import Node
+from rollplex.engines.modelspec import PRESETS, VLMSpec, vision_patches
 
 HOST_SECONDS = {"reward": 1e-3, "advantage": 1e-4, "custom": 1e-3, "report": 1e-2}  # assumed, per node
 MAX_LOGIT_TOKENS = 8192  # logits are produced in chunks of at most this many tokens (assumed)
@@ -462,14 +462,14 @@ class CostModel:
         return t
 
     def share_plan(self):
-        """The weight-sharing plan (pipeline/weightshare) of a colocated layout, or None: what the
+        """The weight-sharing plan (pipeline/plan/weightshare) of a colocated layout, or None: what the
         rollout engine's LM shard aliases of the trainer's storage and what a sync still moves."""
         lay = self.layout
         if not (self.weight_sharing and lay.colocated):
             return None
         if not hasattr(self, "_share_plan"):
-            from rollplex.pipeline.tensorlayouts import actor_layouts
-            from rollplex.pipeline.weightshare import RolloutSide, TrainerSide, plan_gang
+            from rollplex.engines.tensorlayouts import actor_layouts
+            from rollplex.pipeline.plan.weightshare import RolloutSide, TrainerSide, plan_gang
 
             try:
                 self._share_plan = plan_gang(actor_layouts(self.m, vision=False),

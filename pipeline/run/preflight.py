@@ -3,7 +3,7 @@ memory budget. Each failure is one line naming the setting at fault; nothing is 
 
 The memory check is a per-device sum of what the engines hold for the whole run (weights of every
 copy, gradients, optimizer state, the decode engine's KV pool), not a schedule-aware plan: the
-phase-aware planner (``pipeline/memory.py``) still has to be wired into ``rollplex train``, and then
+phase-aware planner (``pipeline/plan/memory.py``) still has to be wired into ``rollplex train``, and then
 replaces this sum against the same ``cluster.memory_budget_gib``.
 """
 from __future__ import annotations

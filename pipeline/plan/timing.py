@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass, field
 
 from rollplex.errors import GraphError
-from rollplex.pipeline.hardware import Interference
+from rollplex.pipeline.plan.hardware import Interference
 
 LANES = ("decode", "compute", "host", "copy")  # processing order at one instant: decode first
 EPS = 1e-12

@@ -24,8 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rollplex.errors import MemoryPlanError
-from rollplex.pipeline.ir import Node
-from rollplex.pipeline.schedule import Plan, rebuild, retime
+from rollplex.pipeline.compile.ir import Node
+from rollplex.pipeline.plan.schedule import Plan, rebuild, retime
 
 GiB = 1024**3
 
