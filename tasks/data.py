@@ -244,6 +244,113 @@ def build_item(task, builder: PromptBuilder, index: int) -> PromptInputs:
     return builder.build(task.prompt_id(index), item.image, item.question, item.answer, meta)
 
 
+@dataclass(frozen=True)
+class PromptRef:
+    """A prompt as the driver sends it: the item's index, not its pixels. The worker that reads it
+    builds its tensors (``PromptStore``), so an iteration's Dask graph stays small whatever the
+    images weigh (8 prompts of 1,024 vision tokens were 147 MiB of fp32 pixels per iteration).
+    ``seen_before``/``seen_again``: whether this run visited the item in an earlier epoch and will
+    visit it again, which is when a cache of its frozen prefixes can hit (pipeline/run/refcache.py)."""
+
+    index: int
+    prompt_id: str
+    seen_before: bool = False
+    seen_again: bool = False
+
+
+class BadPrompt(DataError):
+    """An item whose prompt could not be built where it was used; the driver's loader skips it
+    (``data.on_bad_row: skip``) and the iteration runs again with the next item in its place."""
+
+    def __init__(self, index: int, message: str) -> None:
+        super().__init__(message)
+        self.index = index
+
+    def __reduce__(self):  # crosses from a Dask worker to the driver
+        return (BadPrompt, (self.index, str(self)))
+
+
+class PromptStore:
+    """Builds a task's items into ``PromptInputs`` where they are used, keeping the last
+    ``cache_size`` built ones (an epoch of a small task is built once), and builds the next batch's
+    in the background while the current iteration runs. ``dtype`` casts pixel values once here,
+    not in every vision forward; ``pin`` puts them in page-locked memory for an async copy to a GPU."""
+
+    def __init__(self, task, builder: PromptBuilder, cache_size: int = 1024, dtype=None, pin: bool = False) -> None:
+        import threading
+
+        self.task, self.builder = task, builder
+        self.cache_size, self.dtype, self.pin = cache_size, dtype, pin
+        self._built: OrderedDict[int, PromptInputs] = OrderedDict()
+        self._lock = threading.Lock()
+        self._pending: dict[int, Any] = {}  # index -> Future of a background build
+        self._pool = None
+        # What item i holds is a pure function of the task and i: caches key on this, not on a hash
+        # of the pixels (blake2b of one 1,024-token image's fp32 pixels: 19 MB per prompt per use).
+        import hashlib
+        import json
+
+        identity = json.dumps(_jsonish(_identity(task)), sort_keys=True, default=str).encode()
+        self.identity = hashlib.blake2b(identity, digest_size=12).hexdigest()
+
+    def __len__(self) -> int:
+        return len(self.task)
+
+    def get(self, index: int) -> PromptInputs:
+        """Item ``index``'s prompt; a DataError names the row when it cannot be built."""
+        with self._lock:
+            prompt = self._built.get(index)
+            if prompt is not None:
+                self._built.move_to_end(index)
+            pending = self._pending.pop(index, None)
+        if prompt is None and pending is not None:
+            pending.result()  # a background build's DataError is raised here, by its user
+            with self._lock:
+                prompt = self._built.get(index)
+        if prompt is None:
+            prompt = self._build(index)
+        return replace(prompt, meta=dict(prompt.meta))  # callers annotate meta; the kept copy stays clean
+
+    def resolve(self, value: Any) -> Any:
+        """A ``PromptRef``'s prompt, with the ref's epoch facts in its meta; anything else as it is."""
+        if not isinstance(value, PromptRef):
+            return value
+        try:
+            prompt = self.get(value.index)
+        except DataError as exc:
+            raise BadPrompt(value.index, str(exc)) from None
+        prompt.meta.update(seen_before=value.seen_before, seen_again=value.seen_again)
+        return prompt
+
+    def prefetch(self, indices: Sequence[int]) -> None:
+        """Build these items on a background thread (the next batch, while this one runs)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollplex-prompts")
+        with self._lock:
+            todo = [i for i in indices if i not in self._built and i not in self._pending]
+            for i in todo:
+                self._pending[i] = self._pool.submit(self._build, i)
+
+    def _build(self, index: int) -> PromptInputs:
+        prompt = build_item(self.task, self.builder, index)
+        prompt.meta["content"] = f"{self.identity}:{index}"
+        if prompt.pixel_values is not None and (self.dtype is not None or self.pin):
+            pixels = prompt.pixel_values.to(self.dtype or prompt.pixel_values.dtype)
+            prompt = replace(prompt, pixel_values=pixels.pin_memory() if self.pin else pixels)
+        with self._lock:
+            self._built[index] = prompt
+            self._built.move_to_end(index)
+            while len(self._built) > max(self.cache_size, 0):
+                self._built.popitem(last=False)
+        return prompt
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
 @dataclass(eq=False)
 class PromptLoader:
     """Seeded, resumable sampler over a task's items.
@@ -263,7 +370,8 @@ class PromptLoader:
     position: int = 0
     log: Any = None  # where a skipped row is reported (print when None)
     skipped: list = field(default_factory=list)  # items that failed to build (on_bad_row: skip)
-    _cache: OrderedDict = field(default_factory=OrderedDict, init=False, repr=False)
+    _store: PromptStore | None = field(default=None, init=False, repr=False)
+    _tokens: dict = field(default_factory=dict, init=False, repr=False)
     _order: tuple[int, np.ndarray] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -274,6 +382,7 @@ class PromptLoader:
                               f"must be between 1 and {where}")
         if self.seed < 0:
             raise ConfigError(f"loader seed={self.seed}: must be >= 0")
+        self._store = PromptStore(self.task, self.builder, self.cache_size)
 
     @property
     def batches_per_epoch(self) -> int:
@@ -293,10 +402,23 @@ class PromptLoader:
         return [int(i) for i in self.order(self.epoch)[start : self.position]]
 
     def next_batch(self) -> list[PromptInputs]:
-        """The next batch. An item that fails to build is a bad row: re-raised under ``on_bad_row:
-        reject``; under ``skip`` reported once, remembered in the state, and replaced by the next item
-        of the order (so a batch stays full and a resumed run skips exactly the same items)."""
-        out: list[PromptInputs] = []
+        """The next batch, built here. An item that fails to build is a bad row: re-raised under
+        ``on_bad_row: reject``; under ``skip`` reported once, remembered in the state, and replaced by
+        the next item of the order (so a batch stays full and a resumed run skips exactly the same items)."""
+        while True:
+            before = self.state_dict()
+            refs = self.next_refs()
+            try:
+                return [self._store.resolve(ref) for ref in refs]
+            except BadPrompt as exc:
+                self.load_state_dict(before)
+                self.skip(exc)
+
+    def next_refs(self, batches_left: int | None = None) -> list[PromptRef]:
+        """The next batch as ``PromptRef``s, leaving out the items known to be bad. ``batches_left``:
+        how many batches the run will take after this one (None: unknown, taken as many), which says
+        whether it comes back to this batch's items in a later epoch."""
+        out: list[PromptRef] = []
         while len(out) < self.prompts_per_batch:
             need = self.prompts_per_batch - len(out)
             if self.position + need > len(self.task):
@@ -305,35 +427,34 @@ class PromptLoader:
             self.position += 1
             if index in self.skipped:
                 continue
-            try:
-                out.append(self._prompt(index))
-            except DataError as exc:
-                if getattr(self.task, "on_bad_row", "reject") != "skip":
-                    raise
-                self.skipped.append(index)
-                if len(self.skipped) >= len(self.task) - self.prompts_per_batch + 1:
-                    raise DataError(f"{len(self.skipped)} of {len(self.task)} rows failed; too few left "
-                                    f"for a batch of {self.prompts_per_batch}. Last: {exc}") from None
-                (self.log or print)(f"data: skipped a bad row: {exc}")
-        return out
+            out.append(PromptRef(index, self.task.prompt_id(index), seen_before=self.epoch > 0))
+        # A later epoch starts once this one's full batches are taken.
+        later = (len(self.task) - self.position) // self.prompts_per_batch
+        again = batches_left is None or batches_left > later
+        return [replace(r, seen_again=again) for r in out]
+
+    def tokens(self, index: int) -> int:
+        """Item ``index``'s prompt length in tokens, built here once (data-parallel runs balance
+        their ranks by it before the workers build the prompts)."""
+        if index not in self._tokens:
+            self._tokens[index] = self._store.get(index).num_tokens
+        return self._tokens[index]
+
+    def skip(self, exc: DataError) -> None:
+        """Leave item ``exc.index`` out of this run (``on_bad_row: skip``), or re-raise (``reject``)."""
+        if getattr(self.task, "on_bad_row", "reject") != "skip":
+            raise DataError(str(exc)) from None
+        self.skipped.append(exc.index)
+        if len(self.skipped) >= len(self.task) - self.prompts_per_batch + 1:
+            raise DataError(f"{len(self.skipped)} of {len(self.task)} rows failed; too few left "
+                            f"for a batch of {self.prompts_per_batch}. Last: {exc}") from None
+        (self.log or print)(f"data: skipped a bad row: {exc}")
 
     def metrics(self) -> dict:
         """Rows left out so far: at load time (``bad_rows``) and while building prompts."""
         if not hasattr(self.task, "bad_rows"):
             return {}
         return {"data_skipped_rows": len(self.task.bad_rows) + len(self.skipped)}
-
-    def _prompt(self, index: int) -> PromptInputs:
-        prompt = self._cache.get(index)
-        if prompt is None:
-            prompt = build_item(self.task, self.builder, index)
-            if self.cache_size > 0:
-                self._cache[index] = prompt
-                if len(self._cache) > self.cache_size:
-                    self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(index)
-        return replace(prompt, meta=dict(prompt.meta))  # callers may annotate meta; the cache stays clean
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "task": _identity(self.task),

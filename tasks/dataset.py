@@ -262,6 +262,14 @@ class FileDataset:
     def prompt_id(self, index: int) -> str:
         return f"{self.path.stem}-{index:06d}"
 
+    def __reduce__(self):
+        """Pickled as its recipe, not its rows: a worker that builds prompts re-reads the file, so the
+        rows' image bytes never travel (``tasks.data.PromptStore``). The same file gives the same
+        valid rows in the same order, hence the same item indices."""
+        key = self.prompt_keys[0] if len(self.prompt_keys) == 1 else None
+        return (FileDataset, (str(self.path.resolve()), self.format, key, self.image_key, self.video_key,
+                              self.answer_key, self.on_bad_row, self.reward, self.max_prompt_tokens))
+
     def identity(self) -> dict:
         """What a resumed run must match: the same file (by name, size and rows) and the same keys."""
         return {"path": str(self.path.resolve()), "bytes": self.path.stat().st_size, "rows": self.total_rows,

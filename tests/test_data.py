@@ -219,7 +219,7 @@ def test_each_epoch_is_a_fresh_shuffle_without_repeats(builder):
     batch = again.next_batch()
     assert ids(batch) == [f"syn-{i:06d}" for i in epochs[0][3:6]]
     batch[0].meta["note"] = 1  # callers' annotations must not leak into the cache
-    assert "note" not in again._prompt(epochs[0][3]).meta
+    assert "note" not in again._store.get(epochs[0][3]).meta
 
 
 def test_loader_refuses_foreign_state_and_bad_batch_size(builder):

@@ -38,3 +38,40 @@ def test_one_iteration_on_video_prompts_with_a_skipped_bad_row(tmp_path, tiny_mo
     video_pad = AutoConfig.from_pretrained(tiny_model_dir).video_token_id
     assert all(r["prompt_token_ids"].count(video_pad) == 32 for r in rows)
     assert all(len(r["ref_logprobs"]) == len(r["response_token_ids"]) > 0 for r in rows)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("on_bad_row", ["skip", "reject"])
+def test_a_row_that_fails_on_the_worker_is_skipped_or_rejected(tmp_path, on_bad_row):
+    """Prompts are built on the worker from their item indices. A row past the first 32 whose prompt
+    is longer than the probed cap fails only there: under skip the batch is taken again without it
+    (counted, never in a rollout); under reject the run ends with one line naming the row."""
+    from rollplex.errors import DataError
+
+    data = export_synthetic(tmp_path / "data", size=40)
+    rows = data.read_text().splitlines()
+    long = json.loads(rows[35])
+    long["prompt"] += " Look closely at every corner of the image before you answer." * 4
+    rows[35] = json.dumps(long)
+    data.write_text("\n".join(rows) + "\n")
+    cfg = load_config(None, [f"data.path={data}", f"data.on_bad_row={on_bad_row}", "engines.decode=hf",
+                             "engines.train=torch", "warmup.steps=0", "iterations=5", "stop_at_reward=null",
+                             "rollout.prompts_per_iteration=8", f"rollout.samples_per_prompt={G}",
+                             "rollout.max_new_tokens=2", "rollout.chunk_tokens=2"])
+    if on_bad_row == "reject":
+        with pytest.raises(DataError, match="line 36: the prompt has .* tokens, more than data.max_prompt_tokens"):
+            train(cfg, tmp_path / "run", progress=False, log=lambda *a: None)
+        return
+    logged: list[str] = []
+    train(cfg, tmp_path / "run", progress=False, log=logged.append)
+    assert sum("line 36" in line for line in logged) == 1, logged
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[-1]["data_skipped_rows"] == 1
+    seen = []
+    for it in range(5):
+        ids = {json.loads(r)["prompt_id"] for r in (tmp_path / "run" / "rollouts" / f"iter_{it:06d}.jsonl")
+               .read_text().splitlines()}
+        assert len(ids) == 8
+        seen += ids
+    assert "train-000035" not in seen
+    assert len(set(seen[:32])) == 32  # epoch 0's four full batches: no row twice

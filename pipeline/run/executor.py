@@ -62,10 +62,11 @@ def _check_inputs(graph: IterationGraph, inputs: dict[str, Any]) -> None:
 
 
 def lower(graph: IterationGraph, iteration: int, inputs: dict[str, Any],
-          ranks: list[str] | None = None) -> LoweredIteration:
+          ranks: list[str] | None = None, installed: str | None = None) -> LoweredIteration:
     """``ranks``: worker address per rank of a data-parallel graph (``pipeline/compile/ranks.py``); each node
     is restricted to its rank's worker, and an ordering edge between ranks goes through a token task
-    so that no output bundle moves for it."""
+    so that no output bundle moves for it. ``installed``: the graph's name on the workers (their host
+    spec holds it), so each task names its node instead of carrying it."""
     _check_inputs(graph, inputs)
     dsk: dict[str, Task] = {}
     resources: dict[str, dict[str, int]] = {}
@@ -111,7 +112,8 @@ def lower(graph: IterationGraph, iteration: int, inputs: dict[str, Any],
         key = task_key(iteration, node_name)
         refs = [TaskRef(k) for k in producers + ordering]
         uses = {v: per_rank.get((v, rank), 0) for v in node.inputs}
-        dsk[key] = Task(key, run_node, node, iteration, uses, len(producers), *refs)
+        dsk[key] = Task(key, run_node, (installed, node_name) if installed else node, iteration, uses,
+                        len(producers), *refs)
         resources[key] = {node.stream: 1}
         priority[key] = float(node.meta.get("priority", 0.0))
         if ranks:
@@ -127,21 +129,28 @@ def lower(graph: IterationGraph, iteration: int, inputs: dict[str, Any],
 class DaskExecutor:
     """Runs lowered iterations on a ``distributed.Client`` whose workers host Rollplex engines."""
 
-    def __init__(self, client, ranks: list[str] | None = None, lowering: str = "auto") -> None:
+    def __init__(self, client, ranks: list[str] | None = None, lowering: str = "auto",
+                 installed: dict[str, IterationGraph] | None = None) -> None:
         self.client = client
         self.ranks = ranks  # worker address per data-parallel rank; None: one worker
+        self.installed = dict(installed or {})  # graphs the workers hold by name (HostSpec.graphs)
         if lowering not in ("auto", "nodes", "iteration"):
             raise ValueError(f"lowering {lowering!r} is not one of auto, nodes, iteration")
         if lowering == "iteration" and ranks:
             raise ValueError("lowering 'iteration' needs one worker: data-parallel ranks exchange values mid-iteration")
         self.whole_iterations = lowering == "iteration" or (lowering == "auto" and not ranks)
 
-    def run(self, graph: IterationGraph, iteration: int, inputs: dict[str, Any]) -> IterationResult:
+    def _name_of(self, graph: IterationGraph) -> str | None:
+        return next((name for name, g in self.installed.items() if g is graph), None)
+
+    def run(self, graph: IterationGraph, iteration: int, inputs: dict[str, Any],
+            prefetch: tuple = ()) -> IterationResult:
+        """``prefetch``: the next iteration's prompt indices, which the worker builds meanwhile."""
         from rollplex.pipeline.run.worker import current_host  # noqa: F401 - fail early if misinstalled
 
         if self.whole_iterations:
-            return self._run_whole(graph, iteration, inputs)
-        lowered = lower(graph, iteration, inputs, self.ranks)
+            return self._run_whole(graph, iteration, inputs, prefetch)
+        lowered = lower(graph, iteration, inputs, self.ranks, self._name_of(graph))
         start = time.time()
         annotations = {"resources": KeyLookup(lowered.resources), "priority": KeyLookup(lowered.priority, 0.0)}
         if lowered.workers:
@@ -158,11 +167,12 @@ class DaskExecutor:
         peak = max((d["peak_memory_bytes"] for d in drained.values()), default=0)
         return IterationResult(output, events, peak, seconds)
 
-    def _run_whole(self, graph: IterationGraph, iteration: int, inputs: dict[str, Any]) -> IterationResult:
+    def _run_whole(self, graph: IterationGraph, iteration: int, inputs: dict[str, Any],
+                   prefetch: tuple) -> IterationResult:
         _check_inputs(graph, inputs)
         start = time.time()
-        future = self.client.submit(run_iteration, graph, iteration, inputs, key=task_key(iteration, "iteration"),
-                                    pure=False)
+        future = self.client.submit(run_iteration, self._name_of(graph) or graph, iteration, inputs, tuple(prefetch),
+                                    key=task_key(iteration, "iteration"), pure=False)
         try:
             result = future.result()
         finally:

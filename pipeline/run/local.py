@@ -89,4 +89,4 @@ class LocalExecutor:
         seconds = time.time() - start
         drained = [host.drain() for host in self.hosts]
         return IterationResult(output, [e for d in drained for e in d["events"]],
-                               max(d["peak_memory_bytes"] for d in drained), seconds)
+                               max(d["peak_memory_bytes"] for d in drained), seconds, started=start)

@@ -65,7 +65,12 @@ def weights_digest(model: torch.nn.Module | dict[str, torch.Tensor]) -> str:
 
 
 def prompt_digest(prompt: Any) -> str:
-    """Hash of what a prefix forward reads from a prompt; the prompt id is not part of it."""
+    """Hash of what a prefix forward reads from a prompt; the prompt id is not part of it. A prompt
+    built from a task's item says what it holds (``meta["content"]``: the task's identity and the
+    item, tasks.data.PromptStore), which spares hashing its pixels at every use."""
+    content = getattr(prompt, "meta", {}).get("content")
+    if content:
+        return hashlib.blake2b(b"item|" + content.encode(), digest_size=16).hexdigest()
     h = hashlib.blake2b(digest_size=16)
     for name in PROMPT_FIELDS:
         value = getattr(prompt, name, None)
@@ -222,16 +227,20 @@ class RefPrefixCache:
     def lookup_or_compute(self, model_name: str, prompts: Sequence[Any], visions: Sequence[Any],
                           compute: Callable[[list, list], list], device: torch.device | str | None = None) -> list:
         """Prefix states for ``prompts``: hits from the cache, the misses computed in one call of
-        ``compute(prompts, visions)`` and stored. Results are in the order of ``prompts``."""
+        ``compute(prompts, visions)`` and stored. Results are in the order of ``prompts``. A prompt
+        the run has not visited before is not looked up, and one it will not visit again is not
+        stored (``meta["seen_before"]``/``["seen_again"]``, tasks.data.PromptRef; unknown: both)."""
+        meta = [getattr(p, "meta", {}) for p in prompts]
         keys = [self.key(model_name, p) for p in prompts]
-        out: list[Any] = [self.get(k, device) for k in keys]
+        out: list[Any] = [self.get(k, device) if m.get("seen_before", True) else None for k, m in zip(keys, meta)]
         todo = [i for i, v in enumerate(out) if v is None]
         if todo:
             fresh = compute([prompts[i] for i in todo], [visions[i] for i in todo])
             if len(fresh) != len(todo):
                 raise ConfigError(f"refcache: compute returned {len(fresh)} states for {len(todo)} prompts")
             for i, state in zip(todo, fresh):
-                self.put(keys[i], state)
+                if meta[i].get("seen_again", True):
+                    self.put(keys[i], state)
                 out[i] = state
         return out
 

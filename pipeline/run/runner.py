@@ -105,6 +105,8 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = 
         log(f"weight sharing off: {sharing_refusal(session.decode_engine, session.train_engine, cfg.train.zero_stage)}")
     if session.train_fusion_off:  # asked for, but this algorithm or shape cannot: say why
         log(f"train fusion off: {session.train_fusion_off}; the policy trains after decode")
+    if session.ref_cache_off:
+        log(f"reference-prefix cache off: {session.ref_cache_off}")
     stop = StopSignals()
     with contextlib.ExitStack() as stack:
         # A task on a dead worker fails at once (KilledWorker) instead of being re-run on a fresh
@@ -218,7 +220,7 @@ def _train_loop(cfg: RunConfig, session: Session, client, state, metrics_path: P
     from rollplex.pipeline.run.recovery import WorkerWatch, drop_tracebacks, quiet_task_errors
 
     run_dir = session.run_dir
-    executor = DaskExecutor(client, ranks, cfg.cluster.lowering)
+    executor = DaskExecutor(client, ranks, cfg.cluster.lowering, installed=session.graphs)
     watch = WorkerWatch(client)
     log(f"engines ready in {time.time() - t0:.1f}s")
     bar = tqdm(disable=not progress, desc=session.algorithm.name, unit="it", total=cfg.iterations)
@@ -238,10 +240,8 @@ def _train_loop(cfg: RunConfig, session: Session, client, state, metrics_path: P
                     raise _interrupted(stop, run_dir, iteration - 1)
                 where = f"iteration {iteration}"
                 point("iteration:start")
-                batch = session.balanced(session.loader.next_batch())
-                inputs = {f"prompt_p{p}": prompt for p, prompt in enumerate(batch)}
                 choice = session.schedule_for(timed)
-                result = executor.run(session.graphs[choice.schedule], iteration, inputs)
+                result = _run_iteration(session, executor, watch, session.graphs[choice.schedule], iteration)
                 watch.check()  # results computed (even partly) on a replaced worker are not the run's
                 out = result.output["report"]
                 trace = chrome_trace(result.events, iteration, choice.schedule)
@@ -307,6 +307,33 @@ def _train_loop(cfg: RunConfig, session: Session, client, state, metrics_path: P
     steady = iteration_seconds[2:] or iteration_seconds
     final = sum(rewards[-MOVING_WINDOW:]) / len(rewards[-MOVING_WINDOW:]) if rewards else float("nan")
     return RunSummary(run_dir, len(rewards), final, sum(steady) / max(len(steady), 1))
+
+
+def _run_iteration(session: Session, executor, watch, graph, iteration: int):
+    """One iteration on the workers. The driver sends its prompts as item indices (the workers build
+    them); a prompt that fails to build there leaves the loader as it was before this batch, is
+    skipped (``data.on_bad_row: skip``, else its DataError ends the run) and the batch is taken again.
+    The next batch's indices go along, so a worker builds them while this iteration runs."""
+    from rollplex.pipeline.run.executor import task_key
+    from rollplex.pipeline.run.recovery import drop_tracebacks
+    from rollplex.tasks.data import BadPrompt
+
+    loader, left = session.loader, session.cfg.iterations - iteration - 1
+    while True:
+        before = loader.state_dict()
+        refs = session.balanced(loader.next_refs(batches_left=left))
+        after = loader.state_dict()
+        upcoming = [r.index for r in loader.next_refs()] if left > 0 else []
+        loader.load_state_dict(after)
+        try:
+            return executor.run(graph, iteration, {f"prompt_p{p}": ref for p, ref in enumerate(refs)}, upcoming)
+        except BadPrompt as exc:
+            drop_tracebacks(exc)  # its frames hold the failed attempt's future, which forget waits out
+            bad = exc
+        loader.load_state_dict(before)
+        loader.skip(bad)
+        del bad
+        watch.forget(task_key(iteration, ""))  # the retry reuses the failed attempt's keys
 
 
 def _interrupted(stop, run_dir: Path, finished: int | None) -> Interrupted:

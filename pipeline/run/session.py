@@ -241,15 +241,19 @@ class Session:
                               weight_sharing=cfg.engines.weight_sharing != "off")
 
     def balanced(self, batch: list) -> list:
-        """The batch in slot order: rank r's slots get prompts whose predicted prefix + decode cost
-        evens out the ranks' loads (pipeline/compile/ranks.py); unchanged on one rank."""
+        """The batch (prompts or their refs) in slot order: rank r's slots get prompts whose predicted
+        prefix + decode cost evens out the ranks' loads (pipeline/compile/ranks.py); unchanged on one
+        rank."""
         if self.world <= 1:
             return batch
         from rollplex.pipeline.compile.ranks import balance, prompt_cost
 
         s, d = self.shape, self.dims
-        costs = [prompt_cost(int(p.input_ids.numel()), int(max(p.meta.get("max_tokens") or [s.max_new_tokens])),
-                             s.samples, d.params, d.layers, d.hidden) for p in batch]
+        costs = []
+        for p in batch:
+            tokens = self.loader.tokens(p.index) if hasattr(p, "index") else p.num_tokens
+            longest = max(getattr(p, "meta", {}).get("max_tokens") or [s.max_new_tokens])
+            costs.append(prompt_cost(tokens, int(longest), s.samples, d.params, d.layers, d.hidden))
         return [batch[i] for i in balance(costs, self.world)]
 
     def host_spec(self):
@@ -282,11 +286,32 @@ class Session:
             score_engine=self.score_engine, decode_options=decode_options, train_options=train_options,
             algorithm=cfg.algorithm, reward=cfg.task.reward, settings=settings,
             trainable=tuple(alg.trainable), frozen=tuple(m for m in alg.models if m not in alg.trainable),
-            ref_cache_bytes=int(cfg.train.ref_cache_gib * 2**30), world_size=self.world,
+            ref_cache_bytes=0 if self.ref_cache_off else int(cfg.train.ref_cache_gib * 2**30), world_size=self.world,
             tp_rollout=cfg.cluster.tp_rollout,
             weight_sharing=cfg.engines.weight_sharing,
             # Partitions serve work beside decode, which only the rollplex schedule runs.
-            sm_partitions=cfg.cluster.sm_partitions and "rollplex" in self.schedules)
+            sm_partitions=cfg.cluster.sm_partitions and "rollplex" in self.schedules,
+            task=self.task, graphs=self.graphs)
+
+    @property
+    def ref_cache_off(self) -> str | None:
+        """Why the frozen models' prefix cache would never hit in this run (None: it may). An entry
+        is one prompt's prefix KV and last logits per frozen model; items come back once an epoch
+        later, so an LRU smaller than an epoch's entries has evicted each before its return, and a
+        run within one epoch never returns at all. Off, it costs nothing (3B, 8 prompts: about 313 MB
+        copied to host per iteration for no hit)."""
+        cfg, frozen = self.cfg, [m for m in self.algorithm.models if m not in self.algorithm.trainable]
+        capacity = cfg.train.ref_cache_gib * 2**30
+        if not capacity or not frozen:
+            return None  # off by config, or nothing to cache
+        entry = self.dims.kv_bytes(self.shape.prompt_tokens) + self.dims.vocab * 4
+        epoch = entry * len(frozen) * len(self.task)
+        if epoch > capacity:
+            return (f"an epoch's prefixes ({epoch / 2**30:.2f} GiB for {len(self.task)} prompts) exceed "
+                    f"train.ref_cache_gib={cfg.train.ref_cache_gib}, so each would be evicted before its next use")
+        if cfg.iterations * cfg.rollout.prompts_per_iteration <= len(self.task):
+            return f"the run's {cfg.iterations} iterations end within its first epoch of {len(self.task)} prompts"
+        return None
 
     def schedule_for(self, history: list[tuple[str, float]]) -> Choice:
         """The schedule of the next RL iteration, from the (schedule, seconds) of those before it."""

@@ -34,6 +34,8 @@ class IterationResult:
     events: list[dict]
     peak_memory_bytes: int
     seconds: float
+    started: float = 0.0  # when its first node could start (epoch seconds, the worker's clock)
+    prepare_seconds: float = 0.0  # on the worker before that: its prompts built from their refs
 
 
 @dataclass
@@ -79,6 +81,12 @@ class HostSpec:
     tp_rollout: int = 1  # ranks per tensor-parallel decode engine (consecutive ranks; pipeline/compile/ranks.py)
     weight_sharing: str = "off"  # auto: the decode engine runs on the policy trainer's storage (engines/sharing.py)
     sm_partitions: bool = False  # green-context SM partitions on CUDA (pipeline/run/partitions.py)
+    # The run's prompt source (pickled as its recipe: a file dataset is re-read here), so that the
+    # driver sends item indices and this worker builds the pixels it reads (tasks.data.PromptStore).
+    task: Any = None
+    # The run's scheduled iterations by name, installed once: each iteration then sends its name
+    # and its prompts' indices, never the graph itself.
+    graphs: dict = field(default_factory=dict)
 
 
 class WorkerHost:
@@ -135,6 +143,14 @@ class WorkerHost:
             decode = build(spec.decode_engine, "decode", spec.model_path, options)
         self.decode = decode
         self.streams = streams if streams is not None else self._make_streams()
+        self.prompts = None
+        if spec.task is not None:
+            from transformers import AutoProcessor
+
+            from rollplex.tasks.data import PromptBuilder, PromptStore
+
+            self.prompts = PromptStore(spec.task, PromptBuilder(AutoProcessor.from_pretrained(spec.model_path)),
+                                       dtype=dtype, pin=self.device.type == "cuda")
         self.refcache = None
         if spec.ref_cache_bytes and self.engines and spec.frozen:
             from rollplex.pipeline.run.refcache import RefPrefixCache
@@ -214,6 +230,14 @@ class WorkerHost:
 
     def train_engine(self, name: str):
         return self.engines[name]
+
+    def prompt(self, value: Any) -> Any:
+        """A graph input as its nodes read it: a ``PromptRef`` built into its prompt here."""
+        return self.prompts.resolve(value) if self.prompts is not None else value
+
+    def graph(self, graph):
+        """An iteration graph, or the name of one installed with the host spec."""
+        return self.spec.graphs[graph] if isinstance(graph, str) else graph
 
     def decode_text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -350,6 +374,8 @@ class WorkerHost:
                 self._busy[stream] -= 1
 
     def close(self) -> None:
+        if self.prompts is not None:
+            self.prompts.close()
         for engine in [*self.engines.values(), self.decode]:
             engine.close()
         for pool in self._stream_threads.values():
@@ -485,9 +511,13 @@ class _Released:
 RELEASED = _Released()
 
 
-def run_node(node: Node, iteration: int, uses: dict[str, int], n_values: int, *deps: Any) -> dict[str, Any]:
-    """A Dask task: run one node. ``deps[:n_values]`` are producer bundles; the rest only order it."""
+def run_node(node: Node | tuple[str, str], iteration: int, uses: dict[str, int], n_values: int,
+             *deps: Any) -> dict[str, Any]:
+    """A Dask task: run one node, given as itself or as (installed graph's name, node name).
+    ``deps[:n_values]`` are producer bundles; the rest only order it."""
     host = current_host()
+    if isinstance(node, tuple):
+        node = host.spec.graphs[node[0]].nodes[node[1]]
     inputs: dict[str, Any] = {}
     owners: dict[str, dict] = {}
     for bundle in deps[:n_values]:
@@ -504,17 +534,25 @@ def run_node(node: Node, iteration: int, uses: dict[str, int], n_values: int, *d
     return outputs
 
 
-def run_iteration(graph, iteration: int, inputs: dict[str, Any]) -> IterationResult:
+def run_iteration(graph, iteration: int, inputs: dict[str, Any], prefetch: tuple = ()) -> IterationResult:
     """A Dask task: a whole iteration on this worker, its nodes run on the worker's streams by the
-    local executor (``DaskExecutor`` with ``cluster.lowering`` iteration)."""
+    local executor (``DaskExecutor`` with ``cluster.lowering`` iteration). ``graph``: an installed
+    graph's name (or a graph); ``prefetch``: the next iteration's prompt indices, built meanwhile."""
     from rollplex.pipeline.run.local import LocalExecutor
 
-    return LocalExecutor(current_host()).run(graph, iteration, inputs)
+    host = current_host()
+    start = time.time()
+    inputs = {name: host.prompt(value) for name, value in inputs.items()}
+    if prefetch and host.prompts is not None:
+        host.prompts.prefetch(prefetch)
+    result = LocalExecutor(host).run(host.graph(graph), iteration, inputs)
+    result.prepare_seconds = result.started - start
+    return result
 
 
 def provide_input(value: Any, name: str) -> dict[str, Any]:
-    """A graph input (prompt tensors) entering the worker as a one-value bundle."""
-    return {name: value}
+    """A graph input entering the worker as a one-value bundle (a prompt built here from its ref)."""
+    return {name: current_host().prompt(value)}
 
 
 def call_on_host(fn: Callable[..., Any], *args: Any, stream: str = "compute") -> Any:

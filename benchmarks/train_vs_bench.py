@@ -1,0 +1,131 @@
+"""`rollplex train` against `rollplex bench` at one shape, and how much of a train iteration falls
+outside its nodes.
+
+Both run the same work on one GPU: the 3B preset with random weights in bf16, P = 8 prompts of one
+896×896 image (1,024 merged vision tokens) and about 64 text tokens, G = 8 samples of 256 tokens
+each (random weights almost never stop early; the bench caps every sample at 256), chunks of 32
+tokens, the torch train engine, the compiled torch-graph decode engine, 8 prompts per vit/prefix/
+suffix node and 2 per micro-batch. Train runs ``schedule: auto``, so serial and rollplex (with train
+fusion) take turns in one process as the bench's policies do; its first iteration of each is dropped.
+
+    python benchmarks/train_vs_bench.py --out $OUT/tvb            # on the GPU (scripts/on-device.sh --wheels)
+    python benchmarks/train_vs_bench.py --device cpu --layers 1 --vision-layers 1 --side 112 --new-tokens 8 \
+        --trials 2 --bench-iterations 2 --out /tmp/tvb   # a smoke run of the script
+
+Prints, per policy: s/iteration (median of the timed iterations) in train and in the bench, their
+ratio, and the share of each train iteration outside every node of its trace (the driver's view of
+the iteration against the union of its nodes' intervals), then writes ``train_vs_bench.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+TEXT = ("Describe the picture in detail: the objects, their colours, their positions, what each one is "
+        "doing and how they relate to one another, and then answer the question about it in one word.")
+
+
+def write_dataset(out: Path, prompts: int, side: int) -> Path:
+    """``prompts`` rows of one ``side``×``side`` random-noise image and the same question."""
+    import numpy as np
+    from PIL import Image
+
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    rows = []
+    for i in range(prompts):
+        name = f"img{i:03d}.png"
+        Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)).save(out / name)
+        rows.append(json.dumps({"prompt": f"<image>{TEXT}", "images": [name], "answer": "red"}))
+    path = out / "train.jsonl"
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def run(cmd: list[str]) -> None:
+    print("$", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+
+
+def outside_share(trace: dict, seconds: float) -> float:
+    """The share of an iteration's seconds that no node of its trace covers."""
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in trace["traceEvents"] if e.get("ph") == "X")
+    covered, end = 0.0, float("-inf")
+    for start, stop in spans:
+        if stop <= end:
+            continue
+        covered += stop - max(start, end)
+        end = stop
+    return max(0.0, seconds - covered / 1e6) / seconds
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--preset", default="qwen2.5-vl-3b")
+    ap.add_argument("--layers", type=int, default=None, help="fewer LM layers (smoke runs)")
+    ap.add_argument("--vision-layers", type=int, default=None, help="fewer ViT blocks (smoke runs; train only)")
+    ap.add_argument("--side", type=int, default=896, help="image side: (side/28)² merged vision tokens")
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--trials", type=int, default=5, help="train iterations per schedule (the first not timed)")
+    ap.add_argument("--bench-iterations", type=int, default=6)
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = out / "model"
+    if not (model / "config.json").exists():
+        init = ["rollplex", "init-model", str(model), "--preset", args.preset,
+                "--dtype", "bfloat16" if args.device == "cuda" else "float32"]
+        run(init + (["--layers", str(args.layers)] if args.layers else [])
+            + (["--vision-layers", str(args.vision_layers)] if args.vision_layers else []))
+    data = write_dataset(out / "data", 8, args.side)
+    dtype = "bfloat16" if args.device == "cuda" else "float32"
+    shape = ["rollout.prompts_per_iteration=8", "rollout.samples_per_prompt=8",
+             f"rollout.max_new_tokens={args.new_tokens}", "rollout.chunk_tokens=32", "train.prompts_per_node=8",
+             "train.micro_batch_groups=2"]
+    train_dir = out / "train"
+    run(["rollplex", "train", "--no-progress", "--schedule", "auto", "--out", str(train_dir),
+         "--iterations", str(2 * args.trials),
+         "--set", f"schedule_trials={args.trials}", "--set", f"model.path={model}", "--set", f"model.dtype={dtype}",
+         "--set", f"model.device={args.device}", "--set", f"data.path={data}", "--set", "warmup.steps=0",
+         "--set", "stop_at_reward=null", "--set", "engines.train=torch", "--set", "engines.decode=torch-graph",
+         "--set", "engines.decode_options={compile: %s}" % ("true" if args.device == "cuda" else "false"),
+         "--set", "train.train_fusion=true", "--set", "checkpoint.every=0"]
+        + [x for s in shape for x in ("--set", s)])
+    bench_dir = out / "bench"
+    policies = "serial:ppn=8:mb=2,rollplex:ppn=8:mb=2:tf=1"
+    run(["rollplex", "bench", "--model", args.preset, "--device", args.device, "--dtype", dtype,
+         "--policies", policies, "--iterations", str(args.bench_iterations), "--max-new-tokens", str(args.new_tokens),
+         "--mean-new-tokens", "1000000", "--chunk-tokens", "32", "--vision-tokens", str((args.side // 28) ** 2),
+         "--train-engine", "torch", "--out", str(bench_dir)] + (["--layers", str(args.layers)] if args.layers else []))
+
+    rows = [json.loads(line) for line in (train_dir / "metrics.jsonl").read_text().splitlines()]
+    bench = json.loads((bench_dir / "bench.json").read_text())
+    result = {}
+    for schedule, policy in (("serial", "serial:ppn=8:mb=2"), ("rollplex", "rollplex:ppn=8:mb=2:tf=1")):
+        mine = [r for r in rows if r.get("schedule") == schedule][1:]  # its first iteration: compile, capture
+        seconds = [r["iter_seconds"] for r in mine]
+        outside = [outside_share(json.loads((train_dir / "traces" / f"iter_{r['iteration']:06d}.json").read_text()),
+                                 r["iter_seconds"]) for r in mine]
+        bench_s = next(r["median_s"] for r in bench["results"] if r["policy"] == policy)
+        result[schedule] = {"train_seconds": seconds, "train_median": statistics.median(seconds),
+                            "bench_median": bench_s, "train_over_bench": statistics.median(seconds) / bench_s,
+                            "outside_share": outside, "outside_median": statistics.median(outside),
+                            "response_len_mean": statistics.mean(r["response_len_mean"] for r in mine)}
+    print(f"{'policy':10s} {'train s/it':>10s} {'bench s/it':>10s} {'train÷bench':>11s} {'outside nodes':>13s}")
+    for schedule, r in result.items():
+        print(f"{schedule:10s} {r['train_median']:10.3f} {r['bench_median']:10.3f} {r['train_over_bench']:11.3f} "
+              f"{r['outside_median']:12.1%}   (train iterations: {', '.join(f'{s:.2f}' for s in r['train_seconds'])};"
+              f" mean response {r['response_len_mean']:.0f} tokens)")
+    (out / "train_vs_bench.json").write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
