@@ -187,10 +187,11 @@ def algorithms(draw):
     alg = Algorithm("fuzz")
     models = draw(st.lists(st.sampled_from(["actor", "ref", "critic"]), max_size=3, unique=True))
     for i, m in enumerate(models):
-        if i == 0 or draw(st.booleans()):
+        if i == 0:
             alg.policy(m)
-        else:
-            alg.frozen(m, copy_of=draw(st.sampled_from(models + ["nobody"])))
+        else:  # one policy; other models trained (a critic) or frozen
+            declare = alg.critic if draw(st.booleans()) else alg.frozen
+            declare(m, copy_of=draw(st.sampled_from(models + ["nobody"])))
     for _ in range(draw(st.integers(0, 3))):
         alg.score(draw(st.sampled_from(models + ["ghost"])), as_=draw(st.sampled_from(["logprobs", "ref_logprobs",
                                                                                       "values"])),

@@ -23,18 +23,29 @@ A second trained model (PPO's critic) is declared with ``critic(name, copy_of=..
 model (``score("critic", as_="values", grad=True)``) and trained by ``@loss(model="critic")`` with an
 optimizer step of its own. A model may name its own engine (``frozen(..., engine=...)``), and a node
 of a kind registered outside pipeline/ is placed with ``node(kind=..., model=...)``.
+
+Nothing is resolved by order: a second policy, reward, advantage, or loss for one model is refused
+when it is declared, naming both.
 """
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from rollplex.errors import GraphError
 
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 ADVANTAGE_SCOPES = ("group", "batch")
+
+
+def _site(fn: Callable[..., Any]) -> str:
+    """``name()`` and where it is defined: two functions may share a name (a redefinition)."""
+    code = getattr(fn, "__code__", None)
+    where = f" at {Path(code.co_filename).name}:{code.co_firstlineno}" if code is not None else ""
+    return f"{getattr(fn, '__name__', repr(fn))}(){where}"
 
 
 @dataclass(frozen=True)
@@ -111,8 +122,16 @@ class Algorithm:
     # -- models --------------------------------------------------------------------------------
     def policy(self, name: str = "actor", path: str | None = None) -> str:
         """The trained model; rollouts sample from it."""
+        if self.rollout_model is not None and self.rollout_model != name:
+            raise GraphError(f"{self._where}: two policies, {self.rollout_model!r} and {name!r}; one model "
+                             f"samples the rollouts: declare another trained model with critic({name!r}, ...)")
         self._add_model(ModelDecl(name, trainable=True, path=path))
         self.rollout_model = name
+        early = self.model_losses.pop(name, None)  # @loss(model=name) before policy(name)
+        if early is not None:
+            if self.loss_fn is not None:
+                raise self._two_losses(name, self.loss_fn, early)
+            self.loss_fn = early
         return name
 
     def frozen(self, name: str, copy_of: str | None = None, path: str | None = None,
@@ -135,8 +154,13 @@ class Algorithm:
 
     def _add_model(self, decl: ModelDecl) -> None:
         if decl.name in self.models:
-            raise GraphError(f"{self.name}: model {decl.name!r} is declared twice")
+            raise GraphError(f"{self._where}: model {decl.name!r} is declared twice; give the second "
+                             "another name")
         self.models[decl.name] = decl
+
+    @property
+    def _where(self) -> str:
+        return f"algorithm {self.name!r}"
 
     # -- scoring ---------------------------------------------------------------------------------
     def score(self, model: str, as_: str, grad: bool = False) -> str:
@@ -148,7 +172,11 @@ class Algorithm:
     # -- functions -------------------------------------------------------------------------------
     def reward(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """Per-response reward: ``fn(text, answer, ...) -> float``. Default: the dataset's verifier."""
-        self.reward_fn = FunctionDecl.of(fn)
+        decl = FunctionDecl.of(fn)
+        if self.reward_fn is not None:
+            raise GraphError(f"{self._where}: two reward functions, {_site(self.reward_fn.fn)} and {_site(fn)}; "
+                             "an algorithm has one: keep one, or return the sum of both from one function")
+        self.reward_fn = decl
         return fn
 
     def advantage(self, fn: Callable[..., Any] | None = None, *, scope: str = "group"):
@@ -158,7 +186,12 @@ class Algorithm:
             raise GraphError(f"advantage scope {scope!r} is not one of {ADVANTAGE_SCOPES}")
 
         def register(f: Callable[..., Any]) -> Callable[..., Any]:
-            self.advantage_fn = FunctionDecl.of(f, scope=scope)
+            decl = FunctionDecl.of(f, scope=scope)
+            if self.advantage_fn is not None:
+                raise GraphError(f"{self._where}: two advantage functions, {_site(self.advantage_fn.fn)} and "
+                                 f"{_site(f)}; an algorithm has one: keep one, or compute a value the other "
+                                 "reads with @node(writes=...)")
+            self.advantage_fn = decl
             return f
 
         return register(fn) if fn is not None else register
@@ -172,10 +205,12 @@ class Algorithm:
 
         def register(f: Callable[..., Any]) -> Callable[..., Any]:
             decl = FunctionDecl.of(f, agg=agg)
-            if model is None or model == self.rollout_model:
+            policy = model is None or model == self.rollout_model
+            first = self.loss_fn if policy else self.model_losses.get(model)
+            if first is not None:
+                raise self._two_losses(self.rollout_model if policy else model, first, decl)
+            if policy:
                 self.loss_fn = decl
-            elif model in self.model_losses:
-                raise GraphError(f"{self.name}: model {model!r} has two losses")
             else:
                 self.model_losses[model] = decl
             return f
@@ -208,6 +243,12 @@ class Algorithm:
         return (set(self.scored_values()) | {"prompt", "vision", "responses", "rewards", "advantages", "mask"}
                 | {c.options["writes"] for c in self.custom})
 
+    def _two_losses(self, model: str | None, first: FunctionDecl, second: FunctionDecl) -> GraphError:
+        who = "the policy" if model is None else f"model {model!r}"
+        return GraphError(f"{self._where}: {who} has two losses, {_site(first.fn)} and "
+                          f"{_site(second.fn)}; each trained model has one: keep one, or return the sum of "
+                          "both from one function")
+
     # -- checks ----------------------------------------------------------------------------------
     @property
     def trainable(self) -> list[str]:
@@ -235,7 +276,7 @@ class Algorithm:
         return out
 
     def validate(self) -> "Algorithm":
-        where = f"algorithm {self.name!r}"
+        where = self._where
         if self.rollout_model is None:
             raise GraphError(f"{where}: declare the policy with .policy(name)")
         for decl in self.models.values():
