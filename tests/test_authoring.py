@@ -6,6 +6,7 @@ how to fix it; the first declaration stays as it was.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from rollplex import Algorithm
 from rollplex.errors import GraphError
@@ -120,3 +121,63 @@ def test_a_model_declared_twice_is_refused():
     alg = base()
     alg.frozen("ref", copy_of="actor")
     assert "model 'ref' is declared twice" in refused(lambda: alg.critic("ref", copy_of="actor"))
+
+
+# -- hyperparameters ---------------------------------------------------------------------------------
+def test_two_defaults_for_one_hyperparameter_are_refused_naming_both():
+    def kl_shaped(rewards, kl_coef: float = 0.1):
+        return rewards
+
+    alg = base()
+    alg.loss(policy_loss)
+    message = refused(lambda: alg.advantage(kl_shaped))
+    assert (f"hyperparameter 'kl_coef' has two defaults, 0.04 in {here(policy_loss)} and 0.1 in "
+            f"{here(kl_shaped)}") in message
+    assert "params.kl_coef" in message and "same default" in message
+    assert alg.advantage_fn is None
+
+
+def test_two_defaults_are_refused_between_a_node_and_a_critic_loss():
+    def smooth(rewards, tau: float = 0.5):
+        return rewards
+
+    def critic_loss(values, advantages, tau: float = 1.0):
+        return (values - advantages) ** 2
+
+    alg = base()
+    alg.critic("critic", copy_of="actor")
+    alg.node(smooth, writes="smoothed")
+    assert "hyperparameter 'tau' has two defaults, 0.5" in refused(lambda: alg.loss(model="critic")(critic_loss))
+
+
+def test_one_default_in_two_functions_is_one_hyperparameter():
+    seen = {}
+
+    def kl_shaped(rewards, kl_coef: float = 0.04):
+        seen["advantage"] = kl_coef
+        return rewards
+
+    def kl_loss(logprobs, advantages, kl_coef: float = 0.04):
+        seen["loss"] = kl_coef
+        return -logprobs * advantages.unsqueeze(-1)
+
+    alg = base()
+    alg.advantage(kl_shaped)
+    alg.loss(kl_loss)
+    assert alg.validate().hyperparameters() == {"kl_coef": 0.04}
+    ones = torch.ones(1)
+    alg.advantage_fn.call({"rewards": ones}, {"kl_coef": 0.5})  # params.kl_coef=0.5 reaches both
+    alg.loss_fn.call({"logprobs": ones, "advantages": ones}, {"kl_coef": 0.5})
+    assert seen == {"advantage": 0.5, "loss": 0.5}
+
+
+def test_defaults_that_cannot_be_compared_count_as_two():
+    def a(rewards, weights=torch.tensor([1.0, 2.0])):
+        return rewards
+
+    def b(rewards, weights=torch.tensor([1.0, 2.0])):
+        return rewards
+
+    alg = base()
+    alg.node(a, writes="x")
+    assert "hyperparameter 'weights' has two defaults" in refused(lambda: alg.node(b, writes="y"))

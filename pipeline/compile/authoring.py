@@ -24,8 +24,8 @@ model (``score("critic", as_="values", grad=True)``) and trained by ``@loss(mode
 optimizer step of its own. A model may name its own engine (``frozen(..., engine=...)``), and a node
 of a kind registered outside pipeline/ is placed with ``node(kind=..., model=...)``.
 
-Nothing is resolved by order: a second policy, reward, advantage, or loss for one model is refused
-when it is declared, naming both.
+Nothing is resolved by order: a second policy, reward, advantage, or loss for one model, and two
+defaults for one hyperparameter are refused when they are declared, naming both.
 """
 from __future__ import annotations
 
@@ -46,6 +46,13 @@ def _site(fn: Callable[..., Any]) -> str:
     code = getattr(fn, "__code__", None)
     where = f" at {Path(code.co_filename).name}:{code.co_firstlineno}" if code is not None else ""
     return f"{getattr(fn, '__name__', repr(fn))}(){where}"
+
+
+def _same_default(a: Any, b: Any) -> bool:
+    try:
+        return a is b or bool(a == b)
+    except Exception:  # noqa: BLE001 - e.g. a tensor's ambiguous truth value: not provably the same
+        return False
 
 
 @dataclass(frozen=True)
@@ -176,6 +183,7 @@ class Algorithm:
         if self.reward_fn is not None:
             raise GraphError(f"{self._where}: two reward functions, {_site(self.reward_fn.fn)} and {_site(fn)}; "
                              "an algorithm has one: keep one, or return the sum of both from one function")
+        self._check_hyperparameters(decl)
         self.reward_fn = decl
         return fn
 
@@ -191,6 +199,7 @@ class Algorithm:
                 raise GraphError(f"{self._where}: two advantage functions, {_site(self.advantage_fn.fn)} and "
                                  f"{_site(f)}; an algorithm has one: keep one, or compute a value the other "
                                  "reads with @node(writes=...)")
+            self._check_hyperparameters(decl)
             self.advantage_fn = decl
             return f
 
@@ -209,6 +218,7 @@ class Algorithm:
             first = self.loss_fn if policy else self.model_losses.get(model)
             if first is not None:
                 raise self._two_losses(self.rollout_model if policy else model, first, decl)
+            self._check_hyperparameters(decl)
             if policy:
                 self.loss_fn = decl
             else:
@@ -233,7 +243,9 @@ class Algorithm:
                                  "its name names the node")
             if writes in self.produced_values():
                 raise GraphError(f"{self.name}: value {writes!r} is produced twice")
-            self.custom.append(FunctionDecl.of(f, writes=writes, per=per, kind=kind, model=model))
+            decl = FunctionDecl.of(f, writes=writes, per=per, kind=kind, model=model)
+            self._check_hyperparameters(decl)
+            self.custom.append(decl)
             return f
 
         return register(fn) if fn is not None else register
@@ -242,6 +254,21 @@ class Algorithm:
         """Per-group values functions can read by name."""
         return (set(self.scored_values()) | {"prompt", "vision", "responses", "rewards", "advantages", "mask"}
                 | {c.options["writes"] for c in self.custom})
+
+    def _check_hyperparameters(self, decl: FunctionDecl) -> None:
+        """A hyperparameter is one name for the whole algorithm (``params.<name>`` sets it in every
+        function that takes it), so two defaults for it would leave unclear which one runs."""
+        for other in self._functions():
+            for k in sorted(decl.params.keys() & other.params.keys()):
+                if not _same_default(decl.params[k], other.params[k]):
+                    raise GraphError(
+                        f"{self._where}: hyperparameter {k!r} has two defaults, {other.params[k]!r} in "
+                        f"{_site(other.fn)} and {decl.params[k]!r} in {_site(decl.fn)}; functions that take "
+                        f"{k!r} share one value (params.{k}): give both the same default or rename one")
+
+    def _functions(self) -> list[FunctionDecl]:
+        return [d for d in (self.reward_fn, self.advantage_fn, self.loss_fn, *self.model_losses.values(),
+                            *self.custom) if d is not None]
 
     def _two_losses(self, model: str | None, first: FunctionDecl, second: FunctionDecl) -> GraphError:
         who = "the policy" if model is None else f"model {model!r}"
@@ -312,10 +339,10 @@ class Algorithm:
         return self
 
     def hyperparameters(self) -> dict[str, Any]:
+        """Name → default; functions that share a name share its default (checked as they register)."""
         params: dict[str, Any] = {}
-        for decl in (self.reward_fn, self.advantage_fn, self.loss_fn, *self.model_losses.values(), *self.custom):
-            if decl is not None:
-                params.update(decl.params)
+        for decl in self._functions():
+            params.update(decl.params)
         return params
 
     def __repr__(self) -> str:
