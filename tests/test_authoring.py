@@ -181,3 +181,64 @@ def test_defaults_that_cannot_be_compared_count_as_two():
     alg = base()
     alg.node(a, writes="x")
     assert "hyperparameter 'weights' has two defaults" in refused(lambda: alg.node(b, writes="y"))
+
+
+# -- values and nodes --------------------------------------------------------------------------------
+def test_a_node_writing_what_a_later_score_writes_is_refused():
+    def bonus(rewards):
+        return rewards
+
+    alg = Algorithm("t")
+    alg.policy("actor")
+    alg.node(bonus, writes="logprobs")
+    message = refused(lambda: alg.score("actor", as_="logprobs", grad=True))
+    assert (f"value 'logprobs' is written by node {here(bonus)} and by "
+            "score('actor', as_='logprobs', grad=True)") in message
+
+
+def test_a_score_named_like_another_scores_old_values_is_refused():
+    alg = base()
+    alg.frozen("ref", copy_of="actor")
+    message = refused(lambda: alg.score("ref", as_="old_logprobs"))
+    assert ("value 'old_logprobs' is written by score('actor', as_='logprobs', grad=True) and by "
+            "score('ref', as_='old_logprobs')") in message
+    alg = Algorithm("t")
+    alg.policy("actor")
+    alg.score("actor", as_="old_logprobs")
+    assert "value 'old_logprobs' is written by score('actor', as_='old_logprobs')" in refused(
+        lambda: alg.score("actor", as_="logprobs", grad=True))
+
+
+def test_a_score_or_a_node_may_not_write_a_runtime_value():
+    def reshaped(rewards):
+        return rewards
+
+    alg = base()
+    alg.frozen("ref", copy_of="actor")
+    message = refused(lambda: alg.score("ref", as_="rewards"))
+    assert "value 'rewards' is written by the runtime and by score('ref', as_='rewards')" in message
+    assert "give score('ref', as_='rewards') another name" in message
+    assert "value 'mask' is written by the runtime" in refused(lambda: alg.node(reshaped, writes="mask"))
+
+
+def test_two_nodes_writing_one_value_are_refused_naming_both():
+    def bonus(rewards):
+        return rewards
+
+    def bonus2(rewards):
+        return -rewards
+
+    alg = base()
+    alg.node(bonus, writes="bonus")
+    message = refused(lambda: alg.node(bonus2, writes="bonus", per="batch"))
+    assert f"value 'bonus' is written by node {here(bonus)} and by node {here(bonus2)}" in message
+
+
+def test_two_nodes_of_one_function_name_are_refused():
+    def bonus(rewards):
+        return rewards
+
+    alg = base()
+    alg.node(bonus, writes="b1")
+    message = refused(lambda: alg.node(bonus, writes="b2"))
+    assert f"two nodes are named 'bonus', {here(bonus)} writing 'b1' and {here(bonus)} writing 'b2'" in message

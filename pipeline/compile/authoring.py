@@ -24,8 +24,9 @@ model (``score("critic", as_="values", grad=True)``) and trained by ``@loss(mode
 optimizer step of its own. A model may name its own engine (``frozen(..., engine=...)``), and a node
 of a kind registered outside pipeline/ is placed with ``node(kind=..., model=...)``.
 
-Nothing is resolved by order: a second policy, reward, advantage, or loss for one model, and two
-defaults for one hyperparameter are refused when they are declared, naming both.
+Nothing is resolved by order: a second policy, reward, advantage, or loss for one model, two writers
+of one value, two nodes of one name, and two defaults for one hyperparameter are refused when they
+are declared, naming both.
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ from rollplex.errors import GraphError
 
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 ADVANTAGE_SCOPES = ("group", "batch")
+RUNTIME_VALUES = ("prompt", "vision", "responses", "rewards", "advantages", "mask")
 
 
 def _site(fn: Callable[..., Any]) -> str:
@@ -171,10 +173,28 @@ class Algorithm:
 
     # -- scoring ---------------------------------------------------------------------------------
     def score(self, model: str, as_: str, grad: bool = False) -> str:
-        if any(s.as_ == as_ for s in self.scores):
-            raise GraphError(f"{self.name}: value {as_!r} is scored twice")
+        this = f"score({model!r}, as_={as_!r}{', grad=True' if grad else ''})"
+        for value in (as_, f"old_{as_}") if grad else (as_,):
+            self._claim(value, this)
         self.scores.append(ScoreDecl(model, as_, grad))
         return as_
+
+    def writers(self) -> dict[str, str]:
+        """Value name → what writes it: the runtime, a score, or a node of the algorithm's own."""
+        out = dict.fromkeys(RUNTIME_VALUES, "the runtime")
+        for s in self.scores:
+            out[s.as_] = f"score({s.model!r}, as_={s.as_!r}{', grad=True' if s.grad else ''})"
+            if s.grad:
+                out[f"old_{s.as_}"] = out[s.as_]
+        out.update({c.options["writes"]: f"node {_site(c.fn)}" for c in self.custom})
+        return out
+
+    def _claim(self, value: str, by: str) -> None:
+        """One writer per value: with two, which one a reader gets would depend on graph order."""
+        other = self.writers().get(value)
+        if other is not None:
+            fix = f"give {by} another name" if other == "the runtime" else "rename one of them"
+            raise GraphError(f"{self._where}: value {value!r} is written by {other} and by {by}; {fix}")
 
     # -- functions -------------------------------------------------------------------------------
     def reward(self, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -241,9 +261,13 @@ class Algorithm:
             if not f.__name__.isidentifier():  # a lambda: its name would become the node's name
                 raise GraphError(f"node {writes!r}: give a named function (def), not {f.__name__!r}; "
                                  "its name names the node")
-            if writes in self.produced_values():
-                raise GraphError(f"{self.name}: value {writes!r} is produced twice")
             decl = FunctionDecl.of(f, writes=writes, per=per, kind=kind, model=model)
+            self._claim(writes, f"node {_site(f)}")
+            for other in self.custom:  # the graph and the runtime find a node's function by its name
+                if other.name == f.__name__:
+                    raise GraphError(f"{self._where}: two nodes are named {f.__name__!r}, {_site(other.fn)} "
+                                     f"writing {other.options['writes']!r} and {_site(f)} writing {writes!r}; "
+                                     "a node is named by its function: rename one")
             self._check_hyperparameters(decl)
             self.custom.append(decl)
             return f
@@ -252,8 +276,7 @@ class Algorithm:
 
     def produced_values(self) -> set[str]:
         """Per-group values functions can read by name."""
-        return (set(self.scored_values()) | {"prompt", "vision", "responses", "rewards", "advantages", "mask"}
-                | {c.options["writes"] for c in self.custom})
+        return set(self.writers())
 
     def _check_hyperparameters(self, decl: FunctionDecl) -> None:
         """A hyperparameter is one name for the whole algorithm (``params.<name>`` sets it in every
