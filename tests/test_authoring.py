@@ -242,3 +242,24 @@ def test_two_nodes_of_one_function_name_are_refused():
     alg.node(bonus, writes="b1")
     message = refused(lambda: alg.node(bonus, writes="b2"))
     assert f"two nodes are named 'bonus', {here(bonus)} writing 'b1' and {here(bonus)} writing 'b2'" in message
+
+
+def test_a_hyperparameter_named_like_a_value_is_refused_at_validate():
+    def weighted(logprobs, advantages, rewards=0.0):  # would never receive the rewards
+        return -logprobs * advantages.unsqueeze(-1)
+
+    alg = base()
+    alg.advantage(advantages)
+    alg.loss(weighted)
+    message = refused(alg.validate)
+    assert f"{here(weighted)} parameter 'rewards' has a default" in message and "the runtime writes it" in message
+
+    def kl(rewards):
+        return rewards
+
+    alg = base()
+    alg.node(kl, writes="kl_coef")
+    alg.advantage(advantages)
+    alg.loss(policy_loss)
+    assert (f"{here(policy_loss)} parameter 'kl_coef' has a default, so it is a hyperparameter, but 'kl_coef' "
+            f"is also a value (node {here(kl)} writes it)") in refused(alg.validate)

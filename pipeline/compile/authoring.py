@@ -26,7 +26,7 @@ of a kind registered outside pipeline/ is placed with ``node(kind=..., model=...
 
 Nothing is resolved by order: a second policy, reward, advantage, or loss for one model, two writers
 of one value, two nodes of one name, and two defaults for one hyperparameter are refused when they
-are declared, naming both.
+are declared, naming both; a hyperparameter named like a value is refused by ``validate()``.
 """
 from __future__ import annotations
 
@@ -357,6 +357,13 @@ class Algorithm:
             if unknown:
                 raise GraphError(f"{where}: {what} function {decl.name}() reads {unknown}, which nothing "
                                  f"produces; it can read {sorted(readable)}")
+            # A parameter with a default is a hyperparameter and never receives the value of its name.
+            shadowed = sorted(decl.params.keys() & readable)
+            if shadowed:
+                k = shadowed[0]
+                raise GraphError(f"{where}: {_site(decl.fn)} parameter {k!r} has a default, so it is a "
+                                 f"hyperparameter, but {k!r} is also a value ({self.writers()[k]} writes it); "
+                                 "drop the default to read the value, or rename the hyperparameter")
         if "advantages" in self.advantage_fn.reads:
             raise GraphError(f"{where}: advantage() cannot read its own output 'advantages'")
         return self
