@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from dag_fixtures import CYCLIC_DAG
+from dag_fixtures import CYCLIC_DAG, TWO_DEFAULTS_DAG, TWO_LOSSES_DAG
 from reliability_harness import HF_TORCH, WarmCli, run_to_end
 
 
@@ -113,6 +113,14 @@ CASES = {
                        {"cyclic.py": CYCLIC_DAG}),
     "dangling dag": Case(("train", "dangling.py", "--out", "run"), ("dangling.py", "'values'", "nothing produces"),
                          {"dangling.py": DANGLING_DAG}),
+    "two defaults for one hyperparameter": Case(
+        ("graph", "kl.py", "--out", "graph.html"),
+        ("kl.py: algorithm 'two_defaults': hyperparameter 'kl_coef' has two defaults", "0.1 in advantages() at kl.py:",
+         "0.01 in policy_loss() at kl.py:", "same default"), {"kl.py": TWO_DEFAULTS_DAG}),
+    "two losses for one model": Case(
+        ("graph", "losses.py", "--out", "graph.html"),
+        ("losses.py: algorithm 'two_losses': model 'actor' has two losses", "policy_loss() at losses.py:",
+         "entropy_bonus() at losses.py:", "keep one"), {"losses.py": TWO_LOSSES_DAG}),
     "memory budget": Case((*TRAIN, "--set", "cluster.memory_budget_gib=0.01"),
                           ("cluster.memory_budget_gib", "decode KV pool", "the budget is 0.01 GiB")),
     "corrupt checkpoint": Case(RESUME, ("model.safetensors", "fails its checksum", "iter_000005"),
