@@ -137,17 +137,47 @@ def test_two_defaults_for_one_hyperparameter_are_refused_naming_both():
     assert alg.advantage_fn is None
 
 
-def test_two_defaults_are_refused_between_a_node_and_a_critic_loss():
+def scaled_reward(text, answer, tau: float = 1.0):
+    return tau * float(text == answer)
+
+
+def scaled_advantages(rewards, tau: float = 1.0):
+    return tau * rewards
+
+
+def scaled_loss(logprobs, advantages, tau: float = 1.0):
+    return -tau * logprobs * advantages.unsqueeze(-1)
+
+
+def scaled_value_loss(values, advantages, tau: float = 1.0):
+    return tau * (values - advantages) ** 2
+
+
+def scaled(rewards, tau: float = 1.0):
+    return tau * rewards
+
+
+SECOND = {  # every way a function registers: each checks the defaults before it
+    "reward": (lambda alg, fn: alg.reward(fn), scaled_reward),
+    "advantage": (lambda alg, fn: alg.advantage(fn), scaled_advantages),
+    "loss": (lambda alg, fn: alg.loss(fn), scaled_loss),
+    "critic loss": (lambda alg, fn: alg.loss(model="critic")(fn), scaled_value_loss),
+    "node": (lambda alg, fn: alg.node(fn, writes="scaled"), scaled),
+}
+
+
+@pytest.mark.parametrize("second", list(SECOND))
+def test_two_defaults_are_refused_whichever_function_registers_second(second):
     def smooth(rewards, tau: float = 0.5):
         return rewards
-
-    def critic_loss(values, advantages, tau: float = 1.0):
-        return (values - advantages) ** 2
 
     alg = base()
     alg.critic("critic", copy_of="actor")
     alg.node(smooth, writes="smoothed")
-    assert "hyperparameter 'tau' has two defaults, 0.5" in refused(lambda: alg.loss(model="critic")(critic_loss))
+    register, fn = SECOND[second]
+    message = refused(lambda: register(alg, fn))
+    assert f"hyperparameter 'tau' has two defaults, 0.5 in {here(smooth)} and 1.0 in {here(fn)}" in message
+    assert alg.hyperparameters() == {"tau": 0.5}  # the first stays
 
 
 def test_one_default_in_two_functions_is_one_hyperparameter():
