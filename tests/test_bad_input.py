@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from dag_fixtures import CYCLIC_DAG
+from dag_fixtures import CYCLIC_DAG, TWO_DEFAULTS_DAG, TWO_LOSSES_DAG
 from reliability_harness import HF_TORCH, WarmCli, run_to_end
 
 
@@ -113,6 +113,14 @@ CASES = {
                        {"cyclic.py": CYCLIC_DAG}),
     "dangling dag": Case(("train", "dangling.py", "--out", "run"), ("dangling.py", "'values'", "nothing produces"),
                          {"dangling.py": DANGLING_DAG}),
+    "two defaults for one hyperparameter": Case(
+        ("graph", "kl.py", "--out", "graph.html"),
+        ("kl.py: algorithm 'two_defaults': hyperparameter 'kl_coef' has two defaults", "0.1 in advantages() at kl.py:",
+         "0.01 in policy_loss() at kl.py:", "same default"), {"kl.py": TWO_DEFAULTS_DAG}),
+    "two losses for one model": Case(
+        ("graph", "losses.py", "--out", "graph.html"),
+        ("losses.py: algorithm 'two_losses': model 'actor' has two losses", "policy_loss() at losses.py:",
+         "entropy_bonus() at losses.py:", "keep one"), {"losses.py": TWO_LOSSES_DAG}),
     "memory budget": Case((*TRAIN, "--set", "cluster.memory_budget_gib=0.01"),
                           ("cluster.memory_budget_gib", "decode KV pool", "the budget is 0.01 GiB")),
     "corrupt checkpoint": Case(RESUME, ("model.safetensors", "fails its checksum", "iter_000005"),
@@ -187,10 +195,11 @@ def algorithms(draw):
     alg = Algorithm("fuzz")
     models = draw(st.lists(st.sampled_from(["actor", "ref", "critic"]), max_size=3, unique=True))
     for i, m in enumerate(models):
-        if i == 0 or draw(st.booleans()):
+        if i == 0:
             alg.policy(m)
-        else:
-            alg.frozen(m, copy_of=draw(st.sampled_from(models + ["nobody"])))
+        else:  # one policy; other models trained (a critic) or frozen
+            declare = alg.critic if draw(st.booleans()) else alg.frozen
+            declare(m, copy_of=draw(st.sampled_from(models + ["nobody"])))
     for _ in range(draw(st.integers(0, 3))):
         alg.score(draw(st.sampled_from(models + ["ghost"])), as_=draw(st.sampled_from(["logprobs", "ref_logprobs",
                                                                                       "values"])),

@@ -23,18 +23,38 @@ A second trained model (PPO's critic) is declared with ``critic(name, copy_of=..
 model (``score("critic", as_="values", grad=True)``) and trained by ``@loss(model="critic")`` with an
 optimizer step of its own. A model may name its own engine (``frozen(..., engine=...)``), and a node
 of a kind registered outside pipeline/ is placed with ``node(kind=..., model=...)``.
+
+Nothing is resolved by order: a second policy, reward, advantage, or loss for one model, two writers
+of one value, two nodes of one name, and two defaults for one hyperparameter are refused when they
+are declared, naming both; a hyperparameter named like a value is refused by ``validate()``.
 """
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from rollplex.errors import GraphError
 
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 ADVANTAGE_SCOPES = ("group", "batch")
+RUNTIME_VALUES = ("prompt", "vision", "responses", "rewards", "advantages", "mask")
+
+
+def _site(fn: Callable[..., Any]) -> str:
+    """``name()`` and where it is defined: two functions may share a name (a redefinition)."""
+    code = getattr(fn, "__code__", None)
+    where = f" at {Path(code.co_filename).name}:{code.co_firstlineno}" if code is not None else ""
+    return f"{getattr(fn, '__name__', repr(fn))}(){where}"
+
+
+def _same_default(a: Any, b: Any) -> bool:
+    try:
+        return a is b or bool(a == b)
+    except Exception:  # noqa: BLE001 - e.g. a tensor's ambiguous truth value: not provably the same
+        return False
 
 
 @dataclass(frozen=True)
@@ -111,8 +131,16 @@ class Algorithm:
     # -- models --------------------------------------------------------------------------------
     def policy(self, name: str = "actor", path: str | None = None) -> str:
         """The trained model; rollouts sample from it."""
+        if self.rollout_model is not None and self.rollout_model != name:
+            raise GraphError(f"{self._where}: two policies, {self.rollout_model!r} and {name!r}; one model "
+                             f"samples the rollouts: declare another trained model with critic({name!r}, ...)")
         self._add_model(ModelDecl(name, trainable=True, path=path))
         self.rollout_model = name
+        early = self.model_losses.pop(name, None)  # @loss(model=name) before policy(name)
+        if early is not None:
+            if self.loss_fn is not None:
+                raise self._two_losses(name, self.loss_fn, early)
+            self.loss_fn = early
         return name
 
     def frozen(self, name: str, copy_of: str | None = None, path: str | None = None,
@@ -135,20 +163,48 @@ class Algorithm:
 
     def _add_model(self, decl: ModelDecl) -> None:
         if decl.name in self.models:
-            raise GraphError(f"{self.name}: model {decl.name!r} is declared twice")
+            raise GraphError(f"{self._where}: model {decl.name!r} is declared twice; give the second "
+                             "another name")
         self.models[decl.name] = decl
+
+    @property
+    def _where(self) -> str:
+        return f"algorithm {self.name!r}"
 
     # -- scoring ---------------------------------------------------------------------------------
     def score(self, model: str, as_: str, grad: bool = False) -> str:
-        if any(s.as_ == as_ for s in self.scores):
-            raise GraphError(f"{self.name}: value {as_!r} is scored twice")
+        this = f"score({model!r}, as_={as_!r}{', grad=True' if grad else ''})"
+        for value in (as_, f"old_{as_}") if grad else (as_,):
+            self._claim(value, this)
         self.scores.append(ScoreDecl(model, as_, grad))
         return as_
+
+    def writers(self) -> dict[str, str]:
+        """Value name → what writes it: the runtime, a score, or a node of the algorithm's own."""
+        out = dict.fromkeys(RUNTIME_VALUES, "the runtime")
+        for s in self.scores:
+            out[s.as_] = f"score({s.model!r}, as_={s.as_!r}{', grad=True' if s.grad else ''})"
+            if s.grad:
+                out[f"old_{s.as_}"] = out[s.as_]
+        out.update({c.options["writes"]: f"node {_site(c.fn)}" for c in self.custom})
+        return out
+
+    def _claim(self, value: str, by: str) -> None:
+        """One writer per value: with two, which one a reader gets would depend on graph order."""
+        other = self.writers().get(value)
+        if other is not None:
+            fix = f"give {by} another name" if other == "the runtime" else "rename one of them"
+            raise GraphError(f"{self._where}: value {value!r} is written by {other} and by {by}; {fix}")
 
     # -- functions -------------------------------------------------------------------------------
     def reward(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """Per-response reward: ``fn(text, answer, ...) -> float``. Default: the dataset's verifier."""
-        self.reward_fn = FunctionDecl.of(fn)
+        decl = FunctionDecl.of(fn)
+        if self.reward_fn is not None:
+            raise GraphError(f"{self._where}: two reward functions, {_site(self.reward_fn.fn)} and {_site(fn)}; "
+                             "an algorithm has one: keep one, or return the sum of both from one function")
+        self._check_hyperparameters(decl)
+        self.reward_fn = decl
         return fn
 
     def advantage(self, fn: Callable[..., Any] | None = None, *, scope: str = "group"):
@@ -158,7 +214,13 @@ class Algorithm:
             raise GraphError(f"advantage scope {scope!r} is not one of {ADVANTAGE_SCOPES}")
 
         def register(f: Callable[..., Any]) -> Callable[..., Any]:
-            self.advantage_fn = FunctionDecl.of(f, scope=scope)
+            decl = FunctionDecl.of(f, scope=scope)
+            if self.advantage_fn is not None:
+                raise GraphError(f"{self._where}: two advantage functions, {_site(self.advantage_fn.fn)} and "
+                                 f"{_site(f)}; an algorithm has one: keep one, or compute a value the other "
+                                 "reads with @node(writes=...)")
+            self._check_hyperparameters(decl)
+            self.advantage_fn = decl
             return f
 
         return register(fn) if fn is not None else register
@@ -172,10 +234,13 @@ class Algorithm:
 
         def register(f: Callable[..., Any]) -> Callable[..., Any]:
             decl = FunctionDecl.of(f, agg=agg)
-            if model is None or model == self.rollout_model:
+            policy = model is None or model == self.rollout_model
+            first = self.loss_fn if policy else self.model_losses.get(model)
+            if first is not None:
+                raise self._two_losses(self.rollout_model if policy else model, first, decl)
+            self._check_hyperparameters(decl)
+            if policy:
                 self.loss_fn = decl
-            elif model in self.model_losses:
-                raise GraphError(f"{self.name}: model {model!r} has two losses")
             else:
                 self.model_losses[model] = decl
             return f
@@ -196,17 +261,43 @@ class Algorithm:
             if not f.__name__.isidentifier():  # a lambda: its name would become the node's name
                 raise GraphError(f"node {writes!r}: give a named function (def), not {f.__name__!r}; "
                                  "its name names the node")
-            if writes in self.produced_values():
-                raise GraphError(f"{self.name}: value {writes!r} is produced twice")
-            self.custom.append(FunctionDecl.of(f, writes=writes, per=per, kind=kind, model=model))
+            decl = FunctionDecl.of(f, writes=writes, per=per, kind=kind, model=model)
+            self._claim(writes, f"node {_site(f)}")
+            for other in self.custom:  # the graph and the runtime find a node's function by its name
+                if other.name == f.__name__:
+                    raise GraphError(f"{self._where}: two nodes are named {f.__name__!r}, {_site(other.fn)} "
+                                     f"writing {other.options['writes']!r} and {_site(f)} writing {writes!r}; "
+                                     "a node is named by its function: rename one")
+            self._check_hyperparameters(decl)
+            self.custom.append(decl)
             return f
 
         return register(fn) if fn is not None else register
 
     def produced_values(self) -> set[str]:
         """Per-group values functions can read by name."""
-        return (set(self.scored_values()) | {"prompt", "vision", "responses", "rewards", "advantages", "mask"}
-                | {c.options["writes"] for c in self.custom})
+        return set(self.writers())
+
+    def _check_hyperparameters(self, decl: FunctionDecl) -> None:
+        """A hyperparameter is one name for the whole algorithm (``params.<name>`` sets it in every
+        function that takes it), so two defaults for it would leave unclear which one runs."""
+        for other in self._functions():
+            for k in sorted(decl.params.keys() & other.params.keys()):
+                if not _same_default(decl.params[k], other.params[k]):
+                    raise GraphError(
+                        f"{self._where}: hyperparameter {k!r} has two defaults, {other.params[k]!r} in "
+                        f"{_site(other.fn)} and {decl.params[k]!r} in {_site(decl.fn)}; functions that take "
+                        f"{k!r} share one value (params.{k}): give both the same default or rename one")
+
+    def _functions(self) -> list[FunctionDecl]:
+        return [d for d in (self.reward_fn, self.advantage_fn, self.loss_fn, *self.model_losses.values(),
+                            *self.custom) if d is not None]
+
+    def _two_losses(self, model: str | None, first: FunctionDecl, second: FunctionDecl) -> GraphError:
+        who = "the policy" if model is None else f"model {model!r}"
+        return GraphError(f"{self._where}: {who} has two losses, {_site(first.fn)} and "
+                          f"{_site(second.fn)}; each trained model has one: keep one, or return the sum of "
+                          "both from one function")
 
     # -- checks ----------------------------------------------------------------------------------
     @property
@@ -235,7 +326,7 @@ class Algorithm:
         return out
 
     def validate(self) -> "Algorithm":
-        where = f"algorithm {self.name!r}"
+        where = self._where
         if self.rollout_model is None:
             raise GraphError(f"{where}: declare the policy with .policy(name)")
         for decl in self.models.values():
@@ -266,15 +357,22 @@ class Algorithm:
             if unknown:
                 raise GraphError(f"{where}: {what} function {decl.name}() reads {unknown}, which nothing "
                                  f"produces; it can read {sorted(readable)}")
+            # A parameter with a default is a hyperparameter and never receives the value of its name.
+            shadowed = sorted(decl.params.keys() & readable)
+            if shadowed:
+                k = shadowed[0]
+                raise GraphError(f"{where}: {_site(decl.fn)} parameter {k!r} has a default, so it is a "
+                                 f"hyperparameter, but {k!r} is also a value ({self.writers()[k]} writes it); "
+                                 "drop the default to read the value, or rename the hyperparameter")
         if "advantages" in self.advantage_fn.reads:
             raise GraphError(f"{where}: advantage() cannot read its own output 'advantages'")
         return self
 
     def hyperparameters(self) -> dict[str, Any]:
+        """Name → default; functions that share a name share its default (checked as they register)."""
         params: dict[str, Any] = {}
-        for decl in (self.reward_fn, self.advantage_fn, self.loss_fn, *self.model_losses.values(), *self.custom):
-            if decl is not None:
-                params.update(decl.params)
+        for decl in self._functions():
+            params.update(decl.params)
         return params
 
     def __repr__(self) -> str:
