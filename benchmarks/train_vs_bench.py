@@ -9,7 +9,7 @@ suffix node and 2 per micro-batch. Train runs ``schedule: auto``, so serial and 
 fusion) take turns in one process as the bench's policies do; its first iteration of each is dropped.
 
     python benchmarks/train_vs_bench.py --out $OUT/tvb            # on the GPU (scripts/on-device.sh --wheels)
-    python benchmarks/train_vs_bench.py --device cpu --layers 1 --vision-layers 1 --side 112 --new-tokens 8 \
+    python benchmarks/train_vs_bench.py --device cpu --layers 1 --vision-layers 1 --side 112 --new-tokens 8 --chunk-tokens 4 \
         --trials 2 --bench-iterations 2 --out /tmp/tvb   # a smoke run of the script
 
 Prints, per policy: s/iteration (median of the timed iterations) in train and in the bench, their
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -30,7 +30,28 @@ TEXT = ("Describe the picture in detail: the objects, their colours, their posit
         "doing and how they relate to one another, and then answer the question about it in one word.")
 
 
-def write_dataset(out: Path, prompts: int, side: int) -> Path:
+def prompt_text(model: Path, side: int, tokens: int) -> str:
+    """Words of TEXT, as many as make the chat prompt of one ``side``-pixel image ``tokens`` long
+    (or the nearest below): the bench's prompt is its vision tokens plus 66 ids."""
+    from PIL import Image
+
+    from rollplex.tasks.data import PromptBuilder
+    from transformers import AutoProcessor
+
+    builder = PromptBuilder(AutoProcessor.from_pretrained(model))
+    image, words = Image.new("RGB", (side, side)), (TEXT + " ") * 8
+    words = words.split()
+    lo, hi = 1, len(words)
+    while lo < hi:  # the most words whose prompt fits
+        mid = (lo + hi + 1) // 2
+        if builder.build("probe", image, " ".join(words[:mid])).num_tokens <= tokens:
+            lo = mid
+        else:
+            hi = mid - 1
+    return " ".join(words[:lo])
+
+
+def write_dataset(out: Path, prompts: int, side: int, text: str) -> Path:
     """``prompts`` rows of one ``side``×``side`` random-noise image and the same question."""
     import numpy as np
     from PIL import Image
@@ -41,7 +62,7 @@ def write_dataset(out: Path, prompts: int, side: int) -> Path:
     for i in range(prompts):
         name = f"img{i:03d}.png"
         Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)).save(out / name)
-        rows.append(json.dumps({"prompt": f"<image>{TEXT}", "images": [name], "answer": "red"}))
+        rows.append(json.dumps({"prompt": f"<image>{text}", "images": [name], "answer": "red"}))
     path = out / "train.jsonl"
     path.write_text("\n".join(rows) + "\n")
     return path
@@ -66,30 +87,36 @@ def outside_share(trace: dict, seconds: float) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", required=True, help="where the result JSON and the runs' metrics go")
+    ap.add_argument("--work", default="/tmp/rollplex-tvb", help="model, data and run directories")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--preset", default="qwen2.5-vl-3b")
     ap.add_argument("--layers", type=int, default=None, help="fewer LM layers (smoke runs)")
     ap.add_argument("--vision-layers", type=int, default=None, help="fewer ViT blocks (smoke runs; train only)")
     ap.add_argument("--side", type=int, default=896, help="image side: (side/28)² merged vision tokens")
     ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--chunk-tokens", type=int, default=32)
     ap.add_argument("--trials", type=int, default=5, help="train iterations per schedule (the first not timed)")
     ap.add_argument("--bench-iterations", type=int, default=6)
+    ap.add_argument("--threads", type=int, default=0,
+                    help="train's cluster.threads (0: its default; the bench's host uses 8)")
     args = ap.parse_args()
-    out = Path(args.out)
+    out, work = Path(args.out), Path(args.work)
     out.mkdir(parents=True, exist_ok=True)
-    model = out / "model"
+    model = work / "model"
     if not (model / "config.json").exists():
         init = ["rollplex", "init-model", str(model), "--preset", args.preset,
                 "--dtype", "bfloat16" if args.device == "cuda" else "float32"]
         run(init + (["--layers", str(args.layers)] if args.layers else [])
             + (["--vision-layers", str(args.vision_layers)] if args.vision_layers else []))
-    data = write_dataset(out / "data", 8, args.side)
+    vision = (args.side // 28) ** 2
+    data = write_dataset(work / "data", 8, args.side, prompt_text(model, args.side, vision + 66))
     dtype = "bfloat16" if args.device == "cuda" else "float32"
     shape = ["rollout.prompts_per_iteration=8", "rollout.samples_per_prompt=8",
-             f"rollout.max_new_tokens={args.new_tokens}", "rollout.chunk_tokens=32", "train.prompts_per_node=8",
+             f"rollout.max_new_tokens={args.new_tokens}", f"rollout.chunk_tokens={args.chunk_tokens}", "train.prompts_per_node=8",
              "train.micro_batch_groups=2"]
-    train_dir = out / "train"
+    train_dir = work / "train"
+    shutil.rmtree(train_dir, ignore_errors=True)
     run(["rollplex", "train", "--no-progress", "--schedule", "auto", "--out", str(train_dir),
          "--iterations", str(2 * args.trials),
          "--set", f"schedule_trials={args.trials}", "--set", f"model.path={model}", "--set", f"model.dtype={dtype}",
@@ -97,12 +124,13 @@ def main() -> int:
          "--set", "stop_at_reward=null", "--set", "engines.train=torch", "--set", "engines.decode=torch-graph",
          "--set", "engines.decode_options={compile: %s}" % ("true" if args.device == "cuda" else "false"),
          "--set", "train.train_fusion=true", "--set", "checkpoint.every=0"]
+        + (["--set", f"cluster.threads={args.threads}"] if args.threads else [])
         + [x for s in shape for x in ("--set", s)])
-    bench_dir = out / "bench"
+    bench_dir = work / "bench"
     policies = "serial:ppn=8:mb=2,rollplex:ppn=8:mb=2:tf=1"
     run(["rollplex", "bench", "--model", args.preset, "--device", args.device, "--dtype", dtype,
          "--policies", policies, "--iterations", str(args.bench_iterations), "--max-new-tokens", str(args.new_tokens),
-         "--mean-new-tokens", "1000000", "--chunk-tokens", "32", "--vision-tokens", str((args.side // 28) ** 2),
+         "--mean-new-tokens", "1000000", "--chunk-tokens", str(args.chunk_tokens), "--vision-tokens", str(vision),
          "--train-engine", "torch", "--out", str(bench_dir)] + (["--layers", str(args.layers)] if args.layers else []))
 
     rows = [json.loads(line) for line in (train_dir / "metrics.jsonl").read_text().splitlines()]
@@ -124,6 +152,10 @@ def main() -> int:
               f"{r['outside_median']:12.1%}   (train iterations: {', '.join(f'{s:.2f}' for s in r['train_seconds'])};"
               f" mean response {r['response_len_mean']:.0f} tokens)")
     (out / "train_vs_bench.json").write_text(json.dumps(result, indent=1))
+    shutil.copy(train_dir / "metrics.jsonl", out / "train_metrics.jsonl")
+    shutil.copy(bench_dir / "bench.json", out / "bench.json")
+    last = max(r["iteration"] for r in rows)
+    shutil.copy(train_dir / "traces" / f"iter_{last:06d}.json", out / "train_trace_last.json")
     return 0
 
 

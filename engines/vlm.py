@@ -92,7 +92,9 @@ def vision_embeds_batch(model: torch.nn.Module, prompts: list[PromptInputs]) -> 
             owners = [i for i, p in enumerate(prompts) if getattr(p, pixels_of) is not None]
             if not owners:
                 continue
-            pixels = torch.cat([getattr(prompts[i], pixels_of) for i in owners]).to(device)
+            # Each prompt's pixels go to the device on their own, then join there: a join on the host
+            # is a fresh pageable copy of them all (8 images of 1,024 tokens: 77 MB), on one thread.
+            pixels = torch.cat([getattr(prompts[i], pixels_of).to(device, non_blocking=True) for i in owners])
             grids = [getattr(prompts[i], grid_of).reshape(-1, 3) for i in owners]
             per_item = features(pixels, torch.cat(grids).to(device)).pooler_output  # one tensor per image
             items = iter(per_item)
