@@ -66,7 +66,7 @@ def annotate(graph: IterationGraph, cm: CostModel) -> IterationGraph:
         if node.args.get("recompute_in_loss"):
             for u in list(out.g.predecessors(node.name)):
                 if out.g.edges[u, node.name]["reason"] == "accumulation order":
-                    out.g.remove_edge(u, node.name)
+                    out.remove_edge(u, node.name)
     return out
 
 

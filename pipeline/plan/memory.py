@@ -136,15 +136,11 @@ def tensors_of(plan: Plan, residents: list[Resident]) -> list[Tensor]:
     slots, graph = plan.slots, plan.graph
     period = plan.makespan
     tiebreak = {name: job.tiebreak for name, job in zip(plan.names, plan.problem.jobs)}
-    consumers: dict[str, list[str]] = {}
-    for node in graph:
-        for v in node.inputs:
-            consumers.setdefault(v, []).append(node.name)
     out = []
     for v in graph.values.values():
         if v.device != "device" or v.nbytes <= 0:
             continue
-        users = [slots[n] for n in consumers.get(v.name, [])]
+        users = [slots[n] for n in graph.consumers(v.name)]
         if v.producer is not None:
             users.append(slots[v.producer])
             gpus = slots[v.producer].gpus
@@ -399,6 +395,7 @@ def _materialize(plan: Plan, tensors: list[Tensor], actions: list[Action]):
     order: list[tuple[str, str]] = []
     by_name = {t.name: t for t in tensors}
     current: dict[str, str] = {}  # value → the name its later consumers read
+    readers: dict[str, list[str]] = {}  # value (or a copy) → the nodes that read it now
     taken = set(graph.nodes) | set(graph.values)
 
     def fresh(stem: str) -> int:
@@ -435,9 +432,11 @@ def _materialize(plan: Plan, tensors: list[Tensor], actions: list[Action]):
                        meta={"at": deadline})
             infos[host] = dict(nbytes=value.nbytes, device="host", what="offloaded")
             infos[dev] = dict(nbytes=value.nbytes, device="device", what=value.what)
-            for n, ins in inputs.items():  # consumers after the gap read the prefetched copy
-                if src in ins and plan.slots[n].start >= act.gap.b - EPS:
-                    inputs[n] = [dev if v == src else v for v in ins]
+            before = readers.pop(src) if src in readers else list(graph.consumers(src))
+            readers[src] = [n for n in before if plan.slots[n].start < act.gap.b - EPS]
+            readers[dev] = [n for n in before if plan.slots[n].start >= act.gap.b - EPS]
+            for n in readers[dev]:  # consumers after the gap read the prefetched copy
+                inputs[n] = [dev if v == src else v for v in inputs[n]]
             current[t.name] = dev
         if act.gap.after:
             order.append((act.gap.after, off_name))
