@@ -1,8 +1,9 @@
-"""Graphs that know who reads each value (pipeline/compile/ir.py).
+"""Values that say what they are, and graphs that know who reads them (pipeline/compile/ir.py).
 
-Invariants on compiled iterations and hand-built ones: the users index (and the lifetimes and the
-cached topological order built on the graph) equals a scan of the nodes after every kind of change
-the code makes. CPU only, no engines."""
+Invariants on compiled iterations and hand-built ones: the users index equals a scan of the nodes
+after every kind of change the code makes; a value's facts survive pickling, copying and the rank
+split; and compile + distribute + schedule + plan give the same result under another naming of every
+value and node, so no pass learns what a value is from its name. CPU only, no engines."""
 from __future__ import annotations
 
 import pickle
@@ -17,7 +18,7 @@ from rollplex.dags.ppo import ppo
 from rollplex.engines.modelspec import load_model
 from rollplex.errors import GraphError
 from rollplex.pipeline.compile.compiler import BatchShape, EngineChoice, ModelDims, compile_iteration
-from rollplex.pipeline.compile.ir import IterationGraph, Node
+from rollplex.pipeline.compile.ir import IterationGraph, Node, Value
 from rollplex.pipeline.compile.ranks import distribute
 from rollplex.pipeline.plan import footprint
 from rollplex.pipeline.plan.costs import CostModel, NodeCost, Workload
@@ -107,7 +108,7 @@ def chain_plan():
     g = IterationGraph("kv")
     g.add_input("x", 16, "host")
     small = dict(nbytes=1024, device="device")
-    g.add(Node("prefix", "prefix", ("x",), ("kv", "h")), kv=dict(nbytes=8 * GiB, device="device"), h=small)
+    g.add(Node("prefix", "prefix", ("x",), ("kv", "h")), kv=dict(nbytes=8 * GiB, device="device", role="kv"), h=small)
     g.add(Node("vit", "vit_encode", ("h",), ("vis",)), vis=small)
     g.add(Node("decode", "decode_chunk", ("vis",), ("resp",)), resp=dict(nbytes=0, device="host"))
     g.add(Node("post", "prefix", ("resp",), ("ready",)), ready=small)
@@ -165,3 +166,123 @@ def test_nodes_and_values_change_only_through_the_graph():
         g.values["report"] = g.values["report"]  # type: ignore[index]
     with pytest.raises(GraphError, match="no node %nope"):
         g.replace_node(Node("nope", "report"))
+    with pytest.raises(GraphError, match="role 'kv_cache' is not one of"):
+        Value("x", None, role="kv_cache")
+
+
+# -- facts ---------------------------------------------------------------------------------------------
+def test_every_compiled_value_says_what_it_is():
+    g = compiled(stage_fusion=True, window_chunks=2)
+    P = 8
+    for v in g.values.values():
+        assert v.role != "tensor", v
+        if v.role in ("prompt", "vision", "kv", "responses", "rewards"):
+            assert len(v.prompts) == 1, v
+        if v.role in ("decode_state", "handoff", "finished"):
+            assert v.chunk is not None and v.prompts == tuple(range(P)), v
+    by = lambda **facts: sorted(v.name for v in g.values.values()  # noqa: E731
+                                if all(getattr(v, k) == x for k, x in facts.items()))
+    assert by(role="score", label="ref_logprobs", prompts=(3,)) == ["ref_logprobs_p3"]
+    assert by(role="score", label="old_logprobs", prompts=(3,)) == ["old_logprobs_p3"]
+    assert by(role="kv", model="ref", prompts=(3,)) == ["prefix_ref_p3"]
+    assert g.feed(list("abcdefgh")) == {f"prompt_p{p}": "abcdefgh"[p] for p in range(P)}
+
+
+@pytest.mark.parametrize("ranks, tp", [(2, 1), (4, 2)])
+@pytest.mark.parametrize("kw", [dict(stage_fusion=True), dict(stage_fusion=True, train_fusion=True)])
+def test_the_rank_split_keeps_each_values_facts_and_says_its_rank(ranks, tp, kw):
+    single = compiled(**kw)
+    g = distribute(single, ranks, tp)
+    per_rank = 8 // ranks
+    for v in g.values.values():
+        if v.producer is not None:
+            assert v.rank == g.nodes[v.producer].meta["rank"], v
+        elif v.role == "prompt":
+            assert v.rank == v.prompts[0] // per_rank, v
+        if v.name in single.values:  # kept under its name: the same facts on its rank
+            assert v.facts() == {**single.values[v.name].facts(), "rank": v.rank}, v
+    for v in g.values.values():  # a rank's copy of a hand-off or a chunk's score covers its prompts
+        if v.role in ("handoff", "finished") or (v.role == "score" and v.chunk is not None):
+            assert v.prompts == tuple(range(v.rank * per_rank, (v.rank + 1) * per_rank)), v
+    assert pickle.loads(pickle.dumps(g)).values == g.values
+
+
+# -- the same plan under another naming ------------------------------------------------------------------
+def renamed(g: IterationGraph) -> IterationGraph:
+    """``g`` with every value and node under a new name that reads and sorts differently, in the same
+    insertion order; value names inside args (a function's binding) follow."""
+    n = len(g.values)
+    value = {v: f"w{n - i:05d}" for i, v in enumerate(g.values)}
+    node = {name: f"op{len(g) - i}_{name[::-1]}" for i, name in enumerate(g.nodes)}
+    out = IterationGraph(g.name)
+    out.meta = dict(g.meta)
+    for v in g.values.values():
+        if v.producer is None:
+            out.add_input(value[v.name], **v.facts())
+    for x in g:
+        args = dict(x.args)
+        if "bind" in args:
+            args["bind"] = {k: [(value[v], group) for v, group in pairs] for k, pairs in args["bind"].items()}
+        out.add(Node(node[x.name], x.kind, tuple(value[v] for v in x.inputs), tuple(value[v] for v in x.outputs),
+                     x.model, x.engine, args, dict(x.meta)), **{value[o]: g.values[o] for o in x.outputs})
+    out.connect()
+    for u, v, data in g.g.edges(data=True):
+        if not data["values"]:
+            out.add_order(node[u], node[v], data["reason"])
+    return out.lint()
+
+
+def shape_of(g: IterationGraph) -> tuple:
+    """The graph without names: each node as what it is, reads and makes (value facts), and where and
+    when a pass put it; edges as pairs of those; the graph's meta."""
+    def record(v: str) -> tuple:
+        return tuple(g.values[v].facts().values())
+
+    def of(name: str) -> str:
+        x = g.nodes[name]
+        args = dict(x.args)
+        if "bind" in args:
+            args["bind"] = {k: [(record(v), group) for v, group in pairs] for k, pairs in args["bind"].items()}
+        meta = {k: x.meta[k] for k in ("rank", "placement", "stream", "priority", "lane", "gpus", "start", "finish")
+                if k in x.meta}
+        return repr((x.kind, x.model, x.engine, sorted(args.items()), sorted(meta.items()),
+                     [record(v) for v in x.inputs], [record(v) for v in x.outputs]))
+
+    nodes = sorted(of(n) for n in g.nodes)
+    edges = sorted((of(u), of(v), d["reason"], sorted(record(x) for x in d["values"]))
+                   for u, v, d in g.g.edges(data=True))
+    return nodes, edges, {k: repr(v) for k, v in g.meta.items()}
+
+
+@pytest.mark.parametrize("alg, kw, ranks, tp", [
+    (grpo, {}, 2, 1), (grpo, dict(stage_fusion=True), 2, 1), (grpo, dict(stage_fusion=True, window_chunks=2), 4, 2),
+    (grpo, dict(stage_fusion=True, train_fusion=True), 2, 1), (ppo, dict(prompts_per_node=2), 2, 1),
+    ("dags/examples/reward_model.py", dict(stage_fusion=True), 2, 1)])
+@pytest.mark.parametrize("policy", ["serial", "rollplex"])
+def test_compile_distribute_and_schedule_give_the_same_graph_under_another_naming(alg, kw, ranks, tp, policy):
+    g = compiled(load_algorithm(alg) if isinstance(alg, str) else alg, **kw)
+    plain = schedule(distribute(g, ranks, tp), policy)
+    other = schedule(distribute(renamed(g), ranks, tp), policy)
+    assert shape_of(other) == shape_of(plain)
+
+
+@pytest.mark.parametrize("train_fusion", [False, True])
+def test_plans_are_the_same_under_another_naming(train_fusion):
+    """The plan reads a node's costs and the values it hands on from facts and args: stage fusion
+    moves groups and splits scoring per finished sample the same way under any names."""
+    model = load_model("qwen2.5-vl-7b")
+    cluster = hardware("h200", 2)
+    layout = Layout.colocate(cluster)
+    w = Workload(prompts=8, samples=4, max_new_tokens=128, chunk_tokens=32, response="uniform:8:128",
+                 actor_forward="keep")
+    cm = CostModel(model, cluster, w, layout)
+    shape = BatchShape(prompts=8, samples=4, max_new_tokens=128, chunk_tokens=32, micro_batch_groups=2,
+                       prompt_tokens=w.prefix_tokens, vision_tokens=w.vision_total, stage_fusion=train_fusion,
+                       train_fusion=train_fusion)
+    g = footprint.annotate(compile_iteration(grpo, shape, ENGINES, DIMS), cm)
+    policies = ["rollplex"] if train_fusion else ["serial", "rollplex"]
+    for policy in policies:
+        plans = [plan(x, cluster, cm, policy, layout, release=cm.profile.finish_chunk,
+                      release_samples=cm.profile.sample_chunks) for x in (g, renamed(g))]
+        assert plans[0].makespan == plans[1].makespan
+        assert shape_of(plans[1].graph) == shape_of(plans[0].graph)

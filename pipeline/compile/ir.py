@@ -1,21 +1,23 @@
 """The iteration IR: a small typed DAG of nodes and the values that flow between them.
 
 A ``Node`` is one unit of work (one prompt's ref prefix, one decode chunk, ...). A ``Value`` is one
-tensor bundle with a producer, a byte estimate and a device. ``IterationGraph`` holds both on a
-networkx DiGraph whose edges carry the value names, keeps each value's users (the nodes that read it,
-filled as nodes are added, like torch.fx ``Node.users``), prints as a one-line-per-node table, and
-``lint()`` rejects malformed graphs with errors that name the node. Passes never change a node's
-fields; what a pass decides (stream, order, residency) goes into the node's ``meta`` dict or into a
-separate plan object keyed by node name. A graph changes only through its methods (``add``,
-``replace_node``, ``replace_value``, ``connect``, ``add_order``, ``remove_edge``), which keep the users
-index and the tables cached on the graph (``memo``) in step; ``nodes`` and ``values`` are read-only views.
+tensor bundle with a producer, a byte estimate, a device and fields that say what it is (``role``,
+``model``, ``prompts``, ``chunk``, ``rank``, ``label``): passes and tasks read those, never the name,
+which is only a key and what the table prints. ``IterationGraph`` holds both on a networkx DiGraph
+whose edges carry the value names, keeps each value's users (the nodes that read it, filled as nodes
+are added, like torch.fx ``Node.users``), prints as a one-line-per-node table, and ``lint()`` rejects
+malformed graphs with errors that name the node. Passes never change a node's fields; what a pass
+decides (stream, order, residency) goes into the node's ``meta`` dict or into a separate plan object
+keyed by node name. A graph changes only through its methods (``add``, ``replace_node``,
+``replace_value``, ``connect``, ``add_order``, ``remove_edge``), which keep the users index and the
+tables cached on the graph (``memo``) in step; ``nodes`` and ``values`` are read-only views.
 """
 from __future__ import annotations
 
 import contextlib
 import gc
 import heapq
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -100,15 +102,60 @@ for _kind in (
     register_kind(_kind)
 
 
-@dataclass(frozen=True)
+# What a value can be. A role, not a name, tells passes and tasks what a value holds.
+ROLES = {
+    "prompt": "a prompt's tokens and images (a graph input)",
+    "vision": "a prompt's vision-tower embeddings",
+    "kv": "a model's prefix state of a prompt: KV cache and last logits",
+    "decode_state": "the decode engine's progress after a chunk",
+    "responses": "one prompt's G sampled responses",
+    "handoff": "the groups a decode chunk finished (stage fusion)",
+    "finished": "the single samples a decode chunk finished (stage fusion)",
+    "rollout_stats": "the batch's response tokens and sequences",
+    "score": "a scoring model's per-token outputs; ``label`` is the algorithm's name for them",
+    "rewards": "verifiable rewards",
+    "advantages": "advantages",
+    "custom": "the output of a node of the algorithm's own; ``label`` is its name",
+    "loss": "a loss record, after its backward",
+    "step": "an optimizer step's record",
+    "synced": "the decode engine's new weight version",
+    "report": "the iteration's host records and metrics",
+    "tensor": "anything else (plugin kinds, hand-built graphs)",
+}
+
+
+@dataclass(frozen=True, slots=True)
 class Value:
-    """A tensor bundle passed between nodes. ``nbytes`` is an estimate used by planning."""
+    """A tensor bundle passed between nodes. ``nbytes`` is an estimate used by planning.
+
+    ``prompts`` are the prompt (group) indices it covers, ``chunk`` the decode chunk it belongs to,
+    ``rank`` the data-parallel rank that holds it (None: the single-rank graph), ``model`` the model
+    that made it and ``label`` the algorithm's name for it where the role does not say it (a score's
+    ``ref_logprobs`` or ``old_logprobs``, a custom node's output)."""
 
     name: str
     producer: str | None  # None for a graph input (fed by the executor, like an fx placeholder)
     nbytes: int = 0
     device: str = "device"  # "device" (GPU/worker memory) or "host"
-    what: str = "tensor"  # e.g. "kv", "embeddings", "logprobs", "records"
+    role: str = "tensor"
+    model: str | None = None
+    prompts: tuple[int, ...] = ()
+    chunk: int | None = None
+    rank: int | None = None
+    label: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise GraphError(f"value {self.name!r}: role {self.role!r} is not one of {', '.join(ROLES)}")
+        if type(self.prompts) is not tuple:
+            object.__setattr__(self, "prompts", tuple(self.prompts))
+
+    def facts(self) -> dict[str, Any]:
+        """Everything but the name and the producer: what ``IterationGraph.add`` takes per output."""
+        return {f: getattr(self, f) for f in _FACTS}
+
+
+_FACTS = tuple(f for f in Value.__dataclass_fields__ if f not in ("name", "producer"))
 
 
 @dataclass(frozen=True)
@@ -212,8 +259,9 @@ class IterationGraph:
         self._version += 1
 
     # -- building -----------------------------------------------------------------------------
-    def add(self, node: Node, **value_info: Mapping[str, Any]) -> Node:
-        """Add a node. ``value_info[out] = dict(nbytes=..., device=..., what=...)`` describes outputs."""
+    def add(self, node: Node, **value_info: Mapping[str, Any] | Value) -> Node:
+        """Add a node. ``value_info[out]`` describes an output: a ``Value`` whose facts it takes, or
+        ``dict(nbytes=..., device=..., role=..., model=..., prompts=..., chunk=..., rank=..., label=...)``."""
         if node.name in self._nodes:
             raise GraphError(f"duplicate node name %{node.name}; every node needs a unique name")
         for out in node.outputs:
@@ -224,7 +272,7 @@ class IterationGraph:
         made = {}
         for out in node.outputs:
             info = value_info.get(out, {})
-            made[out] = Value(out, node.name, **info)
+            made[out] = Value(out, node.name, **(info.facts() if isinstance(info, Value) else info))
         self._values.update(made)
         self._index[node.name] = len(self._nodes)
         self._nodes[node.name] = node
@@ -233,10 +281,11 @@ class IterationGraph:
         self._changed()
         return node
 
-    def add_input(self, name: str, nbytes: int = 0, device: str = "host", what: str = "input") -> Value:
+    def add_input(self, name: str, nbytes: int = 0, device: str = "host", role: str = "tensor",
+                  **facts: Any) -> Value:
         if name in self._values:
             raise GraphError(f"graph input {name!r} duplicates a value of the same name")
-        self._values[name] = Value(name, None, nbytes, device, what)
+        self._values[name] = Value(name, None, nbytes, device, role, **facts)
         self._changed()
         return self._values[name]
 
@@ -269,6 +318,11 @@ class IterationGraph:
     @property
     def inputs(self) -> list[str]:
         return [v.name for v in self._values.values() if v.producer is None]
+
+    def feed(self, prompts: Sequence[Any]) -> dict[str, Any]:
+        """The graph inputs of one batch: each prompt input gets ``prompts[i]``, i its prompt index."""
+        return {v.name: prompts[v.prompts[0]] for v in self._values.values()
+                if v.producer is None and v.role == "prompt"}
 
     def add_order(self, before: str, after: str, reason: str = "order") -> None:
         for n in (before, after):
@@ -352,6 +406,9 @@ class IterationGraph:
 
     def of_kind(self, kind: str) -> list[Node]:
         return [n for n in self._nodes.values() if n.kind == kind]
+
+    def of_role(self, role: str) -> list[Value]:
+        return [v for v in self._values.values() if v.role == role]
 
     def topological_order(self) -> list[str]:
         """Deterministic topological order: ties broken by insertion order, never by name."""

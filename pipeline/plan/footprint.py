@@ -13,6 +13,8 @@ without checkpointing, 2·h (the layer input) with it.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from rollplex.pipeline.plan.costs import CostModel
 from rollplex.pipeline.compile.ir import IterationGraph, Node
 from rollplex.pipeline.plan.memory import Resident
@@ -46,7 +48,7 @@ def annotate(graph: IterationGraph, cm: CostModel) -> IterationGraph:
             v = graph.values[out]
             if v.device != "device":
                 continue
-            p = _prompt_of(out, prompts)
+            p = v.prompts[0] if len(v.prompts) == 1 else None
             nbytes = v.nbytes
             if node.kind == "vit_encode":
                 nbytes = w.vision_total * m.hidden * 2
@@ -55,7 +57,7 @@ def annotate(graph: IterationGraph, cm: CostModel) -> IterationGraph:
             elif node.kind == "suffix_score" and p is not None:
                 tokens = cm.tokens(p, full)
                 nbytes = sum(cm.profile.lengths[p]) * 4 + (activation_bytes(cm, tokens) if grad else 0)
-            infos[out] = dict(nbytes=int(nbytes), device=v.device, what=v.what)
+            infos[out] = replace(v, nbytes=int(nbytes))
         meta = dict(node.meta)
         meta["workspace"] = int(_workspace(cm, node.kind, prompts, full))
         nodes.append(Node(node.name, node.kind, node.inputs, node.outputs, node.model, node.engine, args, meta))
@@ -68,13 +70,6 @@ def annotate(graph: IterationGraph, cm: CostModel) -> IterationGraph:
                 if out.g.edges[u, node.name]["reason"] == "accumulation order":
                     out.remove_edge(u, node.name)
     return out
-
-
-def _prompt_of(value: str, prompts: list[int]) -> int | None:
-    for p in prompts:
-        if value.endswith(f"_p{p}"):
-            return p
-    return prompts[0] if len(prompts) == 1 else None
 
 
 def _workspace(cm: CostModel, kind: str, prompts: list[int], full: bool) -> float:
@@ -148,20 +143,22 @@ TERMS = (("weights", "weights (actor, frozen, rollout copy)"), ("grads", "gradie
          ("optimizer", "optimizer (fp32 master + Adam m, v)"), ("kv pool", "decode KV pool"),
          ("kv", "prefix KV + activations kept for the backward"), ("embeddings", "vision embeddings"),
          ("logprobs", "suffix outputs (+ activations)"), ("workspace", "transient workspace (logits, one layer)"))
+TERM_OF_ROLE = {"kv": "kv", "vision": "embeddings", "score": "logprobs"}  # a device value's term; others: its role
 
 
 def breakdown(live: list[tuple[str, float]], graph: IterationGraph, rs: list[Resident]) -> list[tuple[str, float]]:
-    """Group ``(tensor, bytes)`` into TERMS (plus 'other')."""
+    """Group ``(tensor, bytes)`` (graph values, residents and ``memory``'s workspaces) into TERMS
+    (plus one row per other kind)."""
     what = {r.name: r.what for r in rs}
     totals: dict[str, float] = {}
     for name, nbytes in live:
-        if name.startswith("workspace of"):
-            key = "workspace"
-        elif name in what:
+        if name in what:
             key = what[name]
-        else:
-            base = name.split("@")[0]
-            key = graph.values[base].what if base in graph.values else "other"
+        elif name in graph.values:
+            role = graph.values[name].role
+            key = TERM_OF_ROLE.get(role, role)
+        else:  # not a tensor of the graph or a resident: a node's transient workspace
+            key = "workspace"
         totals[key] = totals.get(key, 0.0) + nbytes
     rows = [(label, totals.pop(key, 0.0)) for key, label in TERMS]
     rows += [(key, b) for key, b in sorted(totals.items())]
@@ -172,14 +169,15 @@ def copy_with_cache_hits(graph: IterationGraph, cm: CostModel, hit) -> Iteration
     """Reference prefix nodes whose prompts all hit the cross-iteration cache load their KV and
     last logits from host memory (a copy) instead of running: ``hit(prompt) -> bool``."""
     policy = graph.meta.get("rollout_model", "actor")
+    responses = {v.prompts[0]: v.name for v in graph.of_role("responses") if len(v.prompts) == 1}
     nodes = []
     kv = cm.w.prefix_tokens * cm.m.kv_bytes_per_token() + cm.m.vocab * 4
     for node in graph:
         prompts = list(node.args.get("prompts", []))
         if node.kind == "prefix" and node.model != policy and prompts and all(hit(p) for p in prompts):
             # No vision tower needed; loaded once its group's responses exist, just before its suffix.
-            inputs = tuple(v for v in node.inputs if not v.startswith("vis_")) + tuple(
-                f"responses_p{p}" for p in prompts if f"responses_p{p}" in graph.values)
+            inputs = tuple(v for v in node.inputs if graph.values[v].role != "vision") + tuple(
+                responses[p] for p in prompts if p in responses)
             node = Node(node.name, node.kind, inputs, node.outputs, node.model, node.engine,
                         {**node.args, "cached": True, "bytes_per_gpu": kv * len(prompts) / cm.layout.tp_train},
                         dict(node.meta))

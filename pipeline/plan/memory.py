@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from rollplex.errors import MemoryPlanError
 from rollplex.pipeline.compile.ir import Node
@@ -158,7 +158,7 @@ def tensors_of(plan: Plan, residents: list[Resident]) -> list[Tensor]:
         # on the device until the backward: a host copy would be detached and free nothing of them.
         kept_for_backward = v.producer is not None and bool(graph.nodes[v.producer].args.get("grad"))
         out.append(Tensor(v.name, tuple(gpus), v.nbytes / len(gpus), [(a, b) for a, b, *_ in busy], gaps, False,
-                          what=v.what, rank=(0, tiebreak[v.producer or users[0].node]), movable=not kept_for_backward))
+                          what=v.role, rank=(0, tiebreak[v.producer or users[0].node]), movable=not kept_for_backward))
     for index, r in enumerate(residents):
         mode = dict(r.uses)
         unknown = [n for n in mode if n not in slots]
@@ -430,8 +430,8 @@ def _materialize(plan: Plan, tensors: list[Tensor], actions: list[Action]):
                        meta={"at": act.gap.a})
             pre = Node(pre_name, "prefetch", (host,), (dev,), args={**base, "bytes_per_gpu": t.nbytes},
                        meta={"at": deadline})
-            infos[host] = dict(nbytes=value.nbytes, device="host", what="offloaded")
-            infos[dev] = dict(nbytes=value.nbytes, device="device", what=value.what)
+            infos[host] = replace(value, device="host")  # the same value, for a while on the host
+            infos[dev] = value
             before = readers.pop(src) if src in readers else list(graph.consumers(src))
             readers[src] = [n for n in before if plan.slots[n].start < act.gap.b - EPS]
             readers[dev] = [n for n in before if plan.slots[n].start >= act.gap.b - EPS]

@@ -431,12 +431,9 @@ def rebuild(graph: IterationGraph, nodes: list[Node], infos: Mapping[str, dict] 
     new.meta = dict(graph.meta)
     for v in graph.values.values():
         if v.producer is None:
-            new.add_input(v.name, v.nbytes, v.device, v.what)
+            new.add_input(v.name, **v.facts())
     for node in nodes:
-        info = {}
-        for out in node.outputs:
-            old = graph.values.get(out)
-            info[out] = infos.get(out) or dict(nbytes=old.nbytes, device=old.device, what=old.what)
+        info = {out: infos.get(out) or graph.values[out] for out in node.outputs}
         new.add(Node(node.name, node.kind, node.inputs, node.outputs, node.model, node.engine, node.args,
                      dict(node.meta)), **info)
     new.connect()
@@ -447,7 +444,7 @@ def rebuild(graph: IterationGraph, nodes: list[Node], infos: Mapping[str, dict] 
 
 
 def release_finished_groups(graph: IterationGraph, finish_chunk: Mapping[int, int]) -> IterationGraph:
-    """Stage fusion: ``responses_p{p}`` leaves the decode chunk in which prompt p's group finished
+    """Stage fusion: prompt p's responses leave the decode chunk in which its group finished
     (``finish_chunk[p]``) instead of the last one, so its scoring can start while others decode.
     Edits ``graph`` (a copy the caller owns) in place and returns it.
 
@@ -458,11 +455,11 @@ def release_finished_groups(graph: IterationGraph, finish_chunk: Mapping[int, in
         return graph
     last = chunks[max(chunks)]
     moved: dict[str, str] = {}  # value → new producer
+    responses = {v.prompts[0]: v for v in graph.of_role("responses") if len(v.prompts) == 1}
     for p, c in finish_chunk.items():
-        value = f"responses_p{p}"
-        v = graph.values.get(value)
+        v = responses.get(p)
         if v is not None and v.producer == last.name and c in chunks and chunks[c] is not last:
-            moved[value] = chunks[c].name
+            moved[v.name] = chunks[c].name
     if not moved:
         return graph
     for c, node in chunks.items():
@@ -503,7 +500,7 @@ def release_finished_samples(graph: IterationGraph, sample_chunks: Mapping[int, 
     handed: dict[int, list[str]] = {c: [] for c in decodes}
     nodes, infos = [], {}
     for node in graph:
-        responses = [v for v in node.inputs if v.startswith("responses_p")]
+        responses = [v for v in node.inputs if graph.values[v].role == "responses"]
         prompts = list(node.args.get("prompts", []))
         split = (node.kind == "suffix_score" and not node.args.get("grad") and not node.args.get("full_sequence")
                  and responses and all(p in sample_chunks for p in prompts))
@@ -516,13 +513,17 @@ def release_finished_samples(graph: IterationGraph, sample_chunks: Mapping[int, 
             continue
         kvs = tuple(v for v in node.inputs if v not in responses)
         total = sum(graph.values[o].nbytes for o in node.outputs)
+        scored = graph.values[node.outputs[0]]  # what the parts score, per chunk
         parts = []
         for c, samples in sorted(by_chunk.items()):
             ready, out = f"finished_{node.name}_c{c}", f"{node.name}_c{c}"
             handed[last if c == tail else c].append(ready)
             share = sum(map(len, samples.values())) / sum(len(sample_chunks[p]) for p in prompts)
-            infos[ready] = dict(nbytes=64, device="host", what="sequences")
-            infos[out] = dict(nbytes=int(total * share), device="device", what="logprobs")
+            covers = tuple(sorted(samples))
+            infos[ready] = dict(nbytes=64, device="host", role="finished", model=decodes[last].model, prompts=covers,
+                                chunk=c, rank=scored.rank)
+            infos[out] = dict(nbytes=int(total * share), device="device", role="score", model=node.model,
+                              prompts=covers, chunk=c, rank=scored.rank, label=scored.label)
             nodes.append(Node(out, "suffix_score", kvs + (ready,), (out,), node.model, node.engine,
                               {**node.args, "samples": samples}, dict(node.meta)))
             parts.append(out)

@@ -111,7 +111,8 @@ def lower(graph: IterationGraph, iteration: int, inputs: dict[str, Any],
         key = task_key(iteration, node_name)
         refs = [TaskRef(k) for k in producers + ordering]
         uses = {v: per_rank.get((v, rank), 0) for v in node.inputs}
-        dsk[key] = Task(key, run_node, node, iteration, uses, len(producers), *refs)
+        records = {v: graph.values[v] for v in (*node.inputs, *node.outputs)}  # what each is, for its task
+        dsk[key] = Task(key, run_node, node, iteration, uses, records, len(producers), *refs)
         resources[key] = {node.stream: 1}
         priority[key] = float(node.meta.get("priority", 0.0))
         if ranks:

@@ -30,6 +30,7 @@ class LocalExecutor:
         order = {name: i for i, name in enumerate(graph.topological_order())}
         waiting = {name: graph.g.in_degree(name) for name in graph.nodes}
         uses = {v: len(graph.consumers(v)) for v in graph.values}
+        records = graph.values  # what each value is, for the tasks (NodeContext.values)
         values: dict[str, Any] = dict(inputs)
         ready: dict[str, list] = {}
         busy: set[str] = set()
@@ -53,7 +54,7 @@ class LocalExecutor:
                 node_inputs = {v: values[v] for v in node.inputs}
                 busy.add((rank, stream))
                 host = self.hosts[rank]
-                future = host.submit(stream, execute_node, host, node, iteration, node_inputs)
+                future = host.submit(stream, execute_node, host, node, iteration, node_inputs, records)
                 future.add_done_callback(lambda f, name=name: done_queue.put((name, f)))
 
         for name in graph.nodes:

@@ -239,9 +239,9 @@ def _train_loop(cfg: RunConfig, session: Session, client, state, metrics_path: P
                 where = f"iteration {iteration}"
                 point("iteration:start")
                 batch = session.balanced(session.loader.next_batch())
-                inputs = {f"prompt_p{p}": prompt for p, prompt in enumerate(batch)}
                 choice = session.schedule_for(timed)
-                result = executor.run(session.graphs[choice.schedule], iteration, inputs)
+                graph = session.graphs[choice.schedule]
+                result = executor.run(graph, iteration, graph.feed(batch))
                 watch.check()  # results computed (even partly) on a replaced worker are not the run's
                 out = result.output["report"]
                 trace = chrome_trace(result.events, iteration, choice.schedule)
