@@ -7,6 +7,7 @@ value and node, so no pass learns what a value is from its name. CPU only, no en
 from __future__ import annotations
 
 import pickle
+from concurrent.futures import Future
 
 import networkx as nx
 import pytest
@@ -26,6 +27,8 @@ from rollplex.pipeline.plan.hardware import Layout, hardware
 from rollplex.pipeline.plan.memory import Resident, plan_memory
 from rollplex.pipeline.plan.schedule import copy_graph, plan, release_finished_groups, schedule
 from rollplex.pipeline.run.algorithms import load_algorithm
+from rollplex.pipeline.run.local import LocalExecutor
+from rollplex.pipeline.run.tables import run_tables
 
 DIMS = ModelDims(128, 2, 2, 32, 1000, 10**6)
 ENGINES = EngineChoice({"decode": "hf", "train": "torch", "score": "transformers"})
@@ -168,6 +171,32 @@ def test_nodes_and_values_change_only_through_the_graph():
         g.replace_node(Node("nope", "report"))
     with pytest.raises(GraphError, match="role 'kv_cache' is not one of"):
         Value("x", None, role="kv_cache")
+
+
+def test_tables_are_built_once_per_version_of_the_graph():
+    g = schedule(compiled(stage_fusion=True), "rollplex")
+    first = run_tables(g)
+    assert run_tables(g) is first and first.uses == {v: g.uses(v) for v in g.values}
+    g.add_order("vit_p0", "report")
+    assert run_tables(g) is not first and run_tables(g).in_degree["report"] == first.in_degree["report"] + 1
+
+
+class NullHost:
+    name = "null"
+
+    def submit(self, stream, fn, host, node, iteration, inputs, values):
+        done = Future()
+        done.set_result(dict.fromkeys(node.outputs, node.name))
+        return done
+
+    def drain(self):
+        return {"events": [], "peak_memory_bytes": 0}
+
+
+def test_the_local_executor_runs_every_node_once_its_inputs_are_there():
+    g = schedule(distribute(compiled(stage_fusion=True), 2), "rollplex")
+    result = LocalExecutor([NullHost(), NullHost()]).run(g, 0, g.feed([object()] * 8))
+    assert result.output == {"report": "report"}  # the sink's outputs
 
 
 # -- facts ---------------------------------------------------------------------------------------------
