@@ -109,17 +109,20 @@ def residents(graph: IterationGraph, cm: CostModel) -> list[Resident]:
     train = tuple(lay.train)
     W = m.lm_params
     vit_pool, vit_tp = (lay.train, lay.tp_train) if lay.colocated else (lay.rollout, lay.tp_rollout)
+    def resident(model: str, part: str, *args, **kw) -> Resident:  # named <model>.<part>
+        return Resident(f"{model}.{part}", *args, model=model, part=part, **kw)
+
     out = [
-        Resident("vision.weights", tuple(vit_pool), m.vit_params * 2 / vit_tp,
+        resident("vision", "weights", tuple(vit_pool), m.vit_params * 2 / vit_tp,
                  tuple((n, "read") for n in named(["vit_encode"])), frozen=True, what="weights"),
-        Resident(f"{policy}.weights", train, W * 2 / cm.shard("weights"),
+        resident(policy, "weights", train, W * 2 / cm.shard("weights"),
                  tuple((n, "read") for n in actor_reads) + tuple((n, "write") for n in opt), what="weights"),
-        Resident(f"{policy}.grads", train, W * 2 / cm.shard("grads"),
+        resident(policy, "grads", train, W * 2 / cm.shard("grads"),
                  tuple((n, "write" if i == 0 else "read") for i, n in enumerate(losses))
                  + tuple((n, "read") for n in opt), what="grads"),
-        Resident(f"{policy}.master", train, W * 4 / cm.shard("optimizer"),
+        resident(policy, "master", train, W * 4 / cm.shard("optimizer"),
                  tuple((n, "read") for n in opt), what="optimizer"),
-        Resident(f"{policy}.adam", train, W * 8 / cm.shard("optimizer"),
+        resident(policy, "adam", train, W * 8 / cm.shard("optimizer"),
                  tuple((n, "read") for n in opt), what="optimizer"),
     ]
     frozen = sorted({n.model for n in graph if n.model and n.model != policy and n.kind in ("prefix", "suffix_score")})
@@ -127,14 +130,14 @@ def residents(graph: IterationGraph, cm: CostModel) -> list[Resident]:
         uses = [n.name for k in ("prefix", "suffix_score") for n in by_kind.get(k, [])
                 if n.model == model and not n.args.get("cached")]
         shard = lay.tp_train * (lay.train_dp if cm.w.zero >= 3 else 1)
-        out.append(Resident(f"{model}.weights", train, W * 2 / shard, tuple((n, "read") for n in uses),
+        out.append(resident(model, "weights", train, W * 2 / shard, tuple((n, "read") for n in uses),
                             frozen=True, what="weights"))
     decode = sorted(named(["decode_chunk"]), key=order.__getitem__)
     rollout = tuple(lay.rollout)
-    out.append(Resident("rollout.weights", rollout, cm.rollout_copy_bytes(),
+    out.append(resident("rollout", "weights", rollout, cm.rollout_copy_bytes(),
                         tuple((n, "read") for n in decode) + tuple((n, "write") for n in named(["weight_sync"])),
                         what="weights"))
-    out.append(Resident("rollout.kv_pool", rollout, cm.kv_pool_bytes(),
+    out.append(resident("rollout", "kv_pool", rollout, cm.kv_pool_bytes(),
                         tuple((n, "write" if i == 0 else "read") for i, n in enumerate(decode)), what="kv pool"))
     return out
 

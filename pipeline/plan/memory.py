@@ -50,6 +50,8 @@ class Resident:
     frozen: bool = False  # a host copy always exists: offloading it costs nothing
     what: str = "weights"
     movable: bool = True  # False: stays resident (the runtime's engines cannot move or free it)
+    model: str = ""  # whose engine holds it ("actor" for actor.adam): the one a move asks
+    part: str = ""  # which of that engine's tensors ("adam")
 
 
 @dataclass
@@ -79,6 +81,7 @@ class Tensor:
     what: str = ""
     rank: tuple[int, int] = (0, 0)  # name-independent tie-break: (0, producer's structural rank) | (1, index)
     movable: bool = True
+    owner: tuple[str, str] = ("", "")  # a resident's (model, part)
 
 
 @dataclass
@@ -176,7 +179,7 @@ def tensors_of(plan: Plan, residents: list[Resident]) -> list[Tensor]:
         else:
             gaps.append(Gap(0.0, period, "", "", True, wrap=True))
         out.append(Tensor(r.name, r.gpus, r.bytes_per_gpu, [(a, b) for a, b, *_ in busy], gaps, True, r.frozen,
-                          r.what, rank=(1, index), movable=r.movable))
+                          r.what, rank=(1, index), movable=r.movable, owner=(r.model, r.part)))
     return out
 
 
@@ -414,6 +417,8 @@ def _materialize(plan: Plan, tensors: list[Tensor], actions: list[Action]):
             deadline -= period
         deadline = max(0.0, deadline)
         base = {"tensor": t.name, "gpus": list(t.gpus), "after": act.gap.after, "before": act.gap.before}
+        if t.resident:  # the engine a move asks, and what it moves
+            base.update(model=t.owner[0], part=t.owner[1])
         off_name, pre_name = f"offload_{_safe(t.name)}_{k}", f"prefetch_{_safe(t.name)}_{k}"
         if t.resident:
             off = Node(off_name, "offload", (), (), args={**base, "bytes_per_gpu": t.nbytes * (not t.frozen),
