@@ -17,16 +17,16 @@ from __future__ import annotations
 import torch
 
 from rollplex.engines import vlm
-from rollplex.tasks.nodes import count_of, group_advantages, group_rewards, join_samples, loss_metrics, \
-    rank_free, summed_loss
+from rollplex.tasks.nodes import by_prompt, count_of, group_advantages, group_rewards, join_samples, loss_metrics, \
+    summed_loss, the, with_role
 
 
-def frozen_scores(inputs: dict, name: str, p: int, chunk: int, width: int) -> torch.Tensor:
-    """Group p's [G, width] scores of a frozen model: its samples were scored one chunk at a time
-    (``{name}_c{k}`` for every chunk k up to this one)."""
+def frozen_scores(chunks: list, p: int, width: int) -> torch.Tensor:
+    """Group p's [G, width] scores of a frozen model: its samples were scored one chunk at a time,
+    ``chunks`` holds its per-chunk scores of this chunk and every earlier one."""
     rows: dict[int, torch.Tensor] = {}
-    for k in range(chunk + 1):
-        rows.update(inputs[f"{name}_c{k}"].get(p, {}))
+    for scored in chunks:
+        rows.update(scored.get(p, {}))
     return join_samples(rows, width)
 
 
@@ -34,10 +34,11 @@ def train_handoff(ctx, node, inputs) -> dict:
     s = ctx.settings
     decl, engine = ctx.algorithm.loss_fn, ctx.train_engine(node.model)
     model = ctx.model(node.model)
-    c, as_, agg = node.args["handoff_chunk"], node.args["as"], node.args["agg"]
-    # A data-parallel rank's node reads its chain's values, named with the rank (pipeline/compile/ranks.py).
-    inputs = {rank_free(name): value for name, value in inputs.items()}
-    handoff = inputs[f"handoff_c{c}"]
+    as_, agg = node.args["as"], node.args["agg"]
+    handoff = inputs[the(ctx, node.inputs, "handoff")]
+    prompt_of, vision_of = by_prompt(ctx, node.inputs, "prompt"), by_prompt(ctx, node.inputs, "vision")
+    frozen = {name: [inputs[v] for v in with_role(ctx, node.inputs, "score", label=name)]
+              for name in node.args["frozen"]}
     rewards_out, advantages_out, old_out = {}, {}, {}
     record = {"loss": 0.0, "tokens": 0.0, "sums": {}, "scalars": {}, "deferred": count_of(agg)}
     scalars: dict[str, list[float]] = {}
@@ -49,20 +50,20 @@ def train_handoff(ctx, node, inputs) -> dict:
     for run in vlm.batches_within(tokens, model.config.get_text_config().vocab_size, grad=True,
                                  most=node.args.get("micro_batch_groups")):
         batch = [ready[i] for i in run]
-        prefixes = vlm.prefix_forward_batch(model, [inputs[f"prompt_p{p}"] for p in batch],
-                                           [inputs[f"vis_p{p}"] for p in batch], grad=True)
+        prefixes = vlm.prefix_forward_batch(model, [inputs[prompt_of[p]] for p in batch],
+                                           [inputs[vision_of[p]] for p in batch], grad=True)
         scored = vlm.suffix_logprobs_batch(model, prefixes,
                                           [handoff[p].token_ids for p in batch], pad_id=s.pad_id,
                                           temperature=s.score_temperature, grad=True)
         total, parts = None, []
         for p, (logprobs, _) in zip(batch, scored):
-            responses, prompt = handoff[p], inputs[f"prompt_p{p}"]
+            responses, prompt = handoff[p], inputs[prompt_of[p]]
             rewards = group_rewards(ctx, prompt, responses)
             mask = responses.mask()
             adv = group_advantages(ctx, {"rewards": rewards, "responses": responses, "mask": mask}, mask.shape[-1])
             values = {"responses": [responses], "rewards": rewards, "advantages": adv, "mask": mask,
                       as_: logprobs, f"old_{as_}": logprobs.detach(),
-                      **{name: frozen_scores(inputs, name, p, c, mask.shape[-1]) for name in node.args["frozen"]}}
+                      **{name: frozen_scores(chunks, p, mask.shape[-1]) for name, chunks in frozen.items()}}
             values = {k: v.to(engine.device) if torch.is_tensor(v) else v for k, v in values.items()}
             result = decl.call(values, ctx.params)
             per_token, metrics = result if isinstance(result, tuple) else (result, {})
@@ -87,5 +88,6 @@ def train_handoff(ctx, node, inputs) -> dict:
             for k, v in group_scalars.items():
                 scalars.setdefault(k, []).append(v)
     record["scalars"] = {k: sum(v) / len(v) for k, v in scalars.items()}
-    rewards_name, advantages_name, old_name, loss_name = node.outputs
-    return {rewards_name: rewards_out, advantages_name: advantages_out, old_name: old_out, loss_name: record}
+    out = node.outputs
+    return {the(ctx, out, "rewards"): rewards_out, the(ctx, out, "advantages"): advantages_out,
+            the(ctx, out, "score"): old_out, the(ctx, out, "loss"): record}

@@ -35,6 +35,8 @@ def merge_reports(parts: list[dict]) -> dict:
 
 @register_task("gather")
 def gather(ctx, node, inputs):
-    parts = [inputs[v] for v in node.inputs if v != "rollout_stats" or node.args["what"] == "rollout_stats"]
+    # A report's gather also reads the global rollout stats (which orders it after them), not a part.
+    parts = [inputs[v] for v in node.inputs
+             if ctx.values[v].role != "rollout_stats" or node.args["what"] == "rollout_stats"]
     merged = merge_stats(parts) if node.args["what"] == "rollout_stats" else merge_reports(parts)
     return {node.outputs[0]: merged}

@@ -2,18 +2,20 @@
 
 Every function here is ``fn(ctx, node, inputs) -> outputs`` (see ``tasks.registry``). ``ctx`` is the
 worker's ``NodeContext``: the engines that host each model, the decode engine, the algorithm, the
-tokenizer and the iteration's settings. Functions never reach into Dask or the scheduler.
+tokenizer, the iteration's settings and ``ctx.values``, the records of the node's values (their role,
+prompts, chunk, model: pipeline/compile/ir.py ``Value``), which say what each input and output is.
+Functions never reach into Dask or the scheduler, and never read a value's name.
 """
 from __future__ import annotations
 
 import hashlib
-import re
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from rollplex.engines.base import DecodeRequest, FinishedSequence
+from rollplex.errors import GraphError
 from rollplex.engines import vlm
 from rollplex.tasks.registry import register_task
 
@@ -44,9 +46,27 @@ def request_id(iteration: int, prompt: int) -> str:
     return f"it{iteration}-p{prompt}"
 
 
-def rank_free(name: str) -> str:
-    """A value's name without the ``_r{rank}`` a data-parallel rank's copy carries (pipeline/compile/ranks.py)."""
-    return re.sub(r"_r\d+$", "", name)
+def with_role(ctx, names, role: str, **facts) -> list[str]:
+    """Those of ``names`` (a node's inputs or outputs) whose record has ``role`` (and ``facts``)."""
+    found = []
+    for name in names:
+        v = ctx.values[name]
+        if v.role == role and all(getattr(v, k) == x for k, x in facts.items()):
+            found.append(name)
+    return found
+
+
+def the(ctx, names, role: str, **facts) -> str | None:
+    """The one of ``names`` with ``role`` (and ``facts``), or None."""
+    found = with_role(ctx, names, role, **facts)
+    if len(found) > 1:
+        raise GraphError(f"{len(found)} values have role {role!r} {facts or ''} where one was expected: {found}")
+    return found[0] if found else None
+
+
+def by_prompt(ctx, names, role: str, **facts) -> dict[int, str]:
+    """{prompt: name} of the per-prompt values among ``names`` with ``role``."""
+    return {ctx.values[n].prompts[0]: n for n in with_role(ctx, names, role, **facts)}
 
 
 def _sample_key(seq: FinishedSequence) -> tuple[str, int]:
@@ -86,8 +106,8 @@ def decode_chunk(ctx, node, inputs):
     s = ctx.settings
     chunk, chunks = node.args["chunk"], node.args["chunks"]
     if chunk == 0:
-        prompts = [inputs[v] for v in node.inputs if v.startswith("prompt_")]
-        visions = [inputs[v] for v in node.inputs if v.startswith("vis_")]
+        prompts = [inputs[v] for v in with_role(ctx, node.inputs, "prompt")]
+        visions = [inputs[v] for v in with_role(ctx, node.inputs, "vision")]
         # One request per prompt with n = G samples: the prompt and its image embeddings are
         # processed once, and a group is handed on when all its samples are done. A prompt whose
         # meta caps each sample's length (benchmarks' long-tail workloads) gets one request per
@@ -124,7 +144,7 @@ def decode_chunk(ctx, node, inputs):
         handed: frozenset[int] = frozenset()
         handed_samples: frozenset[tuple[str, int]] = frozenset()
     else:
-        previous = inputs[node.inputs[0]]
+        previous = inputs[the(ctx, node.inputs, "decode_state")]
         finished, expected = dict(previous["finished"]), previous["expected"]
         handed = previous.get("handed", frozenset())
         handed_samples = previous.get("handed_samples", frozenset())
@@ -137,9 +157,8 @@ def decode_chunk(ctx, node, inputs):
     # A tensor-parallel rank decodes its group's prompts and hands on only its own ("keep").
     keep = set(node.args.get("keep", index))
     kept = [p for p in range(num_prompts) if index[p] in keep]
-    # A rank's chain (pipeline/compile/ranks.py) names its hand-offs finished_c{chunk}_r{rank}, handoff_c{chunk}_r{rank}.
-    groups_out = next((o for o in node.outputs if rank_free(o) == f"handoff_c{chunk}"), None)
-    samples_out = next((o for o in node.outputs if rank_free(o) == f"finished_c{chunk}"), None)
+    groups_out = the(ctx, node.outputs, "handoff")
+    samples_out = the(ctx, node.outputs, "finished")
     fused = groups_out is not None
 
     def group(p: int) -> Responses | None:
@@ -168,8 +187,8 @@ def decode_chunk(ctx, node, inputs):
         if samples_out is not None:
             out[samples_out], keys = new_samples()
             handed_samples = handed_samples | keys
-        out[node.outputs[0]] = {"finished": finished, "expected": expected, "handed": handed,
-                                "handed_samples": handed_samples}
+        out[the(ctx, node.outputs, "decode_state")] = {"finished": finished, "expected": expected, "handed": handed,
+                                                       "handed_samples": handed_samples}
         return out
     while len(finished) < expected and engine.has_unfinished():  # max_tokens bounds this loop
         for seq in engine.step(node.args["tokens"]):
@@ -177,11 +196,12 @@ def decode_chunk(ctx, node, inputs):
     if len(finished) != expected:
         raise RuntimeError(f"decode finished {len(finished)} of {expected} sequences")
     responses = {p: group(p) for p in kept}
-    for position, p in enumerate(kept):
-        out[node.outputs[position]] = responses[p]
+    named = by_prompt(ctx, node.outputs, "responses")
+    for p in kept:
+        out[named[index[p]]] = responses[p]
     lengths = [len(q) for p in kept for q in responses[p].token_ids]
-    out[node.outputs[len(kept)]] = {"tokens": sum(lengths), "sequences": len(lengths),
-                                    "max_len": max(lengths, default=0)}
+    out[the(ctx, node.outputs, "rollout_stats")] = {"tokens": sum(lengths), "sequences": len(lengths),
+                                                    "max_len": max(lengths, default=0)}
     if fused:
         out[groups_out] = {index[p]: responses[p] for p in kept if p not in handed}
     if samples_out is not None:
@@ -195,10 +215,9 @@ def suffix_score(ctx, node, inputs):
     grad = bool(node.args["grad"])
     s = ctx.settings
     if "handoff_chunk" in node.args:  # stage fusion: the samples (or, under train fusion, the groups)
-        n = len(node.args["prompts"])  # one decode chunk, or the last few, finished
-        kv_of = dict(zip(node.args["prompts"], node.inputs[:n]))
+        kv_of = by_prompt(ctx, node.inputs, "kv")  # one decode chunk, or the last few, finished
         handoff: dict[int, dict[int, FinishedSequence]] = {}  # {prompt: {sample: FinishedSequence}}
-        for chunk in node.inputs[n:]:
+        for chunk in (v for v in node.inputs if ctx.values[v].role in ("finished", "handoff")):
             for p, samples in inputs[chunk].items():
                 handoff.setdefault(p, {}).update(dict(enumerate(samples.sequences)) if isinstance(samples, Responses)
                                                  else samples)
@@ -383,7 +402,7 @@ def loss(ctx, node, inputs):
 
         return train_handoff(ctx, node, inputs)
     decl, engine = ctx.algorithm.losses()[node.model], ctx.train_engine(node.model)
-    stats = inputs["rollout_stats"]
+    stats = inputs[the(ctx, node.inputs, "rollout_stats")]
     bound = bound_values(inputs, node.args["bind"])
     values = {k: join_groups(v, "cat") for k, v in bound.items()}
     values["mask"] = join_groups([r.mask() for r in bound["responses"]], "cat")
@@ -408,7 +427,8 @@ def loss(ctx, node, inputs):
 def optimizer_step(ctx, node, inputs):
     engine = ctx.train_engine(node.model)
     if "deferred_normaliser" in node.args:  # train fusion summed the losses: divide by the batch's count now
-        engine.scale_gradients(1.0 / normaliser(inputs["rollout_stats"], node.args["deferred_normaliser"]))
+        stats = inputs[the(ctx, node.inputs, "rollout_stats")]
+        engine.scale_gradients(1.0 / normaliser(stats, node.args["deferred_normaliser"]))
     stats = engine.step()
     return {node.outputs[0]: {"grad_norm": stats.grad_norm, "lr": stats.lr}}
 
@@ -425,17 +445,16 @@ def weight_sync(ctx, node, inputs):
 def report(ctx, node, inputs):
     """Host-side records of the iteration: one row per response, plus the batch metrics."""
     alg = ctx.algorithm
-    stats = inputs["rollout_stats"]
+    read = node.inputs
+    stats = inputs[the(ctx, read, "rollout_stats")]
     rows, rewards, losses, sums, scalars = [], [], 0.0, {}, {}
     # The policy's loss is "loss"; another trained model's (a critic's) is "loss_<model>". Metrics
     # its loss function returns are merged by name.
-    trained = {alg.rollout_model: "loss_m", **{m: f"loss_{m}_m" for m in alg.model_losses}}
     extra_losses = {}
-    for model, prefix in trained.items():
-        # loss_m3, or a rank's fused chunk loss_m3_r1
-        micro_batches = [v for k, v in inputs.items() if re.fullmatch(re.escape(prefix) + r"\d+", rank_free(k))
-                         and not (v.get("deferred") and not v["tokens"])]  # a fused chunk that trained no group
-        for value in micro_batches:
+    for model in (alg.rollout_model, *alg.model_losses):
+        micro_batches = [inputs[v] for v in with_role(ctx, read, "loss", model=model)]
+        micro_batches = [v for v in micro_batches if not (v.get("deferred") and not v["tokens"])]  # a fused
+        for value in micro_batches:  # chunk that trained no group has nothing to report
             if value.get("deferred"):  # train fusion: a sum, divided by the batch's count only now
                 value = dict(value, loss=value["loss"] / normaliser(stats, value["deferred"]))
             if model == alg.rollout_model:
@@ -446,11 +465,17 @@ def report(ctx, node, inputs):
                 sums[k] = sums.get(k, 0.0) + v
             for k, v in value["scalars"].items():
                 scalars[k] = scalars.get(k, 0.0) + v / len(micro_batches)
-    for p in sorted(int(k.removeprefix("responses_p")) for k in inputs if k.startswith("responses_p")):
-        prompt, responses = inputs[f"prompt_p{p}"], inputs[f"responses_p{p}"]
-        r = inputs[f"rewards_p{p}"]
-        adv = inputs[f"advantages_p{p}"] if f"advantages_p{p}" in inputs else inputs["advantages"][p]
-        scored = {s.as_: inputs[f"old_{s.as_}_p{p}" if s.grad else f"{s.as_}_p{p}"] for s in alg.scores}
+    prompts, responses_of = by_prompt(ctx, read, "prompt"), by_prompt(ctx, read, "responses")
+    rewards_of = by_prompt(ctx, read, "rewards")
+    advantages: dict[int, torch.Tensor] = {}
+    for v in with_role(ctx, read, "advantages"):  # a group's, or a batch's (by prompt)
+        value = inputs[v]
+        advantages.update(value if isinstance(value, dict) else {ctx.values[v].prompts[0]: value})
+    scores = {s.as_: by_prompt(ctx, read, "score", label=f"old_{s.as_}" if s.grad else s.as_) for s in alg.scores}
+    for p in sorted(responses_of):
+        prompt, responses, r = inputs[prompts[p]], inputs[responses_of[p]], inputs[rewards_of[p]]
+        adv = advantages[p]
+        scored = {name: inputs[of[p]] for name, of in scores.items()}
         for g, seq in enumerate(responses.sequences):
             n = len(seq.token_ids)
             row = {
@@ -471,7 +496,7 @@ def report(ctx, node, inputs):
             rows.append(row)
             rewards.append(float(r[g]))
     tokens = max(stats["tokens"], 1)
-    step = inputs[node.args.get("names", {}).get("step", "step")]  # a rank's copy reads its own step
+    step = inputs[the(ctx, read, "step", model=alg.rollout_model)]
     rt = torch.tensor(rewards)
     metrics = {
         "reward_mean": float(rt.mean()) if rewards else 0.0,
@@ -483,7 +508,7 @@ def report(ctx, node, inputs):
     }
     metrics.update(extra_losses)
     for model in alg.model_losses:
-        metrics[f"grad_norm_{model}"] = inputs[f"step_{model}"]["grad_norm"]
+        metrics[f"grad_norm_{model}"] = inputs[the(ctx, read, "step", model=model)]["grad_norm"]
     metrics.update({k: v / tokens for k, v in sums.items()})
     if ctx.refcache is not None:
         cache = ctx.refcache.stats()

@@ -3,8 +3,8 @@
 A graph value's offload takes its device tensors to host memory and its prefetch brings them back;
 consumers after the gap read the prefetched copy, so the device copy dies with the offload.
 A resident's offload/prefetch (``args["resident"]``) asks the engine of the model it belongs to
-(``tensor = "<model>.<part>"``, e.g. ``actor.adam``) to move that part; the engine says what it can
-move, and a plan asking for more is an error naming the tensor.
+(``args["model"]``, e.g. ``actor``) to move that part (``args["part"]``, e.g. ``adam``); the engine says
+what it can move, and a plan asking for more is an error naming the tensor.
 """
 from __future__ import annotations
 
@@ -36,8 +36,7 @@ def to_device(value: Any, device: torch.device) -> Any:
 
 
 def _resident_engine(ctx, node) -> tuple[Any, str]:
-    tensor = node.args["tensor"]
-    model, _, part = tensor.rpartition(".")
+    tensor, model, part = node.args["tensor"], node.args["model"], node.args["part"]
     engine = ctx.host.engines.get(model)
     if engine is None or not hasattr(engine, "offload"):
         raise GraphError(f"%{node.name}: the memory plan moves {tensor!r}, but this worker has no engine for "

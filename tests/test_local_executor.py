@@ -63,7 +63,7 @@ def test_a_failing_node_is_raised_only_after_the_nodes_running_beside_it_end(mon
 
     ended = threading.Event()
 
-    def execute(host, node, iteration, inputs):
+    def execute(host, node, iteration, inputs, values):
         if node.name == "slow":
             time.sleep(0.3)
             ended.set()
@@ -95,3 +95,27 @@ def test_in_process_workers_run_whole_iterations(tmp_path):
     train(cfg, tmp_path, progress=False, log=lines.append)
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [0] and rows[0]["seconds_by_kind"]["decode_chunk"] > 0
+
+
+@pytest.mark.parametrize("overrides", [[], ["train.train_fusion=true"]])
+def test_tasks_find_their_inputs_by_what_they_are_not_by_name(tmp_path, overrides):
+    """One iteration of the compiled graph and of the same graph with every value and node renamed
+    give the same report: tasks read the value records (role, prompts, chunk), never a name."""
+    from test_values import renamed
+
+    from rollplex.pipeline.run.local import LocalExecutor
+    from rollplex.pipeline.run.worker import WorkerHost
+
+    cfg = load_config(None, [*OVERRIDES, "schedule=rollplex", *overrides])
+    session = Session(cfg, tmp_path)
+    batch = session.loader.next_batch()
+    reports = []
+    for graph in (session.graph, renamed(session.graph)):
+        host = WorkerHost(session.host_spec(), name="local")
+        try:
+            (report,) = LocalExecutor(host).run(graph, 0, graph.feed(batch)).output.values()
+        finally:
+            host.close()
+        reports.append(report)
+    assert reports[0]["rows"] and reports[0]["rows"] == reports[1]["rows"]
+    assert reports[0]["metrics"] == reports[1]["metrics"]

@@ -35,9 +35,9 @@ def tiny_graph() -> IterationGraph:
     """
     g = IterationGraph("tiny")
     g.add_input("prompt", nbytes=100)
-    dev = lambda n, what="tensor": dict(nbytes=n, device="device", what=what)  # noqa: E731
+    dev = lambda n, role="tensor": dict(nbytes=n, device="device", role=role)  # noqa: E731
     g.add(Node("vit", "vit_encode", ("prompt",), ("vis",), "ref", "hf", {"prompt": 0},
-               {"stream": "compute", "placement": "gpu0", "start": 0.0, "finish": 0.1}), vis=dev(8192, "embeddings"))
+               {"stream": "compute", "placement": "gpu0", "start": 0.0, "finish": 0.1}), vis=dev(8192, "vision"))
     g.add(Node("prefix", "prefix", ("prompt", "vis"), ("kv",), "ref", "hf", {}, {"start": 0.1, "finish": 0.3}),
           kv=dev(3 << 20, "kv"))
     g.add(Node("decode", "decode_chunk", ("vis",), ("resp",), "actor", "vllm", {"chunk": 0},
@@ -65,9 +65,9 @@ def renamed(g: IterationGraph) -> IterationGraph:
     out = IterationGraph(g.name + "_renamed")
     for v in g.values.values():
         if v.producer is None:
-            out.add_input(value_name[v.name], v.nbytes, v.device, v.what)
+            out.add_input(value_name[v.name], **v.facts())
     for node in reversed(list(g)):
-        info = {value_name[o]: dict(nbytes=g.values[o].nbytes, device=g.values[o].device) for o in node.outputs}
+        info = {value_name[o]: g.values[o] for o in node.outputs}
         out.add(Node(node_name[node.name], node.kind, tuple(value_name[i] for i in node.inputs),
                      tuple(value_name[o] for o in node.outputs), node.model, node.engine, node.args), **info)
     out.connect()
@@ -130,7 +130,7 @@ def test_dot_labels_bytes_lifetimes_and_clusters():
 
 def test_dot_quotes_awkward_names():
     g = IterationGraph('say "hi" \\ there')
-    g.add(Node("a.b-c", "reward", (), ("x",), engine='e"1'), x=dict(what="a\nb"))
+    g.add(Node("a.b-c", "reward", (), ("x",), engine='e"1'), x=dict(label="a\nb"))
     dot = R.to_dot(g.connect())
     assert 'digraph "say \\"hi\\" \\\\ there" {' in dot
     assert '@e\\"1' in dot

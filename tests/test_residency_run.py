@@ -71,7 +71,8 @@ def test_a_value_goes_to_host_memory_and_back_to_the_workers_device():
     back = prefetch(ctx, Node("prefetch_kv_0", "prefetch", ("kv@host0",), ("kv@dev0",)), off)
     assert torch.equal(back["kv@dev0"]["k"], kv["k"]) and torch.equal(back["kv@dev0"]["rows"][0], kv["rows"][0])
     with pytest.raises(Exception, match="no engine for model 'ref'"):
-        offload(ctx, Node("offload_ref_0", "offload", (), (), args={"resident": True, "tensor": "ref.weights"}), {})
+        offload(ctx, Node("offload_ref_0", "offload", (), (),
+                          args={"resident": True, "tensor": "ref.weights", "model": "ref", "part": "weights"}), {})
 
 
 def test_a_missing_budget_is_named(tmp_path):

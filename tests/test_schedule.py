@@ -31,10 +31,9 @@ def renamed(g: IterationGraph) -> tuple[IterationGraph, dict[str, str]]:
     out.meta = dict(g.meta)
     for v in g.values.values():
         if v.producer is None:
-            out.add_input(v.name, v.nbytes, v.device, v.what)
+            out.add_input(v.name, **v.facts())
     for node in reversed(list(g)):
-        info = {o: dict(nbytes=g.values[o].nbytes, device=g.values[o].device, what=g.values[o].what)
-                for o in node.outputs}
+        info = {o: g.values[o] for o in node.outputs}
         out.add(Node(new[node.name], node.kind, node.inputs, node.outputs, node.model, node.engine, node.args,
                      dict(node.meta)), **info)
     out.connect()

@@ -190,11 +190,10 @@ def test_compiled_grpo_plans_are_valid_and_name_independent(policy):
     other.meta = dict(g.meta)
     for v in g.values.values():
         if v.producer is None:
-            other.add_input(v.name, v.nbytes, v.device, v.what)
+            other.add_input(v.name, **v.facts())
     for node in reversed(list(g)):
         other.add(Node(new[node.name], node.kind, node.inputs, node.outputs, node.model, node.engine, node.args),
-                  **{o: dict(nbytes=g.values[o].nbytes, device=g.values[o].device, what=g.values[o].what)
-                     for o in node.outputs})
+                  **{o: g.values[o] for o in node.outputs})
     other.connect()
     for u, v, data in g.g.edges(data=True):
         if not data["values"]:

@@ -97,7 +97,7 @@ def test_a_group_is_handed_on_by_the_chunk_that_finished_its_last_sample_exactly
     lengths = [[2, 3], [2, 9], [5, 12], [1, 1]]  # chunks of 4 tokens: p0, p3 → c0; p1 → c2; p2 → c2
     settings = IterationSettings(seed=0, samples=2, max_new_tokens=12, temperature=1.0, top_p=1.0, pad_id=0,
                                  stop_token_ids=())
-    ctx = SimpleNamespace(decode_engine=_Engine(lengths), settings=settings, iteration=0)
+    ctx = SimpleNamespace(decode_engine=_Engine(lengths), settings=settings, iteration=0, values=g.values)
     prompt = SimpleNamespace(input_ids=SimpleNamespace(tolist=lambda: [1, 2]), image_grid_thw=None, meta={},
                              prompt_id="x", video_grid_thw=None, second_per_grid_ts=None)
     vis = SimpleNamespace(image=None, video=None)

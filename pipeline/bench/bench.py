@@ -356,8 +356,8 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
                 torch.cuda.synchronize(d)
                 torch.cuda.reset_peak_memory_stats(d)
 
-    def inputs_for(iteration: int) -> dict[str, Any]:
-        return {f"prompt_p{p}": x for p, x in enumerate(make_prompts(cfg, config, iteration))}
+    def inputs_for(graph, iteration: int) -> dict[str, Any]:
+        return graph.feed(make_prompts(cfg, config, iteration))
 
     def run_policy(policy: str, graph, extra: bench_multi.Replicas | None):
         """A generator: each ``next`` runs one iteration (the first a warm-up), the one after the last
@@ -376,7 +376,7 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
             synchronize()
             steps_before = sum(d.steps_run for d in decodes)
             with process_settings(policy):
-                result = executor.run(graph, iteration, inputs_for(iteration))
+                result = executor.run(graph, iteration, inputs_for(graph, iteration))
             if iteration == 0:  # the update from the common start, compared across policies
                 if policy == "serial":
                     res.weights = host_copy(trained_weights())
@@ -392,11 +392,11 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
             log(f"  serial's rollouts recorded for replay: {len(recorder.recorded)} sequences")
         if policy in cfg.profile:
             restart(extra)
-            profile_iteration(executor, graph, inputs_for(1), out_dir / f"profile_{file_stem(policy)}.txt")
+            profile_iteration(executor, graph, inputs_for(graph, 1), out_dir / f"profile_{file_stem(policy)}.txt")
         if recorder.recorded:  # iteration 0 again on serial's recorded rollout (serial's own: the replay itself)
             replay = [dict(r, decode=ReplayDecodeEngine(recorder.recorded)) for r in ranks]
             restart(extra)
-            executor_for(policy, replay).run(graph, 0, inputs_for(0))
+            executor_for(policy, replay).run(graph, 0, inputs_for(graph, 0))
             weights = trained_weights()
             if policy == "serial":  # the replay against its own sampled run: the replay itself
                 res.replayed_weights = host_copy(weights)

@@ -206,17 +206,24 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
         return g.add(Node(name, kind, tuple(inputs), tuple(outputs), model, engine, dict(args or {})),
                      **value_info)
 
-    host = lambda nbytes, what: dict(nbytes=int(nbytes), device="host", what=what)  # noqa: E731
-    dev = lambda nbytes, what: dict(nbytes=int(nbytes), device="device", what=what)  # noqa: E731
+    # A value's facts say what it is (role, model, prompts, chunk, label); names are only keys.
+    def host(nbytes, role, **facts):
+        return dict(nbytes=int(nbytes), device="host", role=role, **facts)
+
+    def dev(nbytes, role, **facts):
+        return dict(nbytes=int(nbytes), device="device", role=role, **facts)
+
     logprob_bytes = resp_tokens * 4
+    every = tuple(range(P))
 
     for p in range(P):
-        g.add_input(f"prompt_p{p}", nbytes=shape.vision_tokens * 4 * 14 * 14 * 3 * 4, what="prompt")
+        g.add_input(f"prompt_p{p}", nbytes=shape.vision_tokens * 4 * 14 * 14 * 3 * 4, role="prompt", prompts=(p,))
     vision = alg.vision_model
     for ps in shape.node_groups(grad=False):
         add(f"vit_{span(ps)}", "vit_encode", [f"prompt_p{p}" for p in ps], [f"vis_p{p}" for p in ps], model=vision,
             role=role_of(vision), args={"prompts": list(ps)},
-            **{f"vis_p{p}": dev(shape.vision_tokens * dims.hidden * dims.dtype_bytes, "embeddings") for p in ps})
+            **{f"vis_p{p}": dev(shape.vision_tokens * dims.hidden * dims.dtype_bytes, "vision", model=vision,
+                                prompts=(p,)) for p in ps})
 
     # Decode: chunk 0 prefills every prompt from its vision embeddings; each chunk advances ≤ K tokens.
     # With stage fusion each chunk also hands on the groups that finished in it (``handoff_c``) and
@@ -234,17 +241,20 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
         last = c == shape.chunks - 1
         inputs = ([f"prompt_p{p}" for p in range(P)] + [f"vis_p{p}" for p in range(P)]) if c == 0 else [state]
         outputs = [] if last else [f"decode_state_c{c}"]
-        info = {f"decode_state_c{c}": host(P * resp_tokens * 8, "sequences")}
+        info = {f"decode_state_c{c}": host(P * resp_tokens * 8, "decode_state", model=policy, prompts=every, chunk=c)}
         if last:
             outputs += [f"responses_p{p}" for p in range(P)] + ["rollout_stats"]
-            info.update({f"responses_p{p}": host(resp_tokens * 12, "sequences") for p in range(P)})
-            info["rollout_stats"] = host(64, "scalars")
+            info.update({f"responses_p{p}": host(resp_tokens * 12, "responses", model=policy, prompts=(p,))
+                         for p in range(P)})
+            info["rollout_stats"] = host(64, "rollout_stats", model=policy, prompts=every)
         if shape.fused:  # the groups it finished (for training) and the samples (for frozen scores)
             outputs.append(f"handoff_c{c}")
-            info[f"handoff_c{c}"] = host(P * resp_tokens * 12 / shape.chunks, "sequences")
+            info[f"handoff_c{c}"] = host(P * resp_tokens * 12 / shape.chunks, "handoff", model=policy, prompts=every,
+                                         chunk=c)
         if samples_scored:
             outputs.append(f"finished_c{c}")
-            info[f"finished_c{c}"] = host(P * resp_tokens * 12 / shape.chunks, "sequences")
+            info[f"finished_c{c}"] = host(P * resp_tokens * 12 / shape.chunks, "finished", model=policy,
+                                          prompts=every, chunk=c)
         add(f"decode_c{c}", "decode_chunk", inputs, outputs, model=policy,
             args={"chunk": c, "chunks": shape.chunks, "tokens": K}, **info)
         state = f"decode_state_c{c}"
@@ -266,9 +276,11 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
             for p in ps:
                 outs += [f"{s.as_}_p{p}"] + ([f"old_{s.as_}_p{p}"] if s.grad else [])
                 score_info[f"{s.as_}_p{p}"] = dev(logprob_bytes + (dims.activation_bytes(resp_tokens) if s.grad
-                                                                   else 0), "logprobs")
+                                                                   else 0), "score", model=s.model, prompts=(p,),
+                                                  label=s.as_)
                 if s.grad:
-                    score_info[f"old_{s.as_}_p{p}"] = host(logprob_bytes, "logprobs")
+                    score_info[f"old_{s.as_}_p{p}"] = host(logprob_bytes, "score", model=s.model, prompts=(p,),
+                                                           label=f"old_{s.as_}")
             args = {"prompts": list(ps), "as": s.as_, "grad": s.grad, "head": alg.models[s.model].head}
             if s.grad and s.model in early_models:
                 args["feeds_advantage"] = True
@@ -286,7 +298,7 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
                 early_arg = {"feeds_advantage": True} if "feeds_advantage" in args else {}
                 add(f"prefix_{s.model}_{span(ps)}", "prefix", [f"prompt_p{p}" for p in ps] + [f"vis_p{p}" for p in ps],
                     kvs, model=s.model, role=role, args={"prompts": list(ps), "grad": s.grad, **early_arg},
-                    **{kv: dev(kv_bytes + held, "kv") for kv in kvs})
+                    **{kv: dev(kv_bytes + held, "kv", model=s.model, prompts=(p,)) for p, kv in zip(ps, kvs)})
             if fused(s):
                 continue  # scored per decode chunk below
             add(f"suffix_{s.as_}_{span(ps)}", "suffix_score", kvs + responses, outs,
@@ -305,19 +317,24 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
             for c, out in enumerate(chunk_outs):
                 handed = range(c, shape.chunks) if c == tail else [c]  # the last node: every chunk left
                 handoffs = [f"{'handoff' if train_fused else 'finished'}_c{k}" for k in handed]
+                # What it scores (the cost model reads it): the groups or samples of these chunks.
                 add(f"suffix_{s.as_}_c{c}", "suffix_score", kvs + handoffs, [out],
                     model=s.model, role=role, args={"prompts": list(range(P)), "as": s.as_, "grad": False,
-                                                    "head": alg.models[s.model].head, "handoff_chunk": c},
-                    **{out: dev(logprob_bytes * P * len(handed) / shape.chunks, "logprobs")})
+                                                    "head": alg.models[s.model].head, "handoff_chunk": c,
+                                                    "handed_chunks": list(handed),
+                                                    "handed": "groups" if train_fused else "samples"},
+                    **{out: dev(logprob_bytes * P * len(handed) / shape.chunks, "score", model=s.model, prompts=every,
+                                chunk=c, label=s.as_)})
             add(f"join_{s.as_}", "join", chunk_outs, [f"{s.as_}_p{p}" for p in range(P)],
                 args={"prompts": list(range(P)), "samples": G},
-                **{f"{s.as_}_p{p}": dev(logprob_bytes, "logprobs") for p in range(P)})
+                **{f"{s.as_}_p{p}": dev(logprob_bytes, "score", model=s.model, prompts=(p,), label=s.as_)
+                   for p in range(P)})
 
     if train_fused:
         return _compile_train_fusion(g, alg, shape, add, host, dev, logprob_bytes)
     for p in range(P):
         add(f"reward_p{p}", "reward", [f"prompt_p{p}", f"responses_p{p}"], [f"rewards_p{p}"],
-            args={"prompt": p}, **{f"rewards_p{p}": host(G * 4, "scalars")})
+            args={"prompt": p}, **{f"rewards_p{p}": host(G * 4, "rewards", prompts=(p,))})
 
     # Functions (custom nodes, advantage, loss) read values by name; `bind` maps each parameter to
     # the graph value holding it for each prompt group, with the group index where that value is
@@ -350,18 +367,19 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
             name = f"{decl.name}_p{groups[0]}" if decl.options["per"] == "prompt" else decl.name
             add(name, kind, inputs, [out], model=decl.options["model"],
                 args={"prompts": groups, "bind": binding, "function": decl.name},
-                **{out: host(G * len(groups) * 64, "custom")})
+                **{out: host(G * len(groups) * 64, "custom", model=decl.options["model"], prompts=tuple(groups),
+                             label=writes)})
 
     adv_reads = tuple(dict.fromkeys(("rewards", "responses", *alg.advantage_fn.reads)))
     if group_scope:
         for p in range(P):
             binding, inputs = bind(adv_reads, [p])
             add(f"advantage_p{p}", "advantage", inputs, [f"advantages_p{p}"],
-                args={"prompts": [p], "bind": binding}, **{f"advantages_p{p}": host(G * 4, "scalars")})
+                args={"prompts": [p], "bind": binding}, **{f"advantages_p{p}": host(G * 4, "advantages", prompts=(p,))})
     else:
         binding, inputs = bind(adv_reads, range(P))
         add("advantage", "advantage", inputs, ["advantages"], args={"prompts": list(range(P)), "bind": binding},
-            advantages=host(P * G * 4, "scalars"))
+            advantages=host(P * G * 4, "advantages", prompts=every))
 
     # One loss per trainable model (the policy's first) per micro-batch, each with its backward on
     # that model's engine; then one optimizer step per trained model. A loss holds the grad-scored
@@ -377,7 +395,8 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
             binding, inputs = bind(reads, groups)
             out = loss_name(policy, model, m)
             add(out, "loss", ["rollout_stats", *inputs], [out], model=model,
-                args={"prompts": list(groups), "bind": binding}, **{out: host(64, "scalars")})
+                args={"prompts": list(groups), "bind": binding},
+                **{out: host(64, "loss", model=model, prompts=tuple(groups))})
             outs.append(out)
     # Gradients accumulate in floating point, so their order fixes the bits of the update: chain the
     # micro-batches, and the forwards whose graphs they walk (autograd orders a backward by the
@@ -405,17 +424,18 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
     for model, outs in loss_outputs.items():
         step = "step" if model == policy else f"step_{model}"
         add("optimizer_step" if model == policy else f"optimizer_step_{model}", "optimizer_step", outs, [step],
-            model=model, **{step: host(64, "scalars")})
+            model=model, **{step: host(64, "step", model=model)})
         steps.append(step)
     add("weight_sync", "weight_sync", ["step"], ["synced"], model=policy,
-        synced=host(64, "scalars"))
+        synced=host(64, "synced", model=policy))
 
     report_inputs = ["rollout_stats", *steps, "synced", *(o for outs in loss_outputs.values() for o in outs)]
     for p in range(P):
         report_inputs += [f"prompt_p{p}", f"responses_p{p}", f"rewards_p{p}", value_of("advantages", p)[0]]
         for s in alg.scores:
             report_inputs.append(f"old_{s.as_}_p{p}" if s.grad else f"{s.as_}_p{p}")
-    add("report", "report", list(dict.fromkeys(report_inputs)), ["report"], report=host(P * G * 256, "records"))
+    add("report", "report", list(dict.fromkeys(report_inputs)), ["report"],
+        report=host(P * G * 256, "report", prompts=every))
     g.connect()
     for chain in chains:
         for before, after in zip(chain, chain[1:]):
@@ -437,9 +457,11 @@ def _compile_train_fusion(g: IterationGraph, alg: Algorithm, shape: BatchShape, 
     policy = alg.rollout_model
     (score,) = [s for s in alg.scores if s.grad]
     frozen = [s for s in alg.scores if not s.grad]
-    per_chunk = {"rewards": host(G * 4 * P / shape.chunks, "scalars"),
-                 "advantages": host(G * 4 * P / shape.chunks, "scalars"),
-                 f"old_{score.as_}": host(logprob_bytes * P / shape.chunks, "logprobs")}
+    every = tuple(range(P))
+    old = f"old_{score.as_}"
+    per_chunk = {"rewards": host(G * 4 * P / shape.chunks, "rewards"),
+                 "advantages": host(G * 4 * P / shape.chunks, "advantages"),
+                 old: host(logprob_bytes * P / shape.chunks, "score", model=policy, label=old)}
     losses = []
     for c in range(shape.chunks):
         outs = [f"{name}_c{c}" for name in per_chunk] + [loss_name(policy, policy, c)]
@@ -447,24 +469,25 @@ def _compile_train_fusion(g: IterationGraph, alg: Algorithm, shape: BatchShape, 
         inputs = ([f"prompt_p{p}" for p in range(P)] + [f"vis_p{p}" for p in range(P)]
                   + [f"{s.as_}_c{k}" for s in frozen for k in range(c + 1)] + [f"handoff_c{c}"])
         add(f"train_c{c}", "loss", inputs, outs, model=policy,
-            args={"prompts": list(range(P)), "handoff_chunk": c, "as": score.as_,
-                  "frozen": [s.as_ for s in frozen], "agg": alg.loss_fn.options["agg"],
+            args={"prompts": list(range(P)), "handoff_chunk": c, "handed_chunks": [c], "handed": "groups",
+                  "as": score.as_, "frozen": [s.as_ for s in frozen], "agg": alg.loss_fn.options["agg"],
                   "micro_batch_groups": shape.micro_batch_groups},
-            **{f"{name}_c{c}": info for name, info in per_chunk.items()},
-            **{loss_name(policy, policy, c): host(64, "scalars")})
+            **{f"{name}_c{c}": {**info, "prompts": every, "chunk": c} for name, info in per_chunk.items()},
+            **{loss_name(policy, policy, c): host(64, "loss", model=policy, prompts=every, chunk=c)})
         losses.append(loss_name(policy, policy, c))
     for name, info in per_chunk.items():
         add(f"join_{name}", "join", [f"{name}_c{c}" for c in range(shape.chunks)], [f"{name}_p{p}" for p in range(P)],
-            args={"prompts": list(range(P))}, **{f"{name}_p{p}": info for p in range(P)})
+            args={"prompts": list(range(P))}, **{f"{name}_p{p}": {**info, "prompts": (p,)} for p in range(P)})
     add("optimizer_step", "optimizer_step", ["rollout_stats", *losses], ["step"], model=policy,
         args={"deferred_normaliser": "tokens" if alg.loss_fn.options["agg"] == "token-mean" else "sequences"},
-        step=host(64, "scalars"))
-    add("weight_sync", "weight_sync", ["step"], ["synced"], model=policy, synced=host(64, "scalars"))
+        step=host(64, "step", model=policy))
+    add("weight_sync", "weight_sync", ["step"], ["synced"], model=policy, synced=host(64, "synced", model=policy))
     report_inputs = ["rollout_stats", "step", "synced", *losses]
     for p in range(P):
         report_inputs += [f"prompt_p{p}", f"responses_p{p}", f"rewards_p{p}", f"advantages_p{p}"]
         report_inputs += [f"old_{s.as_}_p{p}" if s.grad else f"{s.as_}_p{p}" for s in alg.scores]
-    add("report", "report", list(dict.fromkeys(report_inputs)), ["report"], report=host(P * G * 256, "records"))
+    add("report", "report", list(dict.fromkeys(report_inputs)), ["report"],
+        report=host(P * G * 256, "report", prompts=every))
     g.connect()
     for c in range(1, shape.chunks):  # gradients accumulate in chunk order, the same bits under any schedule
         g.add_order(f"train_c{c - 1}", f"train_c{c}", reason="accumulation order")

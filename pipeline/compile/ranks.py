@@ -16,9 +16,12 @@
               With ``tp_rollout`` K, each K consecutive ranks form one tensor-parallel decode engine:
               every rank's chain decodes the group's prompts (a step needs every rank of the group)
               and hands on its own; each vision node gets a copy on the group's other ranks.
-    ensures   ``node.meta["rank"]`` (and "placement", ``rankR``) on every node; ``check_placement``: a value read on another rank
-              than its producer's is host data (and its producer's other outputs too, since Dask moves
-              a node's whole output bundle), so device tensors never leave their worker.
+    ensures   ``node.meta["rank"]`` (and "placement", ``rankR``) on every node and ``Value.rank`` on every
+              value (its producer's rank; a prompt's: its own); a rank's copy of a value keeps the
+              original's facts and covers the rank's prompts; ``check_placement``: a value read on
+              another rank than its producer's is host data (and its producer's other outputs too,
+              since Dask moves a node's whole output bundle), so device tensors never leave their worker.
+              What a value is, the pass reads from its facts, never from its name.
 
 The executor turns ranks into Dask ``workers=`` restrictions (``executor.lower``), and the runner feeds
 each iteration's prompts to the slots balanced by predicted cost (``balance``).
@@ -116,10 +119,11 @@ def distribute(graph: IterationGraph, ranks: int, tp_rollout: int = 1) -> Iterat
     """The R-rank iteration of a compiled single-rank one (see the module docstring). With
     ``tp_rollout`` K > 1, each K consecutive ranks decode their prompts together as one tensor-parallel
     engine: a rank's decode chain takes its group's prompts and hands on only its own, and each
-    group prompt's vision encoding runs on every rank of the group (device tensors stay on their rank)."""
+    group prompt's vision encoding runs on every rank of the group (device tensors stay on their rank).
+    What a value is comes from its facts (``Value.role``, ``prompts``), never from its name."""
     if ranks <= 1:
         return graph
-    prompts = len([v for v in graph.inputs if v.startswith("prompt_p")])
+    prompts = len([v for v in graph.values.values() if v.producer is None and v.role == "prompt"])
     if prompts % ranks:
         raise GraphError(f"{prompts} prompts cannot be split evenly over {ranks} ranks")
     if tp_rollout < 1 or ranks % tp_rollout:
@@ -127,39 +131,28 @@ def distribute(graph: IterationGraph, ranks: int, tp_rollout: int = 1) -> Iterat
     layout = RankLayout(prompts, ranks, tp_rollout)
     out = IterationGraph(graph.name)
     out.meta.update(graph.meta, ranks=ranks)
-    renamed: dict[tuple[str, int], str] = {}  # (value, rank) -> its name on that rank (replicas)
-    rank_of_value: dict[str, int | None] = {}  # value -> rank of its producer (None: every rank)
+    s = _Split(graph, layout, out)
 
     for name in graph.inputs:
         v = graph.values[name]
-        out.add_input(name, v.nbytes, v.device, v.what)
-        rank_of_value[name] = layout.rank_of(int(name.removeprefix("prompt_p"))) if name.startswith("prompt_p") else None
-
-    def add(node: Node, rank: int, infos: dict[str, Value]) -> None:
-        node.meta["rank"] = rank
-        node.meta["placement"] = f"rank{rank}"  # printed as %name : rank1/compute ...
-        out.add(node, **{o: {"nbytes": infos[o].nbytes, "device": infos[o].device, "what": infos[o].what}
-                         for o in node.outputs})
+        rank = layout.rank_of(v.prompts[0]) if v.role == "prompt" and len(v.prompts) == 1 else None
+        out.add_input(name, **{**v.facts(), "rank": rank})
+        s.rank_of_value[name] = rank
 
     decode = [graph.nodes[n] for n in graph.topological_order() if graph.nodes[n].kind == "decode_chunk"]
     split: set[str] = set()  # nodes over every prompt made one per rank; a join of their outputs splits too
-    orders: list[tuple[str, str]] = []  # each rank's training nodes in chunk order (accumulation order)
     for name in graph.topological_order():
         node = graph.nodes[name]
         if node.kind == "decode_chunk":
             if node is decode[0]:
-                _split_decode(graph, decode, layout, add, rank_of_value)
+                _split_decode(s, decode)
             continue
         if node.kind in REPLICATED:
-            _replicate(graph, node, layout, add, renamed, rank_of_value)
-            continue
-        if node.kind == "loss" and "handoff_chunk" in node.args:
-            orders += _split_fused_training(graph, node, layout, add, renamed, rank_of_value)
-            split.add(name)
+            _replicate(s, node)
             continue
         if "handoff_chunk" in node.args or (node.kind == "join" and (
                 node.args.get("samples") or all(graph.values[v].producer in split for v in node.inputs))):
-            _split_fused_scoring(graph, node, layout, add, rank_of_value)
+            _split_per_rank(s, node)
             split.add(name)
             continue
         owners = {layout.rank_of(p) for p in _prompts(node)}
@@ -167,146 +160,147 @@ def distribute(graph: IterationGraph, ranks: int, tp_rollout: int = 1) -> Iterat
         args = dict(node.args)
         if node.kind == "loss":
             args["world"] = ranks  # DeepSpeed averages gradients over ranks; the sum is wanted
-        add(replace(node, args=args, meta=dict(node.meta)), rank, graph.values)
-        for o in node.outputs:
-            rank_of_value[o] = rank
+        s.add(replace(node, args=args, meta=dict(node.meta)), rank, {o: graph.values[o] for o in node.outputs})
         if node.kind == "vit_encode":
             for peer in layout.tp_peers(rank):
                 if peer != rank:  # the peer's decode engine needs these embeddings on its own device
-                    outputs = tuple(_on_peer(o, peer) for o in node.outputs)
-                    add(Node(f"{node.name}_tp{peer}", node.kind, node.inputs, outputs, node.model, node.engine,
-                             dict(node.args), dict(node.meta)), peer,
-                        {_on_peer(o, peer): graph.values[o] for o in node.outputs})
-                    for o in outputs:
-                        rank_of_value[o] = peer
+                    outputs = {o: f"{o}_tp{peer}" for o in node.outputs}
+                    s.add(Node(f"{node.name}_tp{peer}", node.kind, node.inputs, tuple(outputs.values()), node.model,
+                               node.engine, dict(node.args), dict(node.meta)), peer,
+                          {copy: graph.values[o] for o, copy in outputs.items()})
+                    for o, copy in outputs.items():
+                        s.peer_vision[o, peer] = copy
     out.connect()
     for u, v, data in graph.g.edges(data=True):
-        if data.get("reason") == "value" or u not in out.nodes or v not in out.nodes:
+        if data.get("reason") == "value":
+            continue
+        if u in s.copies and v in s.copies:  # nodes made one per rank: each rank keeps the order
+            for r, copy in s.copies[v].items():
+                if r in s.copies[u]:
+                    out.add_order(s.copies[u][r], copy, reason=data.get("reason", "order"))
+            continue
+        if u not in out.nodes or v not in out.nodes:
             continue
         if data.get("reason") == "accumulation order" and out.nodes[u].meta["rank"] != out.nodes[v].meta["rank"]:
             continue  # each rank accumulates its own micro-batches; the all-reduce joins them
         out.add_order(u, v, reason=data.get("reason", "order"))
-    for u, v in orders:
-        out.add_order(u, v, reason="accumulation order")
     out.lint()
     check_placement(out)
     return out
 
 
-def _on_peer(value: str, peer: int) -> str:
-    """The name of a vision encoding's copy on a tensor-parallel peer's rank."""
-    return f"{value}_tp{peer}"
+class _Split:
+    """What the pass has made so far: the R-rank graph, each value's copy per rank and the rank that
+    holds each value."""
+
+    def __init__(self, graph: IterationGraph, layout: RankLayout, out: IterationGraph) -> None:
+        self.graph, self.layout, self.out = graph, layout, out
+        self.local: dict[tuple[str, int], str] = {}  # (value, rank) -> the name of its copy on that rank
+        self.rank_of_value: dict[str, int | None] = {}  # value -> rank of its producer (None: every rank)
+        self.copies: dict[str, dict[int, str]] = {}  # node made one per rank -> rank -> its copy
+        self.peer_vision: dict[tuple[str, int], str] = {}  # a vision value's copy on a tensor-parallel peer
+
+    def add(self, node: Node, rank: int, infos: dict[str, Value], of: str | None = None) -> None:
+        """Add ``node`` on ``rank``, its outputs with the facts of ``infos`` on that rank; ``of``: the
+        node of the input graph that it is this rank's copy of."""
+        node.meta["rank"] = rank
+        node.meta["placement"] = f"rank{rank}"  # printed as %name : rank1/compute ...
+        self.out.add(node, **{o: {**infos[o].facts(), "rank": rank} for o in node.outputs})
+        for o in node.outputs:
+            self.rank_of_value[o] = rank
+        if of is not None:
+            self.copies.setdefault(of, {})[rank] = node.name
+
+    def reads(self, inputs, rank: int) -> tuple[str, ...]:
+        """The values a rank's copy of a node reads: each input's copy on that rank, or the input
+        itself where it is on that rank or on every rank; inputs of other ranks are left out."""
+        out = []
+        for v in inputs:
+            if (v, rank) in self.local:
+                out.append(self.local[v, rank])
+            elif self.rank_of_value.get(v) in (None, rank):
+                out.append(v)
+        return tuple(out)
 
 
-def _split_decode(graph: IterationGraph, chain: list[Node], layout: RankLayout, add, rank_of_value) -> None:
+def _split_decode(s: _Split, chain: list[Node]) -> None:
     """One decode chain per rank over its own prompts (with tensor parallelism: over its group's,
     handing on its own); ``rollout_stats`` becomes a host gather."""
+    graph, layout = s.graph, s.layout
+    prompt_of = {v.prompts[0]: v.name for v in graph.values.values() if v.role == "prompt" and v.producer is None}
+    vision_of = {graph.values[v].prompts[0]: v for v in chain[0].inputs if graph.values[v].role == "vision"}
+    (stats,) = [graph.values[o] for o in chain[-1].outputs if graph.values[o].role == "rollout_stats"]
     stats_parts = []
     for r in range(layout.ranks):
         mine, decoded = layout.prompts_of(r), layout.decoded_by(r)
-        vis = [f"vis_p{p}" if layout.rank_of(p) == r else _on_peer(f"vis_p{p}", r) for p in decoded]
         state = None
         for node in chain:
-            last, chunk = node is chain[-1], node.args["chunk"]
-            inputs = ([f"prompt_p{p}" for p in decoded] + vis) if state is None else [state]
-            outputs = [f"responses_p{p}" for p in mine] + [f"rollout_stats_r{r}"] if last else \
-                [f"decode_state_r{r}_c{chunk}"]
-            infos = {o: graph.values.get(o) or Value(o, node.name, 64, "host", "scalars") for o in outputs}
-            if not last:
-                old = graph.values[node.outputs[0]]
-                infos = {outputs[0]: Value(outputs[0], None, old.nbytes // layout.ranks, old.device, old.what)}
-            for handed in (f"finished_c{chunk}", f"handoff_c{chunk}"):  # stage fusion: samples, groups
-                if handed in node.outputs:
-                    outputs.append(f"{handed}_r{r}")
-                    infos[outputs[-1]] = graph.values[handed]
-                    rank_of_value[outputs[-1]] = r
+            inputs = [prompt_of[p] for p in decoded] + [s.peer_vision.get((vision_of[p], r), vision_of[p])
+                                                         for p in decoded] if state is None else [state]
+            outputs, infos = [], {}
+            for o in node.outputs:
+                v = graph.values[o]
+                if v.role == "responses":
+                    if v.prompts[0] not in mine:
+                        continue  # another rank's chain samples it
+                    outputs.append(o)
+                    infos[o] = v
+                    continue
+                copy = f"{o}_r{r}"  # the chain's own state, hand-offs and stats
+                if v.role in ("handoff", "finished"):  # read by the rank's copies of their readers
+                    s.local[o, r] = copy
+                covers = decoded if v.role == "decode_state" else mine
+                nbytes = v.nbytes // layout.ranks if v.role == "decode_state" else v.nbytes
+                outputs.append(copy)
+                infos[copy] = replace(v, name=copy, nbytes=nbytes, prompts=tuple(covers))
+                if v.role == "decode_state":
+                    state = copy
+                elif v.role == "rollout_stats":
+                    stats_parts.append(copy)
             args = {**node.args, "prompts": decoded} | ({"keep": mine} if decoded != mine else {})
-            add(Node(f"decode_r{r}_c{node.args['chunk']}", node.kind, tuple(inputs), tuple(outputs), node.model,
-                     node.engine, args, dict(node.meta)), r, infos)
-            for o in outputs:
-                rank_of_value[o] = r
-            state = None if last else outputs[0]
-        stats_parts.append(f"rollout_stats_r{r}")
-    info = graph.values["rollout_stats"]
-    add(Node("gather_rollout_stats", "gather", tuple(stats_parts), ("rollout_stats",), args={"what": "rollout_stats"}),
-        0, {"rollout_stats": info})
-    rank_of_value["rollout_stats"] = None  # read on every rank (host data)
+            s.add(Node(f"decode_r{r}_c{node.args['chunk']}", node.kind, tuple(inputs), tuple(outputs), node.model,
+                       node.engine, args, dict(node.meta)), r, infos)
+    s.add(Node(f"gather_{stats.name}", "gather", tuple(stats_parts), (stats.name,), args={"what": "rollout_stats"}),
+          0, {stats.name: stats})
+    s.rank_of_value[stats.name] = None  # read on every rank (host data)
 
 
-def _split_fused_scoring(graph: IterationGraph, node: Node, layout: RankLayout, add, rank_of_value) -> None:
-    """Stage fusion per rank: a frozen model's scoring of a chunk's finished samples (over every
-    prompt) becomes one node per rank over its prompts, fed by its own decode chain's hand-off, and
-    the join that restores the per-prompt names splits the same way."""
+def _split_per_rank(s: _Split, node: Node) -> None:
+    """Stage and train fusion per rank: a node over every prompt that works on what the decode chains
+    handed on (a frozen model's scoring of a chunk's finished samples or groups, train fusion's
+    ``train_c``) becomes one node per rank over its prompts, fed by its own chain's hand-off; the join
+    that restores the per-prompt names splits the same way. A training node's loss is scaled by R like
+    every rank's loss (``world``), and the optimizer step each rank runs reads its own losses."""
+    graph, layout = s.graph, s.layout
     for r in range(layout.ranks):
         mine = layout.prompts_of(r)
-        if node.kind == "join":
-            inputs = tuple(f"{v}_r{r}" for v in node.inputs)
-            outputs = tuple(o for p, o in zip(node.args["prompts"], node.outputs) if p in mine)
+        args = {**node.args, "prompts": mine} | ({"world": layout.ranks} if node.kind == "loss" else {})
+        if node.kind == "join":  # its per-prompt outputs keep their names, on their prompts' rank
+            outputs = tuple(o for o in node.outputs if graph.values[o].prompts[0] in mine)
             infos = {o: graph.values[o] for o in outputs}
         else:
-            n = len(node.args["prompts"])
-            kvs = tuple(v for p, v in zip(node.args["prompts"], node.inputs[:n]) if p in mine)
-            inputs = kvs + tuple(f"{v}_r{r}" for v in node.inputs[n:])
             outputs = tuple(f"{o}_r{r}" for o in node.outputs)
-            infos = {f"{o}_r{r}": graph.values[o] for o in node.outputs}
-        add(Node(f"{node.name}_r{r}", node.kind, inputs, outputs, node.model, node.engine,
-                 {**node.args, "prompts": mine}, dict(node.meta)), r, infos)
-        for o in outputs:
-            rank_of_value[o] = r
+            infos = {f"{o}_r{r}": replace(graph.values[o], prompts=tuple(mine)) for o in node.outputs}
+            s.local.update({(o, r): f"{o}_r{r}" for o in node.outputs})
+        s.add(Node(f"{node.name}_r{r}", node.kind, s.reads(node.inputs, r), outputs, node.model, node.engine,
+                   args, dict(node.meta)), r, infos, of=node.name)
 
 
-def _split_fused_training(graph: IterationGraph, node: Node, layout: RankLayout, add, renamed,
-                          rank_of_value) -> list[tuple[str, str]]:
-    """Train fusion per rank: ``train_c{c}`` becomes one node per rank training the groups of its
-    prompts that its own decode chain finished in chunk c, on its frozen scores. Its loss is scaled by
-    R like every rank's loss (``world``), and the optimizer step each rank runs reads its own losses.
-    Returns the order edges that keep each rank's training nodes in chunk order."""
-    orders = []
-    for r in range(layout.ranks):
-        mine = layout.prompts_of(r)
-        own = {f"prompt_p{p}" for p in mine} | {f"vis_p{p}" for p in mine}
-        inputs = tuple(v for v in node.inputs if v in own) + tuple(
-            f"{v}_r{r}" for v in node.inputs if not v.startswith(("prompt_p", "vis_p")))
-        outputs = tuple(f"{o}_r{r}" for o in node.outputs)
-        name = f"{node.name}_r{r}"
-        add(Node(name, node.kind, inputs, outputs, node.model, node.engine,
-                 {**node.args, "prompts": mine, "world": layout.ranks}, dict(node.meta)), r,
-            {f"{o}_r{r}": graph.values[o] for o in node.outputs})
-        for o in node.outputs:
-            renamed[o, r] = f"{o}_r{r}"
-            rank_of_value[f"{o}_r{r}"] = r
-        chunk = node.args["handoff_chunk"]
-        if chunk:
-            orders.append((f"{node.name.rsplit('_c', 1)[0]}_c{chunk - 1}_r{r}", name))
-    return orders
-
-
-def _replicate(graph: IterationGraph, node: Node, layout: RankLayout, add, renamed, rank_of_value) -> None:
+def _replicate(s: _Split, node: Node) -> None:
     """A copy per rank reading that rank's share; the report's copies feed a gather report."""
-    parts = []
-    for r in range(layout.ranks):
-        inputs = []
-        for v in node.inputs:
-            if (v, r) in renamed:
-                inputs.append(renamed[v, r])
-            elif rank_of_value.get(v) in (None, r):
-                inputs.append(v)
-        outputs = []
-        infos = {}
-        for o in node.outputs:
-            renamed[o, r] = f"{o}_r{r}"
-            outputs.append(renamed[o, r])
-            infos[renamed[o, r]] = graph.values[o]
-            rank_of_value[renamed[o, r]] = r
-        args = dict(node.args, rank=r, names={v: n for (v, rr), n in renamed.items() if rr == r})
-        add(Node(f"{node.name}_r{r}", node.kind, tuple(inputs), tuple(outputs), node.model, node.engine, args,
-                 dict(node.meta)), r, infos)
+    graph, parts = s.graph, []
+    for r in range(s.layout.ranks):
+        outputs = tuple(f"{o}_r{r}" for o in node.outputs)
+        s.local.update({(o, r): f"{o}_r{r}" for o in node.outputs})
+        infos = {f"{o}_r{r}": graph.values[o] for o in node.outputs}
+        s.add(Node(f"{node.name}_r{r}", node.kind, s.reads(node.inputs, r), outputs, node.model, node.engine,
+                   dict(node.args, rank=r), dict(node.meta)), r, infos, of=node.name)
         parts += outputs
     if node.kind == "report":
         (final,) = node.outputs
-        add(Node(node.name, "gather", ("rollout_stats", *parts), (final,), args={"what": "report"}), 0,
-            {final: graph.values[final]})
-        rank_of_value[final] = 0
+        (stats,) = [v for v in node.inputs if graph.values[v].role == "rollout_stats"]
+        s.add(Node(node.name, "gather", (stats, *parts), (final,), args={"what": "report"}), 0,
+              {final: graph.values[final]})
 
 
 def check_placement(graph: IterationGraph) -> None:

@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from rollplex.errors import ConfigError
-from rollplex.pipeline.compile.ir import PHASES, IterationGraph, Node, format_bytes, registered_kinds
+from rollplex.pipeline.compile.ir import PHASES, IterationGraph, Node, Value, format_bytes, registered_kinds
 from rollplex.pipeline.compile.layout import layered_layout
 
 FORMATS = ("dot", "html", "json", "svg")
-JSON_FORMAT = "rollplex.iteration-graph/1"
+JSON_FORMAT = "rollplex.iteration-graph/2"  # 2: a value's facts (role, model, prompts, ...) replace "what"
 
 # One fixed colour per builtin kind, so the same kind looks the same in every picture.
 KIND_COLOURS = {
@@ -133,7 +133,8 @@ def to_json(graph: IterationGraph, order: Iterable[str] | None = None) -> dict[s
         })
     values = [{
         "name": v.name, "producer": v.producer, "consumers": list(graph.consumers(v.name)),
-        "nbytes": v.nbytes, "device": v.device, "what": v.what, "lifetime": list(lifetimes[v.name]),
+        **{k: list(x) if isinstance(x, tuple) else x for k, x in v.facts().items()},
+        "lifetime": list(lifetimes[v.name]),
     } for v in graph.values.values()]
     edges = [{"src": u, "dst": v, "values": list(vals), "reason": reason} for u, v, vals, reason in _edges(graph)]
     return {"format": JSON_FORMAT, "name": graph.name, "meta": meta, "dropped_meta": dropped,
@@ -146,12 +147,12 @@ def from_json(data: Mapping[str, Any]) -> IterationGraph:
         raise ConfigError(f"not a rollplex graph dump: format is {data.get('format')!r}, expected {JSON_FORMAT!r}")
     graph = IterationGraph(data["name"])
     graph.meta.update(data["meta"])
-    values = {v["name"]: v for v in data["values"]}
+    facts = {v["name"]: {k: v[k] for k in Value(v["name"], None).facts()} for v in data["values"]}
     for v in data["values"]:
         if v["producer"] is None:
-            graph.add_input(v["name"], v["nbytes"], v["device"], v["what"])
+            graph.add_input(v["name"], **facts[v["name"]])
     for n in data["nodes"]:
-        info = {o: {k: values[o][k] for k in ("nbytes", "device", "what")} for o in n["outputs"]}
+        info = {o: facts[o] for o in n["outputs"]}
         graph.add(Node(n["name"], n["kind"], tuple(n["inputs"]), tuple(n["outputs"]), n["model"], n["engine"],
                        n["args"], dict(n["meta"])), **info)
     graph.connect()
@@ -367,7 +368,7 @@ function valueRows(title, cls, names, other) {
   if (!names.length) return;
   add(panel, "h4", title, cls); const t = add(panel, "table");
   for (const name of names) { const v = values[name], r = add(t, "tr");
-    const cells = ["%" + name, fmt(v.nbytes), v.device + "/" + v.what, other(v), "live " + v.lifetime.join("→")];
+    const cells = ["%" + name, fmt(v.nbytes), v.device + "/" + v.role, other(v), "live " + v.lifetime.join("→")];
     for (const s of cells) add(r, "td", s); }
 }
 function mark(cls, edges, end) {

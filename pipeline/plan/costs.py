@@ -356,12 +356,13 @@ class CostModel:
         return NodeCost(self.calibration.apply(node.kind, cost.seconds), cost.batch)
 
     def _handed_on(self, node: Node, gang: int) -> NodeCost:
-        """A node of a stage-fused graph that works on what decode chunks handed on: a frozen model's
-        scoring of the groups (``handoff_c``) or samples (``finished_c``) of its chunks, or, under train
-        fusion, ``train_c``: the groups its chunk finished, in micro-batches, each its policy prefix
-        and suffix with grad, loss and backward, each part calibrated as serial's node of that kind.
-        A node with nothing handed on costs nothing (the runtime's returns at once)."""
-        chunks = {int(v.rsplit("_c", 1)[1]) for v in node.inputs if v.startswith(("handoff_c", "finished_c"))}
+        """A node of a stage-fused graph that works on what decode chunks handed on (its args say which
+        chunks, ``handed_chunks``, and whether ``handed`` groups or samples): a frozen model's scoring
+        of those, or, under train fusion, ``train_c``: the groups its chunk finished, in micro-batches,
+        each its policy prefix and suffix with grad, loss and backward, each part calibrated as
+        serial's node of that kind. A node with nothing handed on costs nothing (the runtime's returns
+        at once)."""
+        chunks = set(node.args["handed_chunks"])
         groups = [p for p in node.args.get("prompts", []) if self.profile.finish_chunk.get(p) in chunks]
         cal, L = self.calibration, self.w.prefix_tokens
         if node.kind == "loss":
@@ -373,7 +374,7 @@ class CostModel:
                 seconds += (cal.apply("prefix", prefix) + cal.apply("suffix_score", suffix)
                             + cal.apply("loss", self._loss(mb, gang, forward_kept=True)))
             return NodeCost(seconds)
-        if any(v.startswith("finished_c") for v in node.inputs):  # single samples
+        if node.args["handed"] == "samples":
             some = {p: [g for g, c in enumerate(self.profile.sample_chunks[p]) if c in chunks]
                     for p in node.args.get("prompts", []) if p in self.profile.sample_chunks}
             some = {p: gs for p, gs in some.items() if gs}

@@ -13,6 +13,8 @@ without checkpointing, 2·h (the layer input) with it.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from rollplex.pipeline.plan.costs import CostModel
 from rollplex.pipeline.compile.ir import IterationGraph, Node
 from rollplex.pipeline.plan.memory import Resident
@@ -46,7 +48,7 @@ def annotate(graph: IterationGraph, cm: CostModel) -> IterationGraph:
             v = graph.values[out]
             if v.device != "device":
                 continue
-            p = _prompt_of(out, prompts)
+            p = v.prompts[0] if len(v.prompts) == 1 else None
             nbytes = v.nbytes
             if node.kind == "vit_encode":
                 nbytes = w.vision_total * m.hidden * 2
@@ -55,7 +57,7 @@ def annotate(graph: IterationGraph, cm: CostModel) -> IterationGraph:
             elif node.kind == "suffix_score" and p is not None:
                 tokens = cm.tokens(p, full)
                 nbytes = sum(cm.profile.lengths[p]) * 4 + (activation_bytes(cm, tokens) if grad else 0)
-            infos[out] = dict(nbytes=int(nbytes), device=v.device, what=v.what)
+            infos[out] = replace(v, nbytes=int(nbytes))
         meta = dict(node.meta)
         meta["workspace"] = int(_workspace(cm, node.kind, prompts, full))
         nodes.append(Node(node.name, node.kind, node.inputs, node.outputs, node.model, node.engine, args, meta))
@@ -66,15 +68,8 @@ def annotate(graph: IterationGraph, cm: CostModel) -> IterationGraph:
         if node.args.get("recompute_in_loss"):
             for u in list(out.g.predecessors(node.name)):
                 if out.g.edges[u, node.name]["reason"] == "accumulation order":
-                    out.g.remove_edge(u, node.name)
+                    out.remove_edge(u, node.name)
     return out
-
-
-def _prompt_of(value: str, prompts: list[int]) -> int | None:
-    for p in prompts:
-        if value.endswith(f"_p{p}"):
-            return p
-    return prompts[0] if len(prompts) == 1 else None
 
 
 def _workspace(cm: CostModel, kind: str, prompts: list[int], full: bool) -> float:
@@ -114,17 +109,20 @@ def residents(graph: IterationGraph, cm: CostModel) -> list[Resident]:
     train = tuple(lay.train)
     W = m.lm_params
     vit_pool, vit_tp = (lay.train, lay.tp_train) if lay.colocated else (lay.rollout, lay.tp_rollout)
+    def resident(model: str, part: str, *args, **kw) -> Resident:  # named <model>.<part>
+        return Resident(f"{model}.{part}", *args, model=model, part=part, **kw)
+
     out = [
-        Resident("vision.weights", tuple(vit_pool), m.vit_params * 2 / vit_tp,
+        resident("vision", "weights", tuple(vit_pool), m.vit_params * 2 / vit_tp,
                  tuple((n, "read") for n in named(["vit_encode"])), frozen=True, what="weights"),
-        Resident(f"{policy}.weights", train, W * 2 / cm.shard("weights"),
+        resident(policy, "weights", train, W * 2 / cm.shard("weights"),
                  tuple((n, "read") for n in actor_reads) + tuple((n, "write") for n in opt), what="weights"),
-        Resident(f"{policy}.grads", train, W * 2 / cm.shard("grads"),
+        resident(policy, "grads", train, W * 2 / cm.shard("grads"),
                  tuple((n, "write" if i == 0 else "read") for i, n in enumerate(losses))
                  + tuple((n, "read") for n in opt), what="grads"),
-        Resident(f"{policy}.master", train, W * 4 / cm.shard("optimizer"),
+        resident(policy, "master", train, W * 4 / cm.shard("optimizer"),
                  tuple((n, "read") for n in opt), what="optimizer"),
-        Resident(f"{policy}.adam", train, W * 8 / cm.shard("optimizer"),
+        resident(policy, "adam", train, W * 8 / cm.shard("optimizer"),
                  tuple((n, "read") for n in opt), what="optimizer"),
     ]
     frozen = sorted({n.model for n in graph if n.model and n.model != policy and n.kind in ("prefix", "suffix_score")})
@@ -132,14 +130,14 @@ def residents(graph: IterationGraph, cm: CostModel) -> list[Resident]:
         uses = [n.name for k in ("prefix", "suffix_score") for n in by_kind.get(k, [])
                 if n.model == model and not n.args.get("cached")]
         shard = lay.tp_train * (lay.train_dp if cm.w.zero >= 3 else 1)
-        out.append(Resident(f"{model}.weights", train, W * 2 / shard, tuple((n, "read") for n in uses),
+        out.append(resident(model, "weights", train, W * 2 / shard, tuple((n, "read") for n in uses),
                             frozen=True, what="weights"))
     decode = sorted(named(["decode_chunk"]), key=order.__getitem__)
     rollout = tuple(lay.rollout)
-    out.append(Resident("rollout.weights", rollout, cm.rollout_copy_bytes(),
+    out.append(resident("rollout", "weights", rollout, cm.rollout_copy_bytes(),
                         tuple((n, "read") for n in decode) + tuple((n, "write") for n in named(["weight_sync"])),
                         what="weights"))
-    out.append(Resident("rollout.kv_pool", rollout, cm.kv_pool_bytes(),
+    out.append(resident("rollout", "kv_pool", rollout, cm.kv_pool_bytes(),
                         tuple((n, "write" if i == 0 else "read") for i, n in enumerate(decode)), what="kv pool"))
     return out
 
@@ -148,20 +146,22 @@ TERMS = (("weights", "weights (actor, frozen, rollout copy)"), ("grads", "gradie
          ("optimizer", "optimizer (fp32 master + Adam m, v)"), ("kv pool", "decode KV pool"),
          ("kv", "prefix KV + activations kept for the backward"), ("embeddings", "vision embeddings"),
          ("logprobs", "suffix outputs (+ activations)"), ("workspace", "transient workspace (logits, one layer)"))
+TERM_OF_ROLE = {"kv": "kv", "vision": "embeddings", "score": "logprobs"}  # a device value's term; others: its role
 
 
 def breakdown(live: list[tuple[str, float]], graph: IterationGraph, rs: list[Resident]) -> list[tuple[str, float]]:
-    """Group ``(tensor, bytes)`` into TERMS (plus 'other')."""
+    """Group ``(tensor, bytes)`` (graph values, residents and ``memory``'s workspaces) into TERMS
+    (plus one row per other kind)."""
     what = {r.name: r.what for r in rs}
     totals: dict[str, float] = {}
     for name, nbytes in live:
-        if name.startswith("workspace of"):
-            key = "workspace"
-        elif name in what:
+        if name in what:
             key = what[name]
-        else:
-            base = name.split("@")[0]
-            key = graph.values[base].what if base in graph.values else "other"
+        elif name in graph.values:
+            role = graph.values[name].role
+            key = TERM_OF_ROLE.get(role, role)
+        else:  # not a tensor of the graph or a resident: a node's transient workspace
+            key = "workspace"
         totals[key] = totals.get(key, 0.0) + nbytes
     rows = [(label, totals.pop(key, 0.0)) for key, label in TERMS]
     rows += [(key, b) for key, b in sorted(totals.items())]
@@ -172,14 +172,15 @@ def copy_with_cache_hits(graph: IterationGraph, cm: CostModel, hit) -> Iteration
     """Reference prefix nodes whose prompts all hit the cross-iteration cache load their KV and
     last logits from host memory (a copy) instead of running: ``hit(prompt) -> bool``."""
     policy = graph.meta.get("rollout_model", "actor")
+    responses = {v.prompts[0]: v.name for v in graph.of_role("responses") if len(v.prompts) == 1}
     nodes = []
     kv = cm.w.prefix_tokens * cm.m.kv_bytes_per_token() + cm.m.vocab * 4
     for node in graph:
         prompts = list(node.args.get("prompts", []))
         if node.kind == "prefix" and node.model != policy and prompts and all(hit(p) for p in prompts):
             # No vision tower needed; loaded once its group's responses exist, just before its suffix.
-            inputs = tuple(v for v in node.inputs if not v.startswith("vis_")) + tuple(
-                f"responses_p{p}" for p in prompts if f"responses_p{p}" in graph.values)
+            inputs = tuple(v for v in node.inputs if graph.values[v].role != "vision") + tuple(
+                responses[p] for p in prompts if p in responses)
             node = Node(node.name, node.kind, inputs, node.outputs, node.model, node.engine,
                         {**node.args, "cached": True, "bytes_per_gpu": kv * len(prompts) / cm.layout.tp_train},
                         dict(node.meta))

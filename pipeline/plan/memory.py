@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from rollplex.errors import MemoryPlanError
 from rollplex.pipeline.compile.ir import Node
@@ -50,6 +50,8 @@ class Resident:
     frozen: bool = False  # a host copy always exists: offloading it costs nothing
     what: str = "weights"
     movable: bool = True  # False: stays resident (the runtime's engines cannot move or free it)
+    model: str = ""  # whose engine holds it ("actor" for actor.adam): the one a move asks
+    part: str = ""  # which of that engine's tensors ("adam")
 
 
 @dataclass
@@ -79,6 +81,7 @@ class Tensor:
     what: str = ""
     rank: tuple[int, int] = (0, 0)  # name-independent tie-break: (0, producer's structural rank) | (1, index)
     movable: bool = True
+    owner: tuple[str, str] = ("", "")  # a resident's (model, part)
 
 
 @dataclass
@@ -136,15 +139,11 @@ def tensors_of(plan: Plan, residents: list[Resident]) -> list[Tensor]:
     slots, graph = plan.slots, plan.graph
     period = plan.makespan
     tiebreak = {name: job.tiebreak for name, job in zip(plan.names, plan.problem.jobs)}
-    consumers: dict[str, list[str]] = {}
-    for node in graph:
-        for v in node.inputs:
-            consumers.setdefault(v, []).append(node.name)
     out = []
     for v in graph.values.values():
         if v.device != "device" or v.nbytes <= 0:
             continue
-        users = [slots[n] for n in consumers.get(v.name, [])]
+        users = [slots[n] for n in graph.consumers(v.name)]
         if v.producer is not None:
             users.append(slots[v.producer])
             gpus = slots[v.producer].gpus
@@ -162,7 +161,7 @@ def tensors_of(plan: Plan, residents: list[Resident]) -> list[Tensor]:
         # on the device until the backward: a host copy would be detached and free nothing of them.
         kept_for_backward = v.producer is not None and bool(graph.nodes[v.producer].args.get("grad"))
         out.append(Tensor(v.name, tuple(gpus), v.nbytes / len(gpus), [(a, b) for a, b, *_ in busy], gaps, False,
-                          what=v.what, rank=(0, tiebreak[v.producer or users[0].node]), movable=not kept_for_backward))
+                          what=v.role, rank=(0, tiebreak[v.producer or users[0].node]), movable=not kept_for_backward))
     for index, r in enumerate(residents):
         mode = dict(r.uses)
         unknown = [n for n in mode if n not in slots]
@@ -180,7 +179,7 @@ def tensors_of(plan: Plan, residents: list[Resident]) -> list[Tensor]:
         else:
             gaps.append(Gap(0.0, period, "", "", True, wrap=True))
         out.append(Tensor(r.name, r.gpus, r.bytes_per_gpu, [(a, b) for a, b, *_ in busy], gaps, True, r.frozen,
-                          r.what, rank=(1, index), movable=r.movable))
+                          r.what, rank=(1, index), movable=r.movable, owner=(r.model, r.part)))
     return out
 
 
@@ -399,6 +398,7 @@ def _materialize(plan: Plan, tensors: list[Tensor], actions: list[Action]):
     order: list[tuple[str, str]] = []
     by_name = {t.name: t for t in tensors}
     current: dict[str, str] = {}  # value → the name its later consumers read
+    readers: dict[str, list[str]] = {}  # value (or a copy) → the nodes that read it now
     taken = set(graph.nodes) | set(graph.values)
 
     def fresh(stem: str) -> int:
@@ -417,6 +417,8 @@ def _materialize(plan: Plan, tensors: list[Tensor], actions: list[Action]):
             deadline -= period
         deadline = max(0.0, deadline)
         base = {"tensor": t.name, "gpus": list(t.gpus), "after": act.gap.after, "before": act.gap.before}
+        if t.resident:  # the engine a move asks, and what it moves
+            base.update(model=t.owner[0], part=t.owner[1])
         off_name, pre_name = f"offload_{_safe(t.name)}_{k}", f"prefetch_{_safe(t.name)}_{k}"
         if t.resident:
             off = Node(off_name, "offload", (), (), args={**base, "bytes_per_gpu": t.nbytes * (not t.frozen),
@@ -433,11 +435,13 @@ def _materialize(plan: Plan, tensors: list[Tensor], actions: list[Action]):
                        meta={"at": act.gap.a})
             pre = Node(pre_name, "prefetch", (host,), (dev,), args={**base, "bytes_per_gpu": t.nbytes},
                        meta={"at": deadline})
-            infos[host] = dict(nbytes=value.nbytes, device="host", what="offloaded")
-            infos[dev] = dict(nbytes=value.nbytes, device="device", what=value.what)
-            for n, ins in inputs.items():  # consumers after the gap read the prefetched copy
-                if src in ins and plan.slots[n].start >= act.gap.b - EPS:
-                    inputs[n] = [dev if v == src else v for v in ins]
+            infos[host] = replace(value, device="host")  # the same value, for a while on the host
+            infos[dev] = value
+            before = readers.pop(src) if src in readers else list(graph.consumers(src))
+            readers[src] = [n for n in before if plan.slots[n].start < act.gap.b - EPS]
+            readers[dev] = [n for n in before if plan.slots[n].start >= act.gap.b - EPS]
+            for n in readers[dev]:  # consumers after the gap read the prefetched copy
+                inputs[n] = [dev if v == src else v for v in inputs[n]]
             current[t.name] = dev
         if act.gap.after:
             order.append((act.gap.after, off_name))

@@ -71,12 +71,11 @@ def plan_residency(graph: IterationGraph, policy: str, *, model_path: str, shape
     cm = CostModel(spec, cluster, w, layout, weight_sharing=weight_sharing, prefix_sharing=shape.prefix_sharing)
     first = plan(footprint.annotate(graph, cm), cluster, cm, policy, layout)
     trained = first.graph.meta.get("rollout_model", "actor")
-    movable = {f"{trained}.{part}" for part in movable_parts(train_engine, "train")}
-    score_parts = movable_parts(score_engine, "score")
+    train_parts, score_parts = movable_parts(train_engine, "train"), movable_parts(score_engine, "score")
     residents = []
     for r in footprint.residents(first.graph, cm):
-        model, _, part = r.name.rpartition(".")
-        ok = r.name in movable or (r.frozen and model not in (trained, "vision", "rollout") and part in score_parts)
+        ok = (r.model == trained and r.part in train_parts) or (
+            r.frozen and r.model not in (trained, "vision", "rollout") and r.part in score_parts)
         residents.append(replace(r, movable=ok))
     mp = memory.plan_memory(first, residents, budget_bytes)
     planned = _strip_plan_meta(mp.plan.graph)

@@ -124,7 +124,7 @@ def run_variant(scn: Scenario, name: str, rollout_gpus: int | None = None) -> Re
     for u, v, data in list(graph.g.edges(data=True)):
         if data["reason"] == "accumulation order" and {graph.nodes[u].kind, graph.nodes[v].kind} <= {"prefix",
                                                                                                       "suffix_score"}:
-            graph.g.remove_edge(u, v)
+            graph.remove_edge(u, v)
     if rollplex and scn.workload.ref_cache_hit > 0:
         h = scn.workload.ref_cache_hit
         graph = footprint.copy_with_cache_hits(graph, cm, lambda p: (p * 0.6180339887) % 1.0 < h)

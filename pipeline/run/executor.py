@@ -23,6 +23,7 @@ import dask
 from dask._task_spec import DataNode, Task, TaskRef
 
 from rollplex.pipeline.compile.ir import IterationGraph
+from rollplex.pipeline.run.tables import lowering_tables
 from rollplex.pipeline.run.worker import IterationResult, provide_input, run_iteration, run_node
 
 
@@ -65,65 +66,55 @@ def lower(graph: IterationGraph, iteration: int, inputs: dict[str, Any],
           ranks: list[str] | None = None, installed: str | None = None) -> LoweredIteration:
     """``ranks``: worker address per rank of a data-parallel graph (``pipeline/compile/ranks.py``); each node
     is restricted to its rank's worker, and an ordering edge between ranks goes through a token task
-    so that no output bundle moves for it. ``installed``: the graph's name on the workers (their host
-    spec holds it), so each task names its node instead of carrying it."""
+    so that no output bundle moves for it. The graph's own tables (``tables.lowering_tables``) are
+    built once per graph; an iteration only makes its tasks. ``installed``: the graph's name on the
+    workers (their host spec holds it), so each task names its node instead of carrying it."""
     _check_inputs(graph, inputs)
+    t = lowering_tables(graph, ranked=bool(ranks))
     dsk: dict[str, Task] = {}
     resources: dict[str, dict[str, int]] = {}
     priority: dict[str, float] = {}
     workers: dict[str, list[str]] = {}
-    if ranks:
-        from rollplex.pipeline.compile.ranks import rank_uses
-
-        per_rank = rank_uses(graph)
-    else:
-        per_rank = {(v, 0): len(graph.consumers(v)) for v in graph.values}
-    rank_of = {n: (node.meta.get("rank", 0) if ranks else 0) for n, node in graph.nodes.items()}
     for name in graph.inputs:
         key = task_key(iteration, f"in/{name}")
         dsk[key] = Task(key, provide_input, DataNode(None, inputs[name]), name)
         resources[key] = {"host": 1}
         priority[key] = 1e6
-        readers = graph.consumers(name)
-        if ranks and readers:
-            workers[key] = [ranks[rank_of[readers[0]]]]
-    for node_name in graph.topological_order():
+        if ranks and t.readers_rank[name] is not None:
+            workers[key] = [ranks[t.readers_rank[name]]]
+    for node_name in t.run.order:
         node = graph.nodes[node_name]
-        rank = rank_of[node_name]
-        producers: list[str] = []
-        for value in node.inputs:
-            producer = graph.values[value].producer
-            ref = task_key(iteration, producer if producer is not None else f"in/{value}")
-            if ref not in producers:
-                producers.append(ref)
+        rank = t.rank[node_name]
+        producers = [task_key(iteration, p if p is not None else f"in/{v}") for p, v in t.producers[node_name]]
         ordering = []
-        for p in graph.g.predecessors(node_name):
+        for p in t.ordering[node_name]:
             ref = task_key(iteration, p)
-            if ref in producers:
-                continue
-            if rank_of[p] != rank:
+            if t.rank[p] != rank:
                 token = ref + "/done"
                 if token not in dsk:
                     dsk[token] = Task(token, _done, TaskRef(ref))
-                    workers[token] = [ranks[rank_of[p]]]
+                    workers[token] = [ranks[t.rank[p]]]
                     resources[token] = {}  # no stream: Dask asserts that a resources annotation is a dict
                 ref = token
             ordering.append(ref)
         key = task_key(iteration, node_name)
         refs = [TaskRef(k) for k in producers + ordering]
-        uses = {v: per_rank.get((v, rank), 0) for v in node.inputs}
-        dsk[key] = Task(key, run_node, (installed, node_name) if installed else node, iteration, uses,
-                        len(producers), *refs)
+        if installed:  # the worker reads the node and its values' records from its own copy
+            dsk[key] = Task(key, run_node, (installed, node_name), iteration, t.uses[node_name], None,
+                            len(producers), *refs)
+        else:
+            dsk[key] = Task(key, run_node, node, iteration, t.uses[node_name], t.records[node_name],
+                            len(producers), *refs)
         resources[key] = {node.stream: 1}
         priority[key] = float(node.meta.get("priority", 0.0))
         if ranks:
             workers[key] = [ranks[rank]]
         elif "worker" in node.meta:
             workers[key] = [node.meta["worker"]]
-    sinks = [n for n in graph.nodes if graph.g.out_degree(n) == 0]
-    if len(sinks) != 1:
-        raise ValueError(f"an iteration graph needs exactly one sink (the report); found {sinks}")
-    return LoweredIteration(dsk, resources, priority, workers, task_key(iteration, sinks[0]))
+    if len(t.run.sinks) != 1:
+        raise ValueError(f"an iteration graph needs exactly one sink (the report); found {sorted(t.run.sinks)}")
+    (sink,) = t.run.sinks
+    return LoweredIteration(dsk, resources, priority, workers, task_key(iteration, sink))
 
 
 class DaskExecutor:

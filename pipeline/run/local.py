@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from rollplex.pipeline.compile.ir import IterationGraph
+from rollplex.pipeline.run.tables import run_tables
 from rollplex.pipeline.run.worker import IterationResult, WorkerHost, execute_node
 
 
@@ -27,12 +28,14 @@ class LocalExecutor:
         self.host = self.hosts[0]
 
     def run(self, graph: IterationGraph, iteration: int, inputs: dict[str, Any]) -> IterationResult:
-        order = {name: i for i, name in enumerate(graph.topological_order())}
-        waiting = {name: graph.g.in_degree(name) for name in graph.nodes}
-        uses = {v: len(graph.consumers(v)) for v in graph.values}
+        tables = run_tables(graph)  # built once per graph; an iteration copies the counters it counts down
+        order, successors, sinks = tables.position, tables.successors, tables.sinks
+        waiting = dict(tables.in_degree)
+        uses = dict(tables.uses)
+        records = graph.values
         values: dict[str, Any] = dict(inputs)
-        ready: dict[str, list] = {}
-        busy: set[str] = set()
+        ready: dict[tuple[int, str], list] = {}
+        busy: set[tuple[int, str]] = set()
         done_queue: queue.Queue = queue.Queue()
         start = time.time()
 
@@ -53,10 +56,10 @@ class LocalExecutor:
                 node_inputs = {v: values[v] for v in node.inputs}
                 busy.add((rank, stream))
                 host = self.hosts[rank]
-                future = host.submit(stream, execute_node, host, node, iteration, node_inputs)
+                future = host.submit(stream, execute_node, host, node, iteration, node_inputs, records)
                 future.add_done_callback(lambda f, name=name: done_queue.put((name, f)))
 
-        for name in graph.nodes:
+        for name in tables.order:
             if waiting[name] == 0:
                 push(name)
         dispatch()
@@ -79,11 +82,11 @@ class LocalExecutor:
                 uses[v] -= 1
                 if uses[v] == 0:
                     values.pop(v, None)
-            for succ in graph.g.successors(name):
+            for succ in successors[name]:
                 waiting[succ] -= 1
                 if waiting[succ] == 0:
                     push(succ)
-            if graph.g.out_degree(name) == 0:
+            if name in sinks:
                 output = outputs
             dispatch()
         seconds = time.time() - start

@@ -326,7 +326,7 @@ def _run_iteration(session: Session, executor, watch, graph, iteration: int):
         upcoming = [r.index for r in loader.next_refs()] if left > 0 else []
         loader.load_state_dict(after)
         try:
-            return executor.run(graph, iteration, {f"prompt_p{p}": ref for p, ref in enumerate(refs)}, upcoming)
+            return executor.run(graph, iteration, graph.feed(refs), upcoming)
         except BadPrompt as exc:
             drop_tracebacks(exc)  # its frames hold the failed attempt's future, which forget waits out
             bad = exc

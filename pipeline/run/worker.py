@@ -12,7 +12,7 @@ import os
 import resource
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from rollplex.errors import NodeFailure, RollplexError
-from rollplex.pipeline.compile.ir import Node
+from rollplex.pipeline.compile.ir import Node, Value
 
 STREAMS = ("decode", "compute", "host")  # a worker's streams; Dask resources of the same names
 
@@ -383,11 +383,13 @@ class WorkerHost:
 
 
 class NodeContext:
-    """The view of the worker a task gets for one node."""
+    """The view of the worker a task gets for one node. ``values``: the records of (at least) the
+    node's inputs and outputs by name, which say what each is (role, prompts, chunk, model)."""
 
-    def __init__(self, host: WorkerHost, iteration: int) -> None:
+    def __init__(self, host: WorkerHost, iteration: int, values: Mapping[str, Value]) -> None:
         self.host = host
         self.iteration = iteration
+        self.values = values
         self.settings = host.spec.settings
         self.algorithm = host.algorithm
         self.reward_fn = host.reward_fn
@@ -467,8 +469,10 @@ def uninstall_host() -> None:
     _HOST = None
 
 
-def execute_node(host: WorkerHost, node: Node, iteration: int, inputs: dict[str, Any]) -> dict[str, Any]:
-    """Run one node's task on the calling thread (its stream's thread), timed, errors naming the node."""
+def execute_node(host: WorkerHost, node: Node, iteration: int, inputs: dict[str, Any],
+                 values: Mapping[str, Value]) -> dict[str, Any]:
+    """Run one node's task on the calling thread (its stream's thread), timed, errors naming the node.
+    ``values``: the records of the node's values (``NodeContext.values``)."""
     from rollplex.tasks.registry import task_for
 
     if node.stream == "decode":
@@ -483,7 +487,7 @@ def execute_node(host: WorkerHost, node: Node, iteration: int, inputs: dict[str,
         keeps_graph = node.kind in ("prefix", "suffix_score") and bool(node.args.get("grad"))
         with host.on_stream(node.stream, keeps_graph=keeps_graph) as sms, \
                 torch.profiler.record_function(f"node:{node.kind}"):
-            outputs = task_for(node.kind)(NodeContext(host, iteration), node, inputs)
+            outputs = task_for(node.kind)(NodeContext(host, iteration, values), node, inputs)
     except (RollplexError, NodeFailure):
         raise
     except Exception as exc:  # FloatingPointError from a non-finite loss or gradient included
@@ -511,13 +515,15 @@ class _Released:
 RELEASED = _Released()
 
 
-def run_node(node: Node | tuple[str, str], iteration: int, uses: dict[str, int], n_values: int,
-             *deps: Any) -> dict[str, Any]:
-    """A Dask task: run one node, given as itself or as (installed graph's name, node name).
-    ``deps[:n_values]`` are producer bundles; the rest only order it."""
+def run_node(node: Node | tuple[str, str], iteration: int, uses: dict[str, int], values: Mapping[str, Value] | None,
+             n_values: int, *deps: Any) -> dict[str, Any]:
+    """A Dask task: run one node, given as itself with its values' records, or as (installed graph's
+    name, node name), read with its records from this worker's copy. ``deps[:n_values]`` are producer
+    bundles; the rest only order it."""
     host = current_host()
     if isinstance(node, tuple):
-        node = host.spec.graphs[node[0]].nodes[node[1]]
+        graph = host.spec.graphs[node[0]]
+        node, values = graph.nodes[node[1]], graph.values
     inputs: dict[str, Any] = {}
     owners: dict[str, dict] = {}
     for bundle in deps[:n_values]:
@@ -528,7 +534,7 @@ def run_node(node: Node | tuple[str, str], iteration: int, uses: dict[str, int],
     missing = [v for v in node.inputs if v not in inputs]
     if missing:
         raise NodeFailure(node.name, node.kind, KeyError(f"inputs {missing} were released or never produced"))
-    outputs = host.submit(node.stream, execute_node, host, node, iteration, inputs).result()
+    outputs = host.submit(node.stream, execute_node, host, node, iteration, inputs, values).result()
     inputs.clear()
     host.release(iteration, owners, uses)
     return outputs
