@@ -68,3 +68,42 @@ def test_the_example_kind_runs_on_its_own_engine(tmp_path):
             assert ran["rm_scores_p0"]["tid"] == "compute"
     finally:
         host.close()
+
+
+REWARD_DAG = '''
+import copy
+
+from rollplex.dags.grpo import grpo
+
+algorithm = copy.deepcopy(grpo)  # GRPO with a reward of its own
+
+
+@algorithm.reward
+def length_bonus(text, answer, bonus: float = 0.25):
+    return bonus
+'''
+
+
+@pytest.mark.slow
+def test_an_algorithms_reward_gets_its_hyperparameters_from_the_config(tmp_path):
+    """A reward of the algorithm's own takes hyperparameters like its other functions: their defaults,
+    or ``params`` from the config."""
+    from rollplex.config import load_config
+    from rollplex.pipeline.run.local import LocalExecutor
+    from rollplex.pipeline.run.session import Session
+    from rollplex.pipeline.run.worker import WorkerHost
+
+    dag = tmp_path / "bonus.py"
+    dag.write_text(REWARD_DAG)
+    for params, expected in (([], 0.25), (["params.bonus=0.75"], 0.75)):
+        cfg = load_config(None, ["warmup.steps=0", "engines.decode=hf", "engines.train=torch",
+                                 "rollout.prompts_per_iteration=2", "rollout.samples_per_prompt=2",
+                                 "rollout.max_new_tokens=2", "rollout.chunk_tokens=2", f"algorithm={dag}", *params])
+        session = Session(cfg, tmp_path / "run")
+        host = WorkerHost(session.host_spec(), name="local")
+        try:
+            batch = session.loader.next_batch()
+            rows = LocalExecutor(host).run(session.graph, 0, session.graph.feed(batch)).output["report"]["rows"]
+            assert {r["reward"] for r in rows} == {expected}
+        finally:
+            host.close()

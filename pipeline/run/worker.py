@@ -8,6 +8,7 @@ soon as its last consumer has run (a per-value use count), not when the whole di
 """
 from __future__ import annotations
 
+import functools
 import os
 import resource
 import threading
@@ -108,7 +109,12 @@ class WorkerHost:
         eager_attention_without_cudnn(self.device)
         dtype = getattr(torch, spec.dtype)
         self.algorithm = load_algorithm(spec.algorithm)
-        self.reward_fn = self.algorithm.reward_fn.fn if self.algorithm.reward_fn else get_reward(spec.reward)
+        decl = self.algorithm.reward_fn
+        if decl is None:
+            self.reward_fn = get_reward(spec.reward)
+        else:  # fn(text, answer, **hyperparameters): the config's params override the defaults
+            extra = {k: spec.settings.params.get(k, v) for k, v in decl.params.items()}
+            self.reward_fn = functools.partial(decl.fn, **extra) if extra else decl.fn
         from transformers import AutoTokenizer
         from transformers.utils import logging as hf_logging
 
