@@ -6,6 +6,8 @@ split; and compile + distribute + schedule + plan give the same result under ano
 value and node, so no pass learns what a value is from its name. CPU only, no engines."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pickle
 from concurrent.futures import Future
 
@@ -25,7 +27,7 @@ from rollplex.pipeline.plan import footprint
 from rollplex.pipeline.plan.costs import CostModel, NodeCost, Workload
 from rollplex.pipeline.plan.hardware import Layout, hardware
 from rollplex.pipeline.plan.memory import Resident, plan_memory
-from rollplex.pipeline.plan.schedule import copy_graph, plan, release_finished_groups, schedule
+from rollplex.pipeline.plan.schedule import copy_graph, plan, schedule
 from rollplex.pipeline.run.algorithms import load_algorithm
 from rollplex.pipeline.run.local import LocalExecutor
 from rollplex.pipeline.run.tables import run_tables
@@ -77,9 +79,9 @@ def test_the_users_index_is_a_scan_after_compile_copy_schedule_and_the_rank_spli
 
 
 def test_the_users_index_follows_stage_fusion_footprints_cache_hits_and_residency():
-    """The plan's rewrites (groups and samples moved to the chunk that finished them), the footprint's
-    rebuild, reference prefixes served from the cache (their inputs change) and the memory plan's
-    offload/prefetch nodes (consumers moved to the prefetched copy)."""
+    """The plan's copy of a stage-fused graph, the footprint's rebuild, reference prefixes served from
+    the cache (their inputs change) and the memory plan's offload/prefetch nodes (consumers moved to
+    the prefetched copy)."""
     model = load_model("qwen2.5-vl-7b")
     cluster = hardware("h200", 2)
     layout = Layout.colocate(cluster)
@@ -87,15 +89,12 @@ def test_the_users_index_follows_stage_fusion_footprints_cache_hits_and_residenc
                  actor_forward="keep")
     cm = CostModel(model, cluster, w, layout)
     shape = BatchShape(prompts=8, samples=4, max_new_tokens=128, chunk_tokens=32, micro_batch_groups=2,
-                       prompt_tokens=w.prefix_tokens, vision_tokens=w.vision_total)
+                       prompt_tokens=w.prefix_tokens, vision_tokens=w.vision_total, stage_fusion=True)
     g = footprint.annotate(compile_iteration(grpo, shape, ENGINES, DIMS), cm)
     check_users(g)
-    moved = release_finished_groups(copy_graph(g), cm.profile.finish_chunk)
-    assert any(moved.values[v].producer != g.values[v].producer for v in g.values)
-    check_users(moved)
+    check_users(copy_graph(g))
     check_users(footprint.copy_with_cache_hits(g, cm, lambda p: p % 2 == 0))
-    p = plan(g, cluster, cm, "rollplex", layout, release=cm.profile.finish_chunk,
-             release_samples=cm.profile.sample_chunks)
+    p = plan(g, cluster, cm, "rollplex", layout)
     check_users(p.graph)
     mp = plan_memory(chain_plan(), [Resident("pool", (0,), 20 * GiB, (("decode", "write"),))], budget=25 * GiB)
     assert "kv@dev0" in mp.plan.graph.values
@@ -297,8 +296,8 @@ def test_compile_distribute_and_schedule_give_the_same_graph_under_another_namin
 
 @pytest.mark.parametrize("train_fusion", [False, True])
 def test_plans_are_the_same_under_another_naming(train_fusion):
-    """The plan reads a node's costs and the values it hands on from facts and args: stage fusion
-    moves groups and splits scoring per finished sample the same way under any names."""
+    """The plan reads a node's costs and the values it hands on from facts and args: a stage-fused
+    graph's per-chunk scoring (or, with train fusion, training) is priced the same under any names."""
     model = load_model("qwen2.5-vl-7b")
     cluster = hardware("h200", 2)
     layout = Layout.colocate(cluster)
@@ -306,12 +305,11 @@ def test_plans_are_the_same_under_another_naming(train_fusion):
                  actor_forward="keep")
     cm = CostModel(model, cluster, w, layout)
     shape = BatchShape(prompts=8, samples=4, max_new_tokens=128, chunk_tokens=32, micro_batch_groups=2,
-                       prompt_tokens=w.prefix_tokens, vision_tokens=w.vision_total, stage_fusion=train_fusion,
+                       prompt_tokens=w.prefix_tokens, vision_tokens=w.vision_total, stage_fusion=True,
                        train_fusion=train_fusion)
-    g = footprint.annotate(compile_iteration(grpo, shape, ENGINES, DIMS), cm)
-    policies = ["rollplex"] if train_fusion else ["serial", "rollplex"]
-    for policy in policies:
-        plans = [plan(x, cluster, cm, policy, layout, release=cm.profile.finish_chunk,
-                      release_samples=cm.profile.sample_chunks) for x in (g, renamed(g))]
+    fused = footprint.annotate(compile_iteration(grpo, shape, ENGINES, DIMS), cm)
+    unfused = footprint.annotate(compile_iteration(grpo, replace(shape, stage_fusion=False), ENGINES, DIMS), cm)
+    for policy, g in [("rollplex", fused)] + ([] if train_fusion else [("serial", unfused)]):
+        plans = [plan(x, cluster, cm, policy, layout) for x in (g, renamed(g))]
         assert plans[0].makespan == plans[1].makespan
         assert shape_of(plans[1].graph) == shape_of(plans[0].graph)

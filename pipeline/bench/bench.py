@@ -190,30 +190,39 @@ def _host(cfg: BenchConfig, actor_engine, ref_engine, decode, policy: str, strea
                       decode=decode, streams=streams, tokenizer=_Tokenizer())
 
 
-def compile_for(cfg: BenchConfig, policy: str, config):
-    """``disaggregated`` runs serial's graph and ``disaggregated-noshare`` serial-noshare's (the rollout
-    GPU is a placement, not a graph change); ``rollplex-dp2`` runs rollplex's over two ranks, each
-    scoring (and with train fusion training) what its own decode chain finished."""
-    from rollplex.dags.grpo import grpo
-    from rollplex.pipeline.compile.compiler import BatchShape, EngineChoice, ModelDims, compile_iteration
-    from rollplex.pipeline.compile.ranks import distribute, fit_prompts_per_node
-    from rollplex.pipeline.plan.schedule import schedule
+def bench_spec(cfg: BenchConfig, policy: str):
+    """The ``IterationSpec`` of a bench policy: its shape options over the bench's defaults
+    (``policy_shape``), prefix sharing unless ``-noshare``, the rollplex schedule for the rollplex
+    policies and serial's for the rest. ``disaggregated[-noshare]`` is serial's iteration (the
+    rollout GPU is a placement, not a graph change); ``rollplex-dp2`` rollplex's over two ranks,
+    each scoring (and with train fusion training) what its own decode chain finished."""
+    from rollplex.pipeline.compile.compiler import BatchShape, EngineChoice
+    from rollplex.pipeline.compile.ranks import fit_prompts_per_node
+    from rollplex.pipeline.compile.spec import IterationSpec
 
     fields = policy_shape(policy, prompts_per_node=cfg.prompts_per_node, stage_fusion=cfg.stage_fusion,
                           train_fusion=cfg.train_fusion)
-    label, (policy, _) = policy, parse_policy(policy)
-    ranks = 2 if policy == "rollplex-dp2" else 1
+    base, _ = parse_policy(policy)
+    ranks = 2 if base == "rollplex-dp2" else 1
     for name in ("prompts_per_node", "micro_batch_groups"):  # no node or micro-batch spans two ranks
         fields[name] = fit_prompts_per_node(fields[name], cfg.prompts // ranks)
     shape = BatchShape(prompts=cfg.prompts, samples=cfg.samples, max_new_tokens=cfg.max_new_tokens,
                        chunk_tokens=cfg.chunk_tokens, prompt_tokens=cfg.vision_tokens + cfg.text_tokens + 2,
-                       vision_tokens=cfg.vision_tokens, prefix_sharing=not policy.endswith("-noshare"), **fields)
+                       vision_tokens=cfg.vision_tokens, prefix_sharing=not base.endswith("-noshare"), **fields)
     engines = EngineChoice({"decode": "torch-graph", "train": cfg.train_engine, "score": "transformers"})
-    compiled = compile_iteration(grpo, shape, engines, ModelDims.from_hf_config(config, 2))
-    if "train_fusion_off" in compiled.meta:  # a policy named tf=1 that trains after decode would mislabel its row
-        raise RollplexError(f"--policies: {label!r}: train fusion is off: {compiled.meta['train_fusion_off']}")
-    graph = distribute(compiled, ranks)
-    return schedule(graph, "rollplex" if policy.startswith("rollplex") else "serial")
+    return IterationSpec(shape, engines, "rollplex" if base.startswith("rollplex") else "serial", world=ranks)
+
+
+def compile_for(cfg: BenchConfig, policy: str, config):
+    """The scheduled iteration of a bench policy, built as a run builds it (``plan.build``)."""
+    from rollplex.dags.grpo import grpo
+    from rollplex.pipeline.compile.compiler import ModelDims
+    from rollplex.pipeline.plan.build import build_iteration
+
+    built = build_iteration(grpo, bench_spec(cfg, policy), ModelDims.from_hf_config(config, 2))
+    if "train_fusion_off" in built.compiled.meta:  # a policy named tf=1 that trains after decode would mislabel its row
+        raise RollplexError(f"--policies: {policy!r}: train fusion is off: {built.compiled.meta['train_fusion_off']}")
+    return built.graph
 
 
 def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
