@@ -177,7 +177,21 @@ def make_prompts(cfg: BenchConfig, config, iteration: int) -> list:
 
 
 # ------------------------------------------------------------------------------------------------
-def _host(cfg: BenchConfig, actor_engine, ref_engine, decode, policy: str, streams: dict, device: str = ""):
+def window_sharing(cfg: BenchConfig, policy: str):
+    """How a policy shares the decode window (``run.partitions.WindowSharing``): its options over the
+    runtime's defaults; SM partitions only for a rollplex policy that asks for them (``sp=1``)."""
+    from rollplex.pipeline.run.partitions import WindowSharing
+
+    base, options = parse_policy(policy)
+    if not base.startswith("rollplex"):
+        return WindowSharing()
+    return WindowSharing(partitions=bool(options.get("sp", 0)), decode_sms=options.get("sms", cfg.decode_sms),
+                         sm_target=bool(options.get("target", 1)), grad_on_partition=bool(options.get("gp", 0)),
+                         prefill_gate=bool(options.get("pf", 1)), gate_rows=options.get("gate", cfg.gate_rows))
+
+
+def _host(cfg: BenchConfig, actor_engine, ref_engine, decode, policy: str, streams: dict, device: str = "",
+          partitions=None):
     from rollplex.pipeline.run.worker import HostSpec, IterationSettings, WorkerHost
 
     settings = IterationSettings(seed=cfg.seed, samples=cfg.samples, max_new_tokens=cfg.max_new_tokens,
@@ -185,9 +199,9 @@ def _host(cfg: BenchConfig, actor_engine, ref_engine, decode, policy: str, strea
     spec = HostSpec(model_path="", reference_path="", device=device or cfg.device, dtype=cfg.dtype, threads=8,
                     decode_engine="torch-graph", train_engine=cfg.train_engine, score_engine="transformers",
                     decode_options={}, train_options={}, algorithm="grpo", reward="bench_parity",
-                    settings=settings)
+                    settings=settings, window=window_sharing(cfg, policy))
     return WorkerHost(spec, name=f"{device or cfg.device}/{policy}", engines={"actor": actor_engine, "ref": ref_engine},
-                      decode=decode, streams=streams, tokenizer=_Tokenizer())
+                      decode=decode, streams=streams, tokenizer=_Tokenizer(), partitions=partitions)
 
 
 def bench_spec(cfg: BenchConfig, policy: str):
@@ -301,7 +315,7 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
         """One host per rank: ``ranks[r]`` holds its actor, ref and decode engines; a decode engine on
         another device than the trainer's (disaggregated) gets its stream there."""
         hosts = []
-        base, options = parse_policy(policy)
+        options = parse_policy(policy)[1]
         use_steps_per_graph(policy, [engines["decode"] for engines in ranks])
         for rank, engines in enumerate(ranks):
             home = cfg.device if rank == 0 else cfg.second_device
@@ -311,20 +325,15 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
                 priority = -1 if options.get("prio", 0) else 0
                 streams = {"decode": torch.cuda.Stream(getattr(engines["decode"], "device", home), priority=priority),
                            "compute": torch.cuda.Stream(home)}
-            host = _host(cfg, engines["actor"], engines["ref"], engines["decode"], policy, streams, home)
-            if base.startswith("rollplex"):
-                split = None  # sp=0: plain streams
-                if options.get("sp", 0):
-                    key = (home, options.get("sms", cfg.decode_sms))
-                    if cfg.device == "cuda" and key not in partitions:
-                        partitions[key] = sm_partitions(key[1], torch.device(home).index or 0)
-                    split = partitions.get(key)
-                host.sm_target = bool(options.get("target", 1))
-                host.grad_on_partition = bool(options.get("gp", 0))
-                host.prefill_gate = bool(options.get("pf", 1))
-                host.use_partitions(split)
-                host.gate_rows = options.get("gate", cfg.gate_rows)
-            hosts.append(host)
+            window, split = window_sharing(cfg, policy), None
+            if window.partitions and cfg.device == "cuda":
+                # made once per (device, split) and shared by the policies that ask for it: attaching
+                # them captures the decode engine's graphs on every split's stream
+                key = (home, window.decode_sms)
+                if key not in partitions:
+                    partitions[key] = sm_partitions(key[1], torch.device(home).index or 0)
+                split = partitions[key]
+            hosts.append(_host(cfg, engines["actor"], engines["ref"], engines["decode"], policy, streams, home, split))
         return LocalExecutor(hosts)
 
     def recover_from_failed_policy() -> None:

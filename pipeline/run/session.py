@@ -266,6 +266,7 @@ class Session:
         return [batch[i] for i in balance(costs, self.world)]
 
     def host_spec(self):
+        from rollplex.pipeline.run.partitions import WindowSharing
         from rollplex.pipeline.run.worker import HostSpec, IterationSettings
 
         tok = self.tokenizer
@@ -299,7 +300,7 @@ class Session:
             tp_rollout=cfg.cluster.tp_rollout,
             weight_sharing=cfg.engines.weight_sharing,
             # Partitions serve work beside decode, which only the rollplex schedule runs.
-            sm_partitions=cfg.cluster.sm_partitions and "rollplex" in self.schedules,
+            window=WindowSharing(partitions=cfg.cluster.sm_partitions and "rollplex" in self.schedules),
             task=self.task, graphs=self.graphs)
 
     @property
