@@ -71,7 +71,7 @@ def main() -> None:
     from rollplex.pipeline.run.session import iteration_spec
 
     m = load_model("qwen2.5-vl-7b")
-    dims = ModelDims(m.hidden, m.layers, m.kv_heads, m.head_dim, m.vocab, m.params, 2)
+    dims = ModelDims.of(m, 2)
     w = Workload()
     choice = EngineChoice({"decode": "torch-graph", "train": "deepspeed", "score": "transformers"})
     rows = []

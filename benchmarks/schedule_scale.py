@@ -39,7 +39,7 @@ def main() -> None:
     model = PRESETS["qwen2.5-vl-7b"]
     cluster = hardware("h200", args.gpus)
     layout = Layout.colocate(cluster)
-    dims = ModelDims(model.hidden, model.layers, model.kv_heads, model.head_dim, model.vocab, model.params, 2)
+    dims = ModelDims.of(model, 2)
     engines = EngineChoice({"decode": "vllm", "train": "deepspeed", "score": "transformers"})
     rows = []
     for P in args.prompts:

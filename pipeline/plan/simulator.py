@@ -97,8 +97,7 @@ def spec_for(scn: Scenario, layout: Layout, prefix_sharing: bool, rollplex: bool
 def compile_for(scn: Scenario, layout: Layout, prefix_sharing: bool, rollplex: bool = False) -> IterationGraph:
     """The variant's iteration, expanded as a run builds it (``plan.build``); the simulator then
     places it on the cluster itself (``schedule.plan``)."""
-    m = scn.model
-    dims = ModelDims(m.hidden, m.layers, m.kv_heads, m.head_dim, m.vocab, m.params, 2)
+    dims = ModelDims.of(scn.model, 2, scn.workload.checkpointing)  # the byte model the footprint reads too
     built = build_iteration(scn.algorithm, spec_for(scn, layout, prefix_sharing, rollplex), dims, until="distribute")
     return built.compiled
 
