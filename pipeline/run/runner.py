@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rollplex.config import RunConfig, dump_config
+from rollplex.config import RunConfig, dump_config, resolve_task_defaults
 from rollplex.errors import Interrupted, NodeFailure, NonFiniteError, RollplexError, WorkerLost
 from rollplex.pipeline.run import checkpoints
 from rollplex.pipeline.run.faults import point
@@ -59,6 +59,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = 
     from rollplex.pipeline.run.cluster import connect, install_engines, uninstall_engines
     from rollplex.pipeline.run.recovery import StopSignals, children_ignore_sigint, quiet_task_errors
 
+    cfg = resolve_task_defaults(cfg)  # warm-up and reward stop: the embedded task's, unless asked for
     runtime.configure(threads=cfg.cluster.threads, device=resolve_device(cfg))
     run_dir = Path(run_dir)
     state = None
@@ -223,7 +224,7 @@ def _train_loop(cfg: RunConfig, session: Session, client, state, metrics_path: P
     executor = DaskExecutor(client, ranks, cfg.cluster.lowering, installed=session.graphs)
     watch = WorkerWatch(client)
     log(f"engines ready in {time.time() - t0:.1f}s")
-    bar = tqdm(disable=not progress, desc=session.algorithm.name, unit="it", total=cfg.iterations)
+    bar = None
     iteration_seconds: list[float] = []
     iteration, recovering, where = None, False, "warm-up"
     while True:
@@ -233,8 +234,11 @@ def _train_loop(cfg: RunConfig, session: Session, client, state, metrics_path: P
                                                 recovering)
                 rewards = [float(row["reward_mean"]) for row in logged]
                 timed = [(row.get("schedule", cfg.schedule), row["iter_seconds"]) for row in logged]
-                bar.n = iteration
-                bar.refresh()
+                if bar is not None:
+                    bar.close()
+                # Started only now, so that its rate counts RL iterations, not start-up and warm-up.
+                bar = tqdm(disable=not progress, desc=session.algorithm.name, unit="it", total=cfg.iterations,
+                           initial=iteration)
             while iteration < cfg.iterations:
                 if stop.requested:
                     raise _interrupted(stop, run_dir, iteration - 1)

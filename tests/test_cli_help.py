@@ -1,0 +1,45 @@
+"""What the CLI tells a user about itself: help for every train flag, every config field listed with its
+type, default and meaning, messages that name the argument as it is typed, and no citation of files
+the repository does not hold. CPU only; nothing is trained."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from rollplex.cli import build_parser, main
+from rollplex.config import RunConfig, describe_fields
+
+
+def _subparser(name: str):
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    return sub.choices[name]
+
+
+def test_every_train_flag_has_help():
+    missing = [a.option_strings for a in _subparser("train")._actions if not a.help]
+    assert missing == []
+
+
+def test_help_config_lists_every_field_with_type_default_and_meaning(capsys):
+    assert main(["train", "--help-config"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = describe_fields()
+    assert len(lines) == 1 + len(rows) and lines[0].split() == ["field", "type", "default", "meaning"]
+    shown = {line.split()[0]: line for line in lines[1:]}
+
+    def leaves(tree: dict, prefix: str = ""):
+        for key, value in tree.items():
+            is_section = dataclasses.is_dataclass(getattr(RunConfig(), key, None)) if not prefix else False
+            if is_section:
+                yield from leaves(value, f"{key}.")
+            else:
+                yield prefix + key
+
+    assert set(shown) == set(leaves(RunConfig().to_dict()))
+    for path, kind, default, doc in rows:
+        assert doc, f"{path} has no one-line meaning"
+        assert f"  {kind}  " in shown[path] and f"  {default}  " in shown[path] and shown[path].endswith(doc)
+    assert shown["rollout.temperature"].split()[1:3] == ["float", "1.0"]
+    assert "auto" in shown["stop_at_reward"] and "null" in shown["warmup.steps"]
