@@ -294,7 +294,9 @@ class FileDataset:
         else:
             parts = [{"type": "image"} for _ in images] + [{"type": "video"} for _ in videos]
             parts.append({"type": "text", "text": row.text})
-        meta = {"index": index, "kind": "file", "row": row.where}
+        meta = {"index": index, "kind": "file", "row": row.where, "images": [_media_ref(r) for r in row.images]}
+        if row.videos:
+            meta["videos"] = [[_media_ref(r) for r in frames] for frames in row.videos]
         try:
             prompt = builder.encode(self.prompt_id(index), parts, images, videos, row.answer, row.text, meta)
         except DataError as exc:
@@ -303,6 +305,15 @@ class FileDataset:
             raise DataError(f"{row.where}: the prompt has {prompt.num_tokens} tokens, more than "
                             f"data.max_prompt_tokens={self.max_prompt_tokens}")
         return prompt
+
+
+def _media_ref(ref) -> dict:
+    """What a rollout records of one image, so it can be found again: its file, or its bytes' sha256."""
+    if isinstance(ref, bytes):
+        import hashlib
+
+        return {"sha256": hashlib.sha256(ref).hexdigest()}
+    return {"path": ref}
 
 
 def _load(ref) -> Image.Image:

@@ -190,7 +190,7 @@ def _start_from(cfg: RunConfig, session: Session, executor, watch, state, metric
         session.loader.load_state_dict({**session.loader.state_dict(), "epoch": 0, "position": 0})
         if cfg.warmup.steps:
             _run_warmup(cfg, session, executor, metrics_path, log, stop)
-            session.checkpoint(executor, -1, reward=None, pids=set(watch.known.values()))
+            session.checkpoint(executor, checkpoints.WARMUP, reward=None, pids=set(watch.known.values()))
         return 0, []
     session.loader.load_state_dict(state.loader)
     checkpoints.restore_rng(state.rng)
@@ -376,6 +376,7 @@ def _run_warmup(cfg: RunConfig, session: Session, executor, metrics_path: Path, 
     staging = session.run_dir / ".reference-tmp"
     shutil.rmtree(staging, ignore_errors=True)
     executor.call(_adopt_reference, str(staging))
+    session.processor.save_pretrained(str(staging))  # so that reference/ loads alone, like a checkpoint
     shutil.rmtree(target, ignore_errors=True)
     os.replace(staging, target)
     log(f"warm-up done: loss {loss:.3f}; the reference model is now the warmed-up policy")
