@@ -52,9 +52,11 @@ class TaskConfig:
 
 @dataclass
 class DataConfig:
-    path: str | None = f(None, doc="a jsonl or parquet file of prompts (verl/EasyR1 columns); null: the "
-                         "embedded synthetic task")
-    format: str = f("auto", choices=("auto", "jsonl", "parquet"), doc="file format; auto: by suffix")
+    path: str | None = f(None, doc="a jsonl or parquet file of prompts (verl/EasyR1 columns) or a Hugging Face "
+                         "datasets folder (save_to_disk); null: the embedded synthetic task")
+    format: str = f("auto", choices=("auto", "jsonl", "parquet", "datasets"),
+                    doc="file format; auto: by suffix, datasets for a folder")
+    split: str = f("train", doc="the split to read when data.path is a DatasetDict folder")
     prompt_key: str | None = f(None, doc="prompt column; null: `prompt`, else `problem`")
     image_key: str = f("images", doc="column of image paths (relative to the file), bytes or {bytes, path}")
     video_key: str = f("videos", doc="column of videos, each a list of frames or a directory of frames")
