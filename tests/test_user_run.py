@@ -106,3 +106,29 @@ def test_the_readme_recompute_example_gives_the_logged_logprobs(run, capsys):
         plain = model(input_ids=ids, **pixels).logits[0, start - 1:-1].float().log_softmax(-1)
     off = plain.gather(-1, ids[0, start:, None])[:, 0]
     assert float((off - logged).abs().max()) > 1e-3
+
+
+@pytest.mark.slow
+def test_the_progress_bar_starts_after_the_warmup(tmp_path, monkeypatch):
+    """Its rate counts RL iterations: a bar started with the run showed start-up and warm-up as the
+    first iteration's seconds ("78.72 s/it")."""
+    import time
+
+    import tqdm
+
+    started: list[float] = []
+
+    class Bar(tqdm.tqdm):
+        def __init__(self, *args, **kwargs):
+            started.append(time.monotonic())
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(tqdm, "tqdm", Bar)
+    logged: list[tuple[float, str]] = []
+    cfg = load_config(None, ["iterations=1", "warmup.steps=2", "warmup.batch_size=2", "stop_at_reward=null",
+                             "task.size=8", "engines.decode=hf", "engines.train=torch",
+                             "rollout.prompts_per_iteration=2", "rollout.samples_per_prompt=2",
+                             "rollout.max_new_tokens=2", "rollout.chunk_tokens=2"])
+    train(cfg, tmp_path / "run", progress=True, log=lambda line: logged.append((time.monotonic(), line)))
+    (warmed,) = [t for t, line in logged if line.startswith("warm-up done")]
+    assert len(started) == 1 and started[0] > warmed

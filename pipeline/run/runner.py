@@ -6,6 +6,9 @@ Run directory layout:
     rollouts/iter_NNNNNN.jsonl  one object per response
     traces/iter_NNNNNN.json     Chrome trace events, one track per worker and stream (Perfetto)
     checkpoints/iter_NNNNNN/    the actor in HF format + optimizer, RNG and data-loader state
+    checkpoints/after_warmup/   the same after the warm-up, before RL iteration 0 (when there is one)
+    reference/                  the warmed-up policy, the reference (after a warm-up; else model.path)
+Every model folder holds the processor files too, so it loads alone in transformers.
 Every file is written atomically (temp file + rename); ``--resume`` continues from the last
 complete checkpoint and truncates later metric rows, so the sequence has no gaps or duplicates.
 A lost Dask worker rolls the run back to its last checkpoint and replays from there, and
