@@ -136,6 +136,26 @@ def hf_config(cfg: BenchConfig):
     ), spec
 
 
+def check_bench_memory(cfg: BenchConfig) -> None:
+    """Refuse a bench whose weights, reference copy, gradients, optimizer state and KV pool alone
+    exceed the device's free memory (the 3B preset on a 24 GB CPU host was killed after five minutes)."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from rollplex.pipeline.run.preflight import available_memory, check_fits, memory_terms
+
+    config, spec = hf_config(cfg)
+    with torch.device("meta"):
+        model = Qwen2_5_VLForConditionalGeneration._from_config(config)
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for n, p in model.named_parameters() if "visual" not in n)
+    width = 2 if cfg.dtype == "bfloat16" else 4
+    per_token = spec.kv_bytes_per_token(width) * (cfg.layers or spec.layers) // spec.layers
+    kv = per_token * (cfg.vision_tokens + 64 + cfg.max_new_tokens) * cfg.prompts * cfg.samples
+    terms = memory_terms(total, trainable, width, cfg.train_engine, 1, kv, decode_weight_bytes=0)
+    check_fits(terms, available_memory(cfg.device), f"rollplex bench --model {cfg.model} on {cfg.device}",
+               "use --layers N for a smoke run or a smaller --model" + (", or --dtype bfloat16" if width == 4 else ""))
+
+
 def build_model(cfg: BenchConfig):
     from transformers import Qwen2_5_VLForConditionalGeneration
 
@@ -261,6 +281,7 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
         get_reward("bench_parity")
     except RollplexError:
         register_reward("bench_parity", bench_reward)
+    check_bench_memory(cfg)  # before anything is written
     out_dir = Path(cfg.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()

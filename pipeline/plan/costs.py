@@ -145,7 +145,7 @@ def measured_efficiency(peak: float = 788e12, copy_bw: float = 4.3e12) -> Effici
     slope, overhead = np.polyfit(xs, ys, 1)
     return Efficiency(vit=round(vit, 3), forward=round(forward, 3), train=round(train, 3),
                       decode_bw=round(float(1 / slope), 3), decode_step_overhead=round(float(overhead), 5),
-                      source="derived from the measured H200 iteration (ROLLPLEX.md)")
+                      source="derived from one measured H200 iteration (MEASURED_H200, pipeline/plan/costs.py)")
 
 
 @dataclass(frozen=True)

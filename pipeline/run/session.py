@@ -230,7 +230,8 @@ class Session:
         engines hold the run's state; a replacement worker refuses to save its fresh weights."""
         def write(directory: str) -> None:
             executor.call(_save, directory, pids)
-            self.processor.save_pretrained(directory)
+            for model in ("", *self.algorithm.model_losses):  # the policy's folder, a critic's subfolder
+                self.processor.save_pretrained(str(Path(directory) / model))
 
         return checkpoints.save(self.run_dir, iteration, write, loader=self.loader.state_dict(),
                                 keep_last=self.cfg.checkpoint.keep_last, reward=reward)
