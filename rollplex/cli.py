@@ -153,9 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-new-tokens", type=int, default=256)
     b.add_argument("--mean-new-tokens", type=int, default=96, help="centre of the long-tailed length spread")
     b.add_argument("--chunk-tokens", type=int, default=32)
-    b.add_argument("--iterations", type=int, default=4, help="per policy; the first is a warm-up")
-    b.add_argument("--policies", help="comma-separated, from serial-noshare,serial,rollplex (one GPU; the "
-                                      "default), rollplex-nofusion (one GPU) and disaggregated,disaggregated-noshare,"
+    b.add_argument("--iterations", type=int, default=7,
+                   help="per policy; the first is a warm-up, and a 95%% interval needs 6 timed ones")
+    b.add_argument("--policies", help="comma-separated, from plain,serial-noshare,serial,rollplex (one GPU; the "
+                                      "default, with serial#aa, serial once more: the A/A noise floor), "
+                                      "rollplex-nofusion (one GPU) and disaggregated,disaggregated-noshare,"
                                       "rollplex-dp2 (two GPUs); a rollplex policy takes options, e.g. rollplex:gate=32:sms=64 "
                                       "(gate: prefix work waits for at most that many decode rows; sms: decode's "
                                       "SMs beside compute work, 0 per chunk)")
