@@ -310,3 +310,20 @@ def test_ppo_value_loss_falls_as_the_critic_learns(tmp_path, warmed_model):
         assert sum(losses[-3:]) / 3 < 0.6 * sum(losses[1:6]) / 5, losses
     finally:
         host.close()
+
+
+def test_group_normalised_advantages_refuse_one_sample_and_the_others_take_it():
+    """GRPO's and DAPO's advantage divides by the group's std, NaN for G = 1 (the run would stop at
+    its first step, exit 3); RLOO (zero baseline), PPO (GAE) and REINFORCE++ (batch-normalised) are
+    defined there, and GRPO with G = 2 is fine."""
+    from rollplex.errors import ConfigError
+    from rollplex.pipeline.run.session import check_group_size
+
+    assert torch.isnan(grpo.advantages(T([1.0]))).all()  # what the refusal spares the run
+    for name in ("grpo", "dapo"):
+        with pytest.raises(ConfigError, match=rf"rollout.samples_per_prompt: 1 is too few for {name}"):
+            check_group_size(load_algorithm(name), 1)
+        check_group_size(load_algorithm(name), 2)
+    for name in ("rloo", "ppo", "reinforce_pp"):
+        check_group_size(load_algorithm(name), 1)
+    close(rloo.advantages(T([0.7])), [0.7])

@@ -140,6 +140,12 @@ CASES = {
                                                       ("train.micro_batch_groups (3)", "prompts per rank (4)")),
     "prompts not split evenly over ranks": Case((*TRAIN, "--workers", "3"),
                                                 ("rollout.prompts_per_iteration (8)", "cluster.workers (3)")),
+    "one sample per prompt under grpo": Case((*TRAIN, "--set", "rollout.samples_per_prompt=1"),
+                                              ("rollout.samples_per_prompt: 1", "grpo", "advantages()",
+                                               "at least 2 samples")),
+    "one sample per prompt under dapo": Case((*TRAIN, "--set", "algorithm=dapo", "--set",
+                                              "rollout.samples_per_prompt=1"),
+                                             ("rollout.samples_per_prompt: 1", "dapo", "at least 2 samples")),
     "unservable architecture": Case((*TRAIN, "--set", "model.path=model", *HF_TORCH),
                                     ("LlamaForCausalLM", "Qwen2.5-VL"), {"model": _model(_llama)}),
 }

@@ -51,6 +51,20 @@ def resolve_engines(cfg: RunConfig, device: str) -> tuple[str, str, str]:
     return decode, train, cfg.engines.score
 
 
+def check_group_size(algorithm, samples: int) -> None:
+    """Refuse G below what the advantage is defined for: a group-normalised advantage divides by
+    the std of the group's rewards, which for one response is NaN and would stop the run (exit 3)
+    at its first step. verl instead takes mean 0 and std 1 for a group of one (Â = r, REINFORCE
+    without a baseline); refusing says so up front rather than training a different algorithm."""
+    decl = algorithm.advantage_fn
+    needed = decl.options.get("min_samples", 1) if decl is not None else 1
+    if samples < needed:
+        raise ConfigError(f"rollout.samples_per_prompt: {samples} is too few for {algorithm.name}, whose advantage "
+                          f"{decl.name}() normalises within a prompt's group and needs at least {needed} samples; "
+                          f"set rollout.samples_per_prompt ≥ {needed}, or use an algorithm without group normalisation "
+                          "(rloo, ppo, reinforce_pp)")
+
+
 def resolve_device(cfg: RunConfig) -> str:
     import torch
 
@@ -147,6 +161,7 @@ class Session:
         if unknown:
             known = ", ".join(sorted(self.algorithm.hyperparameters())) or "none"
             raise RollplexError(f"params: {unknown} are not hyperparameters of {self.algorithm.name} (known: {known})")
+        check_group_size(self.algorithm, cfg.rollout.samples_per_prompt)
         self.cfg = cfg
         self.run_dir = run_dir
         self.device = resolve_device(cfg)
