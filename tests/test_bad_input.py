@@ -146,6 +146,11 @@ CASES = {
     "one sample per prompt under dapo": Case((*TRAIN, "--set", "algorithm=dapo", "--set",
                                               "rollout.samples_per_prompt=1"),
                                              ("rollout.samples_per_prompt: 1", "dapo", "at least 2 samples")),
+    "resume and out naming two run directories": Case(("train", "--resume", "run", "--out", "other"),
+                                                      ("--resume run and --out other", "two run directories")),
+    "resume given a config file": Case(("train", "--resume", "my.yaml", "--out", "run"),
+                                       ("--resume my.yaml: a file, not a run directory",
+                                        "rollplex train my.yaml --resume RUN_DIR"), {"my.yaml": "seed: 1\n"}),
     "unservable architecture": Case((*TRAIN, "--set", "model.path=model", *HF_TORCH),
                                     ("LlamaForCausalLM", "Qwen2.5-VL"), {"model": _model(_llama)}),
 }

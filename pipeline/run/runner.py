@@ -211,7 +211,7 @@ def _failure(exc: BaseException, where: str, run_dir: Path) -> BaseException:
         done = checkpoints.latest_name(run_dir)
         kept = f"the last good checkpoint, {done}, is intact" if done else "no checkpoint was written yet"
         return NonFiniteError(f"{where} stopped before its update: {exc}; nothing of it was applied or written; "
-                              f"{kept} (rollplex train --resume --out {run_dir} continues from it)")
+                              f"{kept} (rollplex train --resume {run_dir} continues from it)")
     return exc
 
 
@@ -351,7 +351,7 @@ def _interrupted(stop, run_dir: Path, finished: int | None) -> Interrupted:
         what = f"the last checkpoint is {done}"
     else:
         what = f"after iteration {finished}, checkpoint {done} written"
-    return Interrupted(f"{stop.name}: stopped {what}; continue with: rollplex train --resume --out {run_dir}",
+    return Interrupted(f"{stop.name}: stopped {what}; continue with: rollplex train --resume {run_dir}",
                        stop.signum)
 
 
