@@ -160,7 +160,11 @@ def distribute(graph: IterationGraph, ranks: int, tp_rollout: int = 1) -> Iterat
         args = dict(node.args)
         if node.kind == "loss":
             args["world"] = ranks  # DeepSpeed averages gradients over ranks; the sum is wanted
-        s.add(replace(node, args=args, meta=dict(node.meta)), rank, {o: graph.values[o] for o in node.outputs})
+        relayed = {v: s.host_relay(v, rank) for v in node.inputs}
+        if "bind" in args:  # the function's parameters read the relayed names
+            args["bind"] = {k: [(relayed.get(v, v), i) for v, i in pairs] for k, pairs in args["bind"].items()}
+        s.add(replace(node, inputs=tuple(relayed[v] for v in node.inputs), args=args, meta=dict(node.meta)), rank,
+              {o: graph.values[o] for o in node.outputs})
         if node.kind == "vit_encode":
             for peer in layout.tp_peers(rank):
                 if peer != rank:  # the peer's decode engine needs these embeddings on its own device
@@ -199,6 +203,21 @@ class _Split:
         self.rank_of_value: dict[str, int | None] = {}  # value -> rank of its producer (None: every rank)
         self.copies: dict[str, dict[int, str]] = {}  # node made one per rank -> rank -> its copy
         self.peer_vision: dict[tuple[str, int], str] = {}  # a vision value's copy on a tensor-parallel peer
+
+    def host_relay(self, v: str, rank: int) -> str:
+        """``v`` as a node on ``rank`` may read it: itself, or where its producer is on another rank
+        and also outputs device tensors (Dask would move them all), a host-only copy made on the
+        producer's rank (a batch-level PPO advantage reads every rank's old values so)."""
+        home, producer = self.rank_of_value.get(v), self.out.values[v].producer if v in self.out.values else None
+        if home in (None, rank) or producer is None:
+            return v
+        if all(self.out.values[o].device == "host" for o in self.out.nodes[producer].outputs):
+            return v
+        copy = f"host_{v}"
+        if copy not in self.out.values:
+            self.add(Node(f"relay_{v}", "gather", (v,), (copy,), args={"what": "relay"}), home,
+                     {copy: self.graph.values[v]})
+        return copy
 
     def add(self, node: Node, rank: int, infos: dict[str, Value], of: str | None = None) -> None:
         """Add ``node`` on ``rank``, its outputs with the facts of ``infos`` on that rank; ``of``: the
