@@ -104,6 +104,10 @@ class TrainConfig:
                                    "held beside the one training; 0 = no bound (all may run in the decode window)")
     ref_cache_gib: float = f(1.0, lo=0.0, doc="host memory for frozen models' prefixes, reused across "
                              "epochs (0 disables)")
+    clip_ratio_c: float | None = f(None, lo=1.0, doc="dual clip (verl clip_ratio_c, e.g. 3): the policy loss of a "
+                                   "negative-advantage token is at most c·|A| however far its ratio grows; for the "
+                                   "algorithms whose loss takes clip_ratio_c (grpo, dapo, ppo, reinforce_pp); "
+                                   "null: off")
 
 
 @dataclass
@@ -376,6 +380,9 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"cluster.lowering: 'iteration' runs a whole iteration on one worker; with "
                           f"cluster.workers {cfg.cluster.workers} the ranks exchange values mid-iteration "
                           f"(use nodes or auto)")
+    if cfg.train.clip_ratio_c is not None and cfg.train.clip_ratio_c <= 1:
+        raise ConfigError(f"train.clip_ratio_c: {cfg.train.clip_ratio_c} must be above 1 (the dual clip bounds a "
+                          f"negative advantage's loss beyond the PPO clip's 1 + clip_eps)")
     if cfg.rollout.chunk_tokens > cfg.rollout.max_new_tokens:
         raise ConfigError(f"rollout.chunk_tokens: {cfg.rollout.chunk_tokens} exceeds rollout.max_new_tokens "
                           f"({cfg.rollout.max_new_tokens})")

@@ -115,7 +115,51 @@ def test_dapo_clip_higher_is_asymmetric():
     loss, _ = dapo.policy_loss(logprobs=T([[1.5, 0.5]]).log(), old_logprobs=torch.zeros(1, 2),
                                advantages=T([-1.0]), keep=T([2.0]))
     close(loss, [[1.5 * 2, 0.8 * 2]])  # −min(−1.5, −1.28) = 1.5; −min(−.5, −.8) = .8; weight 2
-    close(metrics["clip_frac"], [[1.0, 1.0]])
+    # With Â = +1 the clip binds at ratio 1.5 (1.28 < 1.5) but not at .5: min(.5, .8) keeps the ratio.
+    close(metrics["clip_frac"], [[1.0, 0.0]])
+
+
+# -- the clip and the dual clip of every loss that clips --------------------------------------------------
+# One token per response. Ratio r and advantage Â, clip ε = .2, dual clip c = 3; surrogate min(rÂ, clip(r)Â):
+#   r 4, Â −1: min(−4, −1.2) = −4, loss 4; the dual clip raises it to max(−4, −3) = −3: loss 3, no gradient
+#   r 2, Â −1: min(−2, −1.2) = −2 (−2 > −3: the dual clip does not bind)       loss 2, gradient −Â·r = 2
+#   r .5, Â −1: min(−.5, −.8) = −.8, the clip binds                              loss .8, gradient 0
+#   r 1.5, Â −1: min(−1.5, −1.2) = −1.5 (above the range, but the min keeps r)  loss 1.5, gradient 1.5
+#   r .5, Â +1: min(.5, .8) = .5 (below the range, the min keeps r)              loss −.5, gradient −.5
+#   r 1.5, Â +1: min(1.5, 1.2) = 1.2, the clip binds                             loss −1.2, gradient 0
+#   r 1, Â +1: 1                                                                  loss −1, gradient −1
+#   r 4, Â 0: 0 whatever the ratio                                                loss 0, gradient 0
+RATIOS, ADVANTAGES = [4.0, 2.0, 0.5, 1.5, 0.5, 1.5, 1.0, 4.0], [-1.0, -1.0, -1.0, -1.0, 1.0, 1.0, 1.0, 0.0]
+
+
+def _clipping_loss(name, logprobs, advantages, **kw):
+    """The algorithm's policy loss with its clip at .2 on both sides and no KL term."""
+    per_token = advantages.unsqueeze(-1)
+    if name == "grpo":
+        return grpo.policy_loss(logprobs=logprobs, old_logprobs=torch.zeros_like(logprobs),
+                                ref_logprobs=logprobs.detach(), advantages=advantages, kl_coef=0.0, **kw)
+    if name == "dapo":
+        return dapo.policy_loss(logprobs=logprobs, old_logprobs=torch.zeros_like(logprobs), advantages=advantages,
+                                keep=torch.ones(len(advantages)), eps_high=0.2, **kw)
+    module = ppo if name == "ppo" else reinforce_pp
+    return module.policy_loss(logprobs=logprobs, old_logprobs=torch.zeros_like(logprobs),
+                              ref_logprobs=torch.zeros_like(logprobs), advantages=per_token, **kw)
+
+
+@pytest.mark.parametrize("name", ["grpo", "dapo", "ppo", "reinforce_pp"])
+def test_the_clip_counts_where_it_binds_and_the_dual_clip_bounds_negative_advantages(name):
+    for dual in (None, 3.0):
+        logprobs = T(RATIOS).log().unsqueeze(-1).requires_grad_()
+        loss, metrics = _clipping_loss(name, logprobs, T(ADVANTAGES), clip_ratio_c=dual)
+        close(loss[:, 0], [3.0 if dual else 4.0, 2.0, 0.8, 1.5, -0.5, -1.2, -1.0, 0.0])
+        close(metrics["clip_frac"][:, 0], [0, 0, 1, 0, 0, 1, 0, 0])
+        # d loss / d log r = −Â·r where the surrogate is r·Â, 0 where a clip holds it
+        (grad,) = torch.autograd.grad(loss.sum(), logprobs)
+        close(grad[:, 0], [0.0 if dual else 4.0, 2.0, 0.0, 1.5, -0.5, 0.0, -1.0, 0.0])
+        if dual:
+            close(metrics["dual_clip_frac"][:, 0], [1, 0, 0, 0, 0, 0, 0, 0])
+        else:
+            assert "dual_clip_frac" not in metrics
 
 
 # -- REINFORCE++ -------------------------------------------------------------------------------------

@@ -140,6 +140,11 @@ CASES = {
                                                       ("train.micro_batch_groups (3)", "prompts per rank (4)")),
     "prompts not split evenly over ranks": Case((*TRAIN, "--workers", "3"),
                                                 ("rollout.prompts_per_iteration (8)", "cluster.workers (3)")),
+    "dual clip of a loss without one": Case((*TRAIN, "--set", "algorithm=rloo", "--set", "train.clip_ratio_c=3"),
+                                            ("train.clip_ratio_c", "rloo", "no dual clip")),
+    "dual clip not above 1": Case((*TRAIN, "--set", "train.clip_ratio_c=1"), ("train.clip_ratio_c: 1.0", "above 1")),
+    "dual clip set twice": Case((*TRAIN, "--set", "train.clip_ratio_c=3", "--set", "params.clip_ratio_c=2"),
+                                ("train.clip_ratio_c and params.clip_ratio_c",)),
     "unservable architecture": Case((*TRAIN, "--set", "model.path=model", *HF_TORCH),
                                     ("LlamaForCausalLM", "Qwen2.5-VL"), {"model": _model(_llama)}),
 }

@@ -147,6 +147,12 @@ class Session:
         if unknown:
             known = ", ".join(sorted(self.algorithm.hyperparameters())) or "none"
             raise RollplexError(f"params: {unknown} are not hyperparameters of {self.algorithm.name} (known: {known})")
+        if cfg.train.clip_ratio_c is not None:
+            if "clip_ratio_c" not in self.algorithm.hyperparameters():
+                raise ConfigError(f"train.clip_ratio_c: the loss of {self.algorithm.name} has no dual clip (it takes "
+                                  f"no clip_ratio_c hyperparameter)")
+            if "clip_ratio_c" in cfg.params:
+                raise ConfigError("train.clip_ratio_c and params.clip_ratio_c are both set; keep train.clip_ratio_c")
         self.cfg = cfg
         self.run_dir = run_dir
         self.device = resolve_device(cfg)
@@ -276,7 +282,8 @@ class Session:
         settings = IterationSettings(
             seed=cfg.seed, samples=cfg.rollout.samples_per_prompt, max_new_tokens=cfg.rollout.max_new_tokens,
             temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-            pad_id=tok.convert_tokens_to_ids("<|endoftext|>"), stop_token_ids=stop, params=dict(cfg.params))
+            pad_id=tok.convert_tokens_to_ids("<|endoftext|>"), stop_token_ids=stop,
+            params={**cfg.params, **({"clip_ratio_c": cfg.train.clip_ratio_c} if cfg.train.clip_ratio_c else {})})
         micro_batches = len(self.shape.micro_batches()) // self.world  # each rank accumulates its share
         train_options = {"lr": cfg.train.lr, "betas": tuple(cfg.train.betas), "eps": cfg.train.eps,
                          "weight_decay": cfg.train.weight_decay, "grad_clip": cfg.train.grad_clip,
