@@ -6,7 +6,8 @@ the last token minus β·KL(π_old‖π_ref) on every token; generalised advanta
 into advantages  Â_t = Σ_l (γλ)^l δ_{t+l},  δ_t = r_t + γ·V_{t+1} − V_t,  and returns R_t = Â_t + V_t.
 The actor takes the clipped surrogate; the critic the clipped value loss
 ½·max((V − R)², (V_old + clip(V − V_old, ±ε_v) − R)²). The critic's prefix, like the reference's,
-runs inside the decode window. One update per batch, so both clips are the formulas, not yet binding.
+runs inside the decode window. With one update per batch both clips are the formulas only; with
+``train.mini_batches`` or ``train.epochs`` above 1 the later steps' ratios leave 1 and they bind.
 """
 import torch
 

@@ -104,6 +104,11 @@ class TrainConfig:
                                    "held beside the one training; 0 = no bound (all may run in the decode window)")
     ref_cache_gib: float = f(1.0, lo=0.0, doc="host memory for frozen models' prefixes, reused across "
                              "epochs (0 disables)")
+    mini_batches: int = f(1, lo=1, hi=65536, doc="M: the iteration's prompt groups split into M mini-batches, one "
+                          "optimizer step each (verl ppo_mini_batch_size, TRL steps_per_generation); each later "
+                          "mini-batch is scored anew under the updated weights against the rollout-time old_logprobs")
+    epochs: int = f(1, lo=1, hi=1024, doc="E: passes over the mini-batches per iteration, M × E optimizer steps in "
+                    "all (verl ppo_epochs, TRL num_iterations)")
     clip_ratio_c: float | None = f(None, lo=1.0, doc="dual clip (verl clip_ratio_c, e.g. 3): the policy loss of a "
                                    "negative-advantage token is at most c·|A| however far its ratio grows; for the "
                                    "algorithms whose loss takes clip_ratio_c (grpo, dapo, ppo, reinforce_pp); "
@@ -380,6 +385,10 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"cluster.lowering: 'iteration' runs a whole iteration on one worker; with "
                           f"cluster.workers {cfg.cluster.workers} the ranks exchange values mid-iteration "
                           f"(use nodes or auto)")
+    if cfg.rollout.prompts_per_iteration % cfg.train.mini_batches:
+        raise ConfigError(f"train.mini_batches: {cfg.train.mini_batches} does not divide "
+                          f"rollout.prompts_per_iteration ({cfg.rollout.prompts_per_iteration}): each mini-batch "
+                          f"takes an equal share of the prompt groups")
     if cfg.train.clip_ratio_c is not None and cfg.train.clip_ratio_c <= 1:
         raise ConfigError(f"train.clip_ratio_c: {cfg.train.clip_ratio_c} must be above 1 (the dual clip bounds a "
                           f"negative advantage's loss beyond the PPO clip's 1 + clip_eps)")

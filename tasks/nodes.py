@@ -200,8 +200,10 @@ def decode_chunk(ctx, node, inputs):
     for p in kept:
         out[named[index[p]]] = responses[p]
     lengths = [len(q) for p in kept for q in responses[p].token_ids]
+    # Per prompt too: a mini-batch's loss divides by its own tokens (or responses).
+    counts = {index[p]: (sum(map(len, responses[p].token_ids)), len(responses[p].sequences)) for p in kept}
     out[the(ctx, node.outputs, "rollout_stats")] = {"tokens": sum(lengths), "sequences": len(lengths),
-                                                    "max_len": max(lengths, default=0)}
+                                                    "max_len": max(lengths, default=0), "by_prompt": counts}
     if fused:
         out[groups_out] = {index[p]: responses[p] for p in kept if p not in handed}
     if samples_out is not None:
@@ -251,11 +253,14 @@ def suffix_score(ctx, node, inputs):
         states = [inputs[v] for v in node.inputs[:n]]
         values = [lp for lp, _ in vlm.suffix_logprobs_batch(model, states, responses, pad_id=s.pad_id,
                                                             temperature=s.score_temperature, grad=grad)]
-    out, names = {}, iter(node.outputs)
-    for value in values:
-        out[next(names)] = value if grad else value.detach()
-        if grad:
-            out[next(names)] = value.detach().cpu()
+    # Per prompt, the value itself (with its graph when grad) and/or its old_ copy: detached, on the host.
+    out = {}
+    for p, value in zip(node.args["prompts"], values):
+        for name in (o for o in node.outputs if ctx.values[o].prompts == (p,)):
+            if ctx.values[name].label == f"old_{node.args['as']}":
+                out[name] = value.detach().cpu()
+            else:
+                out[name] = value if grad else value.detach()
     return out
 
 
@@ -313,9 +318,13 @@ def count_of(agg: str) -> str:
     return "tokens" if agg == "token-mean" else "sequences"
 
 
-def normaliser(stats: dict, count: str) -> int:
-    """The batch's ``count`` (``count_of``) from its rollout stats, at least 1."""
-    return max(stats[count], 1)
+def normaliser(stats: dict, count: str, prompts=None) -> int:
+    """The batch's ``count`` (``count_of``) from its rollout stats, or that of ``prompts`` alone (a
+    mini-batch), at least 1."""
+    if prompts is None:
+        return max(stats[count], 1)
+    at = 0 if count == "tokens" else 1
+    return max(sum(stats["by_prompt"][p][at] for p in prompts), 1)
 
 
 def summed_loss(per_token: torch.Tensor, mask: torch.Tensor, agg: str) -> torch.Tensor:
@@ -411,7 +420,7 @@ def loss(ctx, node, inputs):
     result = decl.call(values, ctx.params)
     per_token, metrics = result if isinstance(result, tuple) else (result, {})
     agg = decl.options["agg"]
-    contribution = summed_loss(per_token, mask, agg) / normaliser(stats, count_of(agg))
+    contribution = summed_loss(per_token, mask, agg) / normaliser(stats, count_of(agg), node.args.get("normalise"))
     if not torch.isfinite(contribution):
         raise FloatingPointError(f"non-finite loss {contribution.item()} in micro-batch {node.name}")
     # With R data-parallel ranks DeepSpeed averages the ranks' gradients; each rank's share of the
@@ -420,7 +429,7 @@ def loss(ctx, node, inputs):
     engine.backward(contribution * world if world != 1 else contribution)
     sums, scalars = loss_metrics(metrics, mask)
     return {node.outputs[0]: {"loss": float(contribution.detach()), "tokens": float(mask.sum()),
-                              "sums": sums, "scalars": scalars}}
+                              "sums": sums, "scalars": scalars, "step": node.args.get("step", 0)}}
 
 
 @register_task("optimizer_step")
@@ -443,9 +452,13 @@ def weight_sync(ctx, node, inputs):
 
 @register_task("report")
 def report(ctx, node, inputs):
-    """Host-side records of the iteration: one row per response, plus the batch metrics."""
+    """Host-side records of the iteration: one row per response, plus the batch metrics. With several
+    optimizer steps (``args["steps"]``, passing ``epochs`` times over the batch) a loss is the mean of
+    the steps' losses, a per-token metric the mean over every token of every step, a grad norm the
+    mean of the steps'."""
     alg = ctx.algorithm
     read = node.inputs
+    steps, epochs = node.args.get("steps", 1), node.args.get("epochs", 1)
     stats = inputs[the(ctx, read, "rollout_stats")]
     rows, rewards, losses, sums, scalars = [], [], 0.0, {}, {}
     # The policy's loss is "loss"; another trained model's (a critic's) is "loss_<model>". Metrics
@@ -500,19 +513,29 @@ def report(ctx, node, inputs):
             rows.append(row)
             rewards.append(float(r[g]))
     tokens = max(stats["tokens"], 1)
-    step = inputs[the(ctx, read, "step", model=alg.rollout_model)]
+    if steps > 1:
+        losses, extra_losses = losses / steps, {k: v / steps for k, v in extra_losses.items()}
+        tokens *= epochs  # each epoch visits every token once more
+
+    def steps_of(model: str) -> list[dict]:
+        return [inputs[v] for v in with_role(ctx, read, "step", model=model)]
+
+    def grad_norm(records: list[dict]) -> float:
+        return records[0]["grad_norm"] if len(records) == 1 else sum(r["grad_norm"] for r in records) / len(records)
+
+    policy_steps = steps_of(alg.rollout_model)
     rt = torch.tensor(rewards)
     metrics = {
         "reward_mean": float(rt.mean()) if rewards else 0.0,
         "reward_std": float(rt.std()) if len(rewards) > 1 else 0.0,
         "loss": losses,
-        "grad_norm": step["grad_norm"],
-        "lr": step["lr"],
+        "grad_norm": grad_norm(policy_steps),
+        "lr": policy_steps[-1]["lr"],
         "response_len_mean": stats["tokens"] / max(stats["sequences"], 1),
     }
     metrics.update(extra_losses)
     for model in alg.model_losses:
-        metrics[f"grad_norm_{model}"] = inputs[the(ctx, read, "step", model=model)]["grad_norm"]
+        metrics[f"grad_norm_{model}"] = grad_norm(steps_of(model))
     metrics.update({k: v / tokens for k, v in sums.items()})
     if ctx.refcache is not None:
         cache = ctx.refcache.stats()

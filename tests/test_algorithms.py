@@ -318,6 +318,51 @@ def test_each_algorithm_runs_two_iterations_and_updates_its_models(tmp_path, war
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", ["grpo", "ppo", "rloo", "dapo", "reinforce_pp"])
+def test_each_algorithm_takes_several_steps_per_iteration_and_its_clip_binds(tmp_path, warmed_model, name):
+    """train.mini_batches 2 × train.epochs 2: four steps per trained model in one iteration. After the
+    first, a mini-batch's ratio to the rollout-time policy leaves 1, so the losses that clip do."""
+    session, host, executor = _host(tmp_path, name, "train.mini_batches=2", "train.epochs=2",
+                                    "train.micro_batch_groups=1", model_path=warmed_model)
+    try:
+        trained = host.algorithm.trainable
+        before = {m: {k: v.clone() for k, v in host.train_engine(m).module.named_parameters() if v.requires_grad}
+                  for m in trained}
+        (report,) = _iterate(session, executor, 1)
+        metrics = report["metrics"]
+        assert 0 < metrics["reward_mean"] < 1
+        assert all(math.isfinite(v) for v in metrics.values() if isinstance(v, float)), metrics
+        for m in trained:
+            after = dict(host.train_engine(m).module.named_parameters())
+            assert any(not torch.equal(before[m][k], after[k]) for k in before[m]), m
+        if name != "rloo":  # RLOO weights by the ratio without a clip
+            assert metrics["clip_frac"] > 0
+        if name == "dapo":  # the informative groups' share of the tokens, averaged over both epochs' visits
+            rows = report["rows"]
+            groups = [rows[i:i + 4] for i in range(0, len(rows), 4)]
+            tokens = [sum(len(r["response_token_ids"]) for r in g) for g in groups]
+            kept = sum(t for g, t in zip(groups, tokens) if len({r["reward"] for r in g}) > 1)
+            assert metrics["kept"] == pytest.approx(kept / sum(tokens))
+    finally:
+        host.close()
+
+
+@pytest.mark.slow
+def test_train_clip_ratio_c_sets_the_dual_clip_of_the_loss(tmp_path, warmed_model):
+    """Without train.clip_ratio_c the loss has no dual clip to report; with it, the loss runs with it
+    (the dual clip rarely binds: a later step mostly lowers a negative-advantage token's ratio)."""
+    steps = ("train.mini_batches=2", "train.epochs=2", "train.micro_batch_groups=1")
+    for extra, on in (((), False), (("train.clip_ratio_c=2.5",), True)):
+        session, host, executor = _host(tmp_path / str(on), "grpo", *steps, *extra, model_path=warmed_model)
+        try:
+            (report,) = _iterate(session, executor, 1)
+            assert host.spec.settings.params.get("clip_ratio_c") == (2.5 if on else None)
+        finally:
+            host.close()
+        assert ("dual_clip_frac" in report["metrics"]) == on
+
+
+@pytest.mark.slow
 def test_ppo_checkpoint_holds_the_critic_and_restores_it(tmp_path, warmed_model):
     import os
 

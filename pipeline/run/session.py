@@ -118,7 +118,7 @@ def iteration_spec(cfg: RunConfig, dims, prompt_tokens: int, vision_tokens: int,
         samples=cfg.rollout.samples_per_prompt,
         max_new_tokens=cfg.rollout.max_new_tokens,
         chunk_tokens=cfg.rollout.chunk_tokens,
-        micro_batch_groups=min(cfg.train.micro_batch_groups, prompts),
+        micro_batch_groups=min(cfg.train.micro_batch_groups, prompts // cfg.train.mini_batches),
         prompts_per_node=per_node,
         prompt_tokens=prompt_tokens,
         vision_tokens=vision_tokens,
@@ -129,6 +129,8 @@ def iteration_spec(cfg: RunConfig, dims, prompt_tokens: int, vision_tokens: int,
         train_fusion=cfg.train.train_fusion,
         window_chunks=cfg.train.window_chunks,
         grad_prefix_lookahead=cfg.train.grad_prefix_lookahead,
+        mini_batches=cfg.train.mini_batches,
+        epochs=cfg.train.epochs,
     )
     return IterationSpec(shape, engines, policy, world, cfg.cluster.tp_rollout)
 
@@ -197,7 +199,7 @@ class Session:
         check_data_parallel(self.world, shape.prompts, shape.micro_batch_groups, self.train_engine,
                             cfg.train.zero_stage, self.decode_engine,
                             processes=self.worker_processes,
-                            tp_rollout=cfg.cluster.tp_rollout)
+                            tp_rollout=cfg.cluster.tp_rollout, mini_batches=shape.mini_batches)
         self.shape = shape
         self.dims = dims
         # After a warm-up the reference is the warmed-up policy, saved once in the run directory.
@@ -284,7 +286,8 @@ class Session:
             temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
             pad_id=tok.convert_tokens_to_ids("<|endoftext|>"), stop_token_ids=stop,
             params={**cfg.params, **({"clip_ratio_c": cfg.train.clip_ratio_c} if cfg.train.clip_ratio_c else {})})
-        micro_batches = len(self.shape.micro_batches()) // self.world  # each rank accumulates its share
+        # Each rank accumulates its share of one optimizer step's micro-batches.
+        micro_batches = len(self.shape.micro_batches()) // self.world // self.shape.mini_batches
         train_options = {"lr": cfg.train.lr, "betas": tuple(cfg.train.betas), "eps": cfg.train.eps,
                          "weight_decay": cfg.train.weight_decay, "grad_clip": cfg.train.grad_clip,
                          "zero_stage": cfg.train.zero_stage, "accumulation_steps": micro_batches,
