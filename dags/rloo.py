@@ -23,9 +23,9 @@ def advantages(rewards):
 
 
 @rloo.loss(agg="seq-mean-token-sum")
-def policy_loss(logprobs, old_logprobs, advantages):
+def policy_loss(logprobs, old_logprobs, advantages, rollout_is_weights):
     ratio = torch.exp(logprobs - old_logprobs)
-    return -ratio * advantages.unsqueeze(-1), {"logprob": old_logprobs}
+    return -ratio * advantages.unsqueeze(-1) * rollout_is_weights, {"logprob": old_logprobs}
 
 
 algorithm = rloo

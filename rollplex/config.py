@@ -113,6 +113,10 @@ class TrainConfig:
                                    "negative-advantage token is at most c·|A| however far its ratio grows; for the "
                                    "algorithms whose loss takes clip_ratio_c (grpo, dapo, ppo, reinforce_pp); "
                                    "null: off")
+    rollout_is: dict = f({}, doc="{cap: C}: truncated importance sampling for the decode engine's mismatch (verl "
+                         "rollout_is): the policy loss's policy-gradient term weighted per token by "
+                         "min(π_old/π_rollout, C), C ≥ 1, π_rollout the decode engine's log-probs (the loss reads "
+                         "rollout_is_weights); {}: off")
 
 
 @dataclass
@@ -389,6 +393,7 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"train.mini_batches: {cfg.train.mini_batches} does not divide "
                           f"rollout.prompts_per_iteration ({cfg.rollout.prompts_per_iteration}): each mini-batch "
                           f"takes an equal share of the prompt groups")
+    _validate_rollout_is(cfg.train.rollout_is)
     if cfg.train.clip_ratio_c is not None and cfg.train.clip_ratio_c <= 1:
         raise ConfigError(f"train.clip_ratio_c: {cfg.train.clip_ratio_c} must be above 1 (the dual clip bounds a "
                           f"negative advantage's loss beyond the PPO clip's 1 + clip_eps)")
@@ -411,6 +416,23 @@ def resolve_task_defaults(cfg: RunConfig) -> RunConfig:
     if stop == "auto":
         stop = EMBEDDED_STOP_AT_REWARD if embedded else None
     return dataclasses.replace(cfg, warmup=dataclasses.replace(cfg.warmup, steps=steps), stop_at_reward=stop)
+
+
+def _validate_rollout_is(options: dict) -> None:
+    unknown = sorted(set(options) - {"cap"})
+    if unknown:
+        raise ConfigError(f"train.rollout_is: unknown key {unknown[0]!r}; expected {{cap: C}} with C ≥ 1, or {{}} for off")
+    cap = options.get("cap")
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap >= 1
+                            or math.isinf(cap)):
+        raise ConfigError(f"train.rollout_is.cap: expected a finite number ≥ 1 (the largest importance weight), "
+                          f"got {cap!r}")
+
+
+def rollout_is_cap(cfg: RunConfig) -> float | None:
+    """``train.rollout_is``'s cap as a float, or None when off."""
+    cap = cfg.train.rollout_is.get("cap")
+    return None if cap is None else float(cap)
 
 
 def _validate_tls(c: ClusterConfig) -> None:

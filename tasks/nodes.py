@@ -17,6 +17,7 @@ import torch
 from rollplex.engines.base import DecodeRequest, FinishedSequence
 from rollplex.errors import GraphError
 from rollplex.engines import vlm
+from rollplex.tasks import mismatch
 from rollplex.tasks.registry import register_task
 
 
@@ -413,12 +414,19 @@ def loss(ctx, node, inputs):
     decl, engine = ctx.algorithm.losses()[node.model], ctx.train_engine(node.model)
     stats = inputs[the(ctx, node.inputs, "rollout_stats")]
     bound = bound_values(inputs, node.args["bind"])
+    bound.pop("rollout_is_weights", None)  # bound to the responses; computed below
     values = {k: join_groups(v, "cat") for k, v in bound.items()}
     values["mask"] = join_groups([r.mask() for r in bound["responses"]], "cat")
     values = {k: v.to(engine.device) if torch.is_tensor(v) else v for k, v in values.items()}
     mask = values["mask"]
+    weighted = "rollout_is_weights" in decl.reads
+    if weighted:
+        old = values[f"old_{ctx.algorithm.policy_logprobs()}"]
+        values["rollout_is_weights"] = mismatch.rollout_is_weights(ctx.settings.rollout_is_cap, old, bound["responses"])
     result = decl.call(values, ctx.params)
     per_token, metrics = result if isinstance(result, tuple) else (result, {})
+    if weighted and ctx.settings.rollout_is_cap is not None:
+        metrics = {**metrics, "rollout_is_weight": values["rollout_is_weights"]}
     agg = decl.options["agg"]
     contribution = summed_loss(per_token, mask, agg) / normaliser(stats, count_of(agg), node.args.get("normalise"))
     if not torch.isfinite(contribution):
@@ -485,10 +493,13 @@ def report(ctx, node, inputs):
         value = inputs[v]
         advantages.update(value if isinstance(value, dict) else {ctx.values[v].prompts[0]: value})
     scores = {s.as_: by_prompt(ctx, read, "score", label=f"old_{s.as_}" if s.grad else s.as_) for s in alg.scores}
+    policy_lp = alg.policy_logprobs()
+    gap = dict.fromkeys(mismatch.METRICS, 0.0)  # the decode engine's log-probs against old_<policy_lp>
     for p in sorted(responses_of):
         prompt, responses, r = inputs[prompts[p]], inputs[responses_of[p]], inputs[rewards_of[p]]
         adv = advantages[p]
         scored = {name: inputs[of[p]] for name, of in scores.items()}
+        sampled = mismatch.sampled_logprobs(responses) if policy_lp is not None else None
         for g, seq in enumerate(responses.sequences):
             n = len(seq.token_ids)
             row = {
@@ -510,6 +521,9 @@ def report(ctx, node, inputs):
             for s in alg.scores:
                 key = f"old_{s.as_}" if s.grad else s.as_
                 row[key] = [float(x) for x in scored[s.as_][g, :n].tolist()]
+            if policy_lp is not None:
+                for k, v in mismatch.mismatch_sums(scored[policy_lp][g, :n], sampled[g, :n]).items():
+                    gap[k] += v
             rows.append(row)
             rewards.append(float(r[g]))
     tokens = max(stats["tokens"], 1)
@@ -537,6 +551,8 @@ def report(ctx, node, inputs):
     for model in alg.model_losses:
         metrics[f"grad_norm_{model}"] = grad_norm(steps_of(model))
     metrics.update({k: v / tokens for k, v in sums.items()})
+    if policy_lp is not None:  # over the rollout's tokens, once each
+        metrics.update({k: v / max(stats["tokens"], 1) for k, v in gap.items()})
     if ctx.refcache is not None:
         cache = ctx.refcache.stats()
         metrics.update(ref_cache_hit_rate=cache.hit_rate, ref_cache_bytes=cache.host_bytes + cache.disk_bytes)
@@ -544,4 +560,5 @@ def report(ctx, node, inputs):
     if "kl" not in metrics:
         metrics["kl"] = 0.0
     # "additive": metrics that are sums over the batch, which a data-parallel gather adds up.
-    return {node.outputs[0]: {"rows": rows, "metrics": metrics, "additive": ["loss", *sums]}}
+    additive = ["loss", *sums, *(gap if policy_lp is not None else ())]
+    return {node.outputs[0]: {"rows": rows, "metrics": metrics, "additive": additive}}

@@ -61,7 +61,8 @@ def test_ppo_value_loss_is_clipped_around_the_old_values():
 def test_ppo_policy_clip():
     # ratio e^{ln 1.5} = 1.5 with Â = 2: min(3, 1.2·2) = 2.4; ratio .5 with Â = −1: min(−.5, −.8) = −.8.
     loss, metrics = ppo.policy_loss(logprobs=T([[1.5, 0.5]]).log(), old_logprobs=torch.zeros(1, 2),
-                                    ref_logprobs=torch.zeros(1, 2), advantages=T([[2.0, -1.0]]), clip_eps=0.2)
+                                    ref_logprobs=torch.zeros(1, 2), advantages=T([[2.0, -1.0]]),
+                                    rollout_is_weights=torch.ones(1, 2), clip_eps=0.2)
     close(loss, [[-2.4, 0.8]])
     close(metrics["clip_frac"], [[1.0, 1.0]])
 
@@ -77,7 +78,8 @@ def test_rloo_baseline_leaves_each_sample_out():
 
 def test_rloo_gradient_is_advantage_times_score():
     logprobs = T([[-1.0, -2.0]], requires_grad=True)
-    loss, _ = rloo.policy_loss(logprobs=logprobs, old_logprobs=logprobs.detach(), advantages=T([0.5]))
+    loss, _ = rloo.policy_loss(logprobs=logprobs, old_logprobs=logprobs.detach(), advantages=T([0.5]),
+                               rollout_is_weights=torch.ones(1, 2))
     loss.sum().backward()
     close(logprobs.grad, [[-0.5, -0.5]])
 
@@ -110,10 +112,10 @@ def test_dapo_dynamic_sampling_drops_all_equal_groups_and_renormalises():
 def test_dapo_clip_higher_is_asymmetric():
     # Â = +1, ratio 1.5 → clipped at 1.28; Â = −1, ratio .5 → clipped at .8: min(−.5, −.8) = −.8.
     loss, metrics = dapo.policy_loss(logprobs=T([[1.5, 0.5]]).log(), old_logprobs=torch.zeros(1, 2),
-                                     advantages=T([1.0]), keep=T([1.0]))
+                                     advantages=T([1.0]), keep=T([1.0]), rollout_is_weights=torch.ones(1, 2))
     close(loss[0, :1], [-1.28])
     loss, _ = dapo.policy_loss(logprobs=T([[1.5, 0.5]]).log(), old_logprobs=torch.zeros(1, 2),
-                               advantages=T([-1.0]), keep=T([2.0]))
+                               advantages=T([-1.0]), keep=T([2.0]), rollout_is_weights=torch.ones(1, 2))
     close(loss, [[1.5 * 2, 0.8 * 2]])  # −min(−1.5, −1.28) = 1.5; −min(−.5, −.8) = .8; weight 2
     # With Â = +1 the clip binds at ratio 1.5 (1.28 < 1.5) but not at .5: min(.5, .8) keeps the ratio.
     close(metrics["clip_frac"], [[1.0, 0.0]])
@@ -133,11 +135,13 @@ RATIOS, ADVANTAGES = [4.0, 2.0, 0.5, 1.5, 0.5, 1.5, 1.0, 4.0], [-1.0, -1.0, -1.0
 
 
 def _clipping_loss(name, logprobs, advantages, **kw):
-    """The algorithm's policy loss with its clip at .2 on both sides and no KL term."""
+    """The algorithm's policy loss with its clip at .2 on both sides and (unless given) no KL term."""
     per_token = advantages.unsqueeze(-1)
+    kw.setdefault("rollout_is_weights", torch.ones_like(logprobs))
     if name == "grpo":
-        return grpo.policy_loss(logprobs=logprobs, old_logprobs=torch.zeros_like(logprobs),
-                                ref_logprobs=logprobs.detach(), advantages=advantages, kl_coef=0.0, **kw)
+        kw = {"ref_logprobs": logprobs.detach(), "kl_coef": 0.0, **kw}
+        return grpo.policy_loss(logprobs=logprobs, old_logprobs=torch.zeros_like(logprobs), advantages=advantages,
+                                **kw)
     if name == "dapo":
         return dapo.policy_loss(logprobs=logprobs, old_logprobs=torch.zeros_like(logprobs), advantages=advantages,
                                 keep=torch.ones(len(advantages)), eps_high=0.2, **kw)
@@ -160,6 +164,18 @@ def test_the_clip_counts_where_it_binds_and_the_dual_clip_bounds_negative_advant
             close(metrics["dual_clip_frac"][:, 0], [1, 0, 0, 0, 0, 0, 0, 0])
         else:
             assert "dual_clip_frac" not in metrics
+
+
+@pytest.mark.parametrize("name", ["grpo", "dapo", "ppo", "reinforce_pp"])
+def test_rollout_is_weights_scale_the_policy_gradient_term_alone(name):
+    """verl multiplies pg_losses by rollout_is_weights and adds the KL loss unweighted. Ratios 1.5
+    and 1 with Â = +1: surrogate 1.2 (clipped) and 1; weights 2 and .5 → policy-gradient terms −2.4
+    and −.5. GRPO's k3 to a reference at log π = 0 adds β·(1/1.5 + ln 1.5 − 1) and 0, unweighted."""
+    logprobs = T([1.5, 1.0]).log().unsqueeze(-1)
+    kl = 1 / 1.5 + math.log(1.5) - 1
+    kw = {"kl_coef": 0.1, "ref_logprobs": torch.zeros_like(logprobs)} if name == "grpo" else {}
+    loss, _ = _clipping_loss(name, logprobs, T([1.0, 1.0]), rollout_is_weights=T([[2.0], [0.5]]), **kw)
+    close(loss[:, 0], [-2.4 + (0.1 * kl if name == "grpo" else 0.0), -0.5])
 
 
 # -- REINFORCE++ -------------------------------------------------------------------------------------

@@ -38,6 +38,10 @@ def policy_loss(logprobs, values, advantages):  # nothing produces `values`
     return -(logprobs * advantages.unsqueeze(-1))
 '''
 
+# A policy loss that takes no rollout_is_weights: train.rollout_is would have nothing to weigh.
+UNWEIGHTED_DAG = DANGLING_DAG.replace('"dangling"', '"unweighted"').replace(
+    "policy_loss(logprobs, values, advantages):  # nothing produces `values`", "policy_loss(logprobs, advantages):")
+
 # Item 0 of the dataset (checked before anything is written) carries a bad image.
 BAD_IMAGE = '''
 import dataclasses, numpy as np
@@ -149,6 +153,13 @@ CASES = {
     "dual clip not above 1": Case((*TRAIN, "--set", "train.clip_ratio_c=1"), ("train.clip_ratio_c: 1.0", "above 1")),
     "dual clip set twice": Case((*TRAIN, "--set", "train.clip_ratio_c=3", "--set", "params.clip_ratio_c=2"),
                                 ("train.clip_ratio_c and params.clip_ratio_c",)),
+    "rollout IS cap below 1": Case((*TRAIN, "--set", "train.rollout_is.cap=0.5"), ("train.rollout_is.cap", "≥ 1")),
+    "rollout IS option unknown": Case((*TRAIN, "--set", "train.rollout_is.level=token"),
+                                      ("train.rollout_is", "'level'", "{cap: C}")),
+    "rollout IS for a loss without its weights": Case(("train", "unweighted.py", "--out", "run", "--set",
+                                                       "train.rollout_is.cap=2"),
+                                                      ("train.rollout_is", "policy_loss()", "rollout_is_weights"),
+                                                      {"unweighted.py": UNWEIGHTED_DAG}),
     "unservable architecture": Case((*TRAIN, "--set", "model.path=model", *HF_TORCH),
                                     ("LlamaForCausalLM", "Qwen2.5-VL"), {"model": _model(_llama)}),
 }

@@ -218,7 +218,8 @@ def train_fusion_blocker(alg: Algorithm, shape: BatchShape) -> str | None:
         return "a scoring model has a value head"
     if advantage.options["scope"] != "group" or set(advantage.reads) - {"rewards", "responses", "mask"}:
         return f"the advantage {advantage.fn.__name__!r} is not per group from rewards alone"
-    if set(alg.loss_fn.reads) - {"responses", "rewards", "advantages", "mask", *alg.scored_values()}:
+    if set(alg.loss_fn.reads) - {"responses", "rewards", "advantages", "mask", "rollout_is_weights",
+                                 *alg.scored_values()}:
         return f"the loss {alg.loss_fn.fn.__name__!r} reads values that are not per group"
     return None
 
@@ -411,7 +412,7 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
         batch_level.add("advantages")
 
     def value_of(name: str, p: int) -> tuple[str, int | None]:
-        if name in ("responses", "mask"):
+        if name in ("responses", "mask", "rollout_is_weights"):  # the weights: from its decode log-probs
             return f"responses_p{p}", None
         if name in ("prompt", "vision"):
             return f"{'vis' if name == 'vision' else name}_p{p}", None

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from rollplex.config import RunConfig
+from rollplex.config import RunConfig, rollout_is_cap
 from rollplex.errors import ConfigError, EngineError, GraphError, RollplexError
 from rollplex.pipeline.run import checkpoints
 from rollplex.pipeline.plan.autoschedule import CANDIDATES, Choice, next_schedule
@@ -155,6 +155,9 @@ class Session:
                                   f"no clip_ratio_c hyperparameter)")
             if "clip_ratio_c" in cfg.params:
                 raise ConfigError("train.clip_ratio_c and params.clip_ratio_c are both set; keep train.clip_ratio_c")
+        if rollout_is_cap(cfg) is not None and "rollout_is_weights" not in self.algorithm.loss_fn.reads:
+            raise ConfigError(f"train.rollout_is: the policy loss {self.algorithm.loss_fn.name}() of "
+                              f"{self.algorithm.name} does not read rollout_is_weights, so nothing would weigh it")
         self.cfg = cfg
         self.run_dir = run_dir
         self.device = resolve_device(cfg)
@@ -285,7 +288,8 @@ class Session:
             seed=cfg.seed, samples=cfg.rollout.samples_per_prompt, max_new_tokens=cfg.rollout.max_new_tokens,
             temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
             pad_id=tok.convert_tokens_to_ids("<|endoftext|>"), stop_token_ids=stop,
-            params={**cfg.params, **({"clip_ratio_c": cfg.train.clip_ratio_c} if cfg.train.clip_ratio_c else {})})
+            params={**cfg.params, **({"clip_ratio_c": cfg.train.clip_ratio_c} if cfg.train.clip_ratio_c else {})},
+            rollout_is_cap=rollout_is_cap(cfg))
         # Each rank accumulates its share of one optimizer step's micro-batches.
         micro_batches = len(self.shape.micro_batches()) // self.world // self.shape.mini_batches
         train_options = {"lr": cfg.train.lr, "betas": tuple(cfg.train.betas), "eps": cfg.train.eps,
