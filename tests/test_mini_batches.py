@@ -98,7 +98,11 @@ def test_ppos_critic_is_scored_anew_and_its_advantage_reads_the_rollout_time_val
     assert [n.name for n in graph.of_kind("optimizer_step") if n.model == "critic"] == [
         "optimizer_step_critic_s0", "optimizer_step_critic_s1"]
     assert "suffix_values_s1_p2" in graph.nodes
-    assert {"old_values_p2", "old_logprobs_p2"} <= set(graph.nodes["advantage_p2"].inputs)
+    # GAE's returns and the whitened advantages come from the rollout-time values, once
+    assert {"old_values_p2", "old_logprobs_p2"} <= set(graph.nodes["gae_returns_p2"].inputs)
+    assert {"returns_p2", "old_values_p2"} <= set(graph.nodes["advantage"].inputs)
+    # the critic's later step regresses its new values on those returns
+    assert {"values_s1_p2", "returns_p2"} <= set(graph.nodes["loss_critic_s1_m0"].inputs)
 
 
 def test_one_step_compiles_the_iteration_it_always_did():
