@@ -215,7 +215,7 @@ def test_each_steps_loss_is_the_mean_over_its_own_mini_batch(tmp_path):
 
 def _run(tmp: Path, schedule: str, reward: str) -> Path:
     cfg = load_config(None, [f"schedule={schedule}", "iterations=2", "seed=3", "warmup.steps=0", "stop_at_reward=null",
-                             "checkpoint.every=1", "train.mini_batches=2", "train.epochs=2", f"task.reward={reward}"])
+                             "checkpoint.every=1", "train.mini_batches=4", "train.epochs=2", f"task.reward={reward}"])
     run_dir = tmp / schedule
     from rollplex.pipeline.run.runner import train
 
@@ -226,7 +226,7 @@ def _run(tmp: Path, schedule: str, reward: str) -> Path:
 @pytest.mark.slow
 def test_serial_and_rollplex_take_the_same_steps_to_the_same_checkpoints(tmp_path):
     """The default engines (vLLM decode, DeepSpeed ZeRO-2), as tests/test_e2e.py runs them, taking
-    2 × 2 steps per iteration: the schedules order the work differently, the update stays the same."""
+    4 × 2 steps per iteration: the schedules order the work differently, the update stays the same."""
     from safetensors.torch import load_file
 
     reward = _reward_file(tmp_path)
@@ -240,7 +240,7 @@ def test_serial_and_rollplex_take_the_same_steps_to_the_same_checkpoints(tmp_pat
             assert float((a[key] - b[key]).abs().max() / scale) <= 1e-5, (iteration, key)
         trace = json.loads((runs["rollplex"] / "traces" / f"iter_{iteration:06d}.json").read_text())
         kinds = [e["cat"] for e in trace["traceEvents"] if e.get("ph") == "X"]
-        assert kinds.count("optimizer_step") == 4 and kinds.count("weight_sync") == 1
+        assert kinds.count("optimizer_step") == 8 and kinds.count("weight_sync") == 1
     rows = [json.loads(line) for line in (runs["rollplex"] / "metrics.jsonl").read_text().splitlines()]
     assert all(r["grad_norm"] > 0 for r in rows)
     assert any(r["clip_frac"] > 0 for r in rows)  # later steps' ratios left the clip range
