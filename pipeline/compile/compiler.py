@@ -207,11 +207,12 @@ def train_fusion_blocker(alg: Algorithm, shape: BatchShape) -> str | None:
                 f"{shape.mini_batches} × {shape.epochs}")
     if not shape.fused:
         return "it needs stage fusion, prefix sharing and two decode chunks or more"
-    if alg.custom:
-        return f"the algorithm has nodes of its own ({', '.join(d.fn.__name__ for d in alg.custom)})"
+    # What the algorithm trains first: the most basic reason (PPO's critic, before its GAE node).
     policy, advantage = alg.rollout_model, alg.advantage_fn
     if alg.trainable != [policy] or list(alg.losses()) != [policy] or alg.models[policy].head != "lm":
         return f"it trains {alg.trainable}, not the policy {policy!r} alone through its lm head"
+    if alg.custom:
+        return f"the algorithm has nodes of its own ({', '.join(d.fn.__name__ for d in alg.custom)})"
     if [s.model for s in alg.scores if s.grad] != [policy]:
         return "a score other than the policy's keeps a graph"
     if any(alg.models[s.model].head != "lm" for s in alg.scores):
