@@ -17,7 +17,8 @@ from rollplex.tasks.registry import register_task
 
 def merge_stats(parts: list[dict]) -> dict:
     return {"tokens": sum(p["tokens"] for p in parts), "sequences": sum(p["sequences"] for p in parts),
-            "max_len": max((p["max_len"] for p in parts), default=0)}
+            "max_len": max((p["max_len"] for p in parts), default=0),
+            "by_prompt": {k: v for p in parts for k, v in p.get("by_prompt", {}).items()}}
 
 
 def merge_reports(parts: list[dict]) -> dict:

@@ -211,3 +211,19 @@ def test_two_torch_engine_ranks_training_in_their_windows_equal_one_worker(tmp_p
     assert [r["grad_norm"] for r in two] == pytest.approx([r["grad_norm"] for r in one], rel=1e-4)
     assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-4, abs=1e-7)
     assert_same_update(tmp_path / "two", tmp_path / "one")
+
+
+def test_two_ranks_taking_several_steps_per_iteration_equal_one_worker(tmp_path):
+    """train.mini_batches 2 × train.epochs 2: each rank trains its share of a mini-batch (one prompt of
+    its two) at each of the 4 steps and all-reduces there, and each step's loss divides by its
+    mini-batch's tokens over both ranks, so grad norms, losses and weights are the one-worker run's."""
+    steps = ("--set", "train.mini_batches=2", "--set", "train.epochs=2")
+    train_side_by_side(tmp_path, {"one": steps, "two": (*steps, "--workers", "2")})
+    one, two = rl_rows(tmp_path / "one"), rl_rows(tmp_path / "two")
+    assert one[1]["grad_norm"] > 0.1  # the update is real
+    assert [r["grad_norm"] for r in two] == pytest.approx([r["grad_norm"] for r in one], rel=1e-4)
+    assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-4, abs=1e-7)
+    assert_same_update(tmp_path / "one", tmp_path / "two")
+    trace = json.loads((tmp_path / "two" / "traces" / "iter_000001.json").read_text())
+    steps_run = sorted(e["name"] for e in trace["traceEvents"] if e.get("cat") == "optimizer_step")
+    assert steps_run == sorted(f"optimizer_step_s{k}_r{r}" for k in range(4) for r in range(2))

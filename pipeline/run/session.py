@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from rollplex.config import RunConfig
+from rollplex.config import RunConfig, rollout_is_cap
 from rollplex.errors import ConfigError, EngineError, GraphError, RollplexError
 from rollplex.pipeline.run import checkpoints
 from rollplex.pipeline.plan.autoschedule import CANDIDATES, Choice, next_schedule
@@ -132,7 +132,7 @@ def iteration_spec(cfg: RunConfig, dims, prompt_tokens: int, vision_tokens: int,
         samples=cfg.rollout.samples_per_prompt,
         max_new_tokens=cfg.rollout.max_new_tokens,
         chunk_tokens=cfg.rollout.chunk_tokens,
-        micro_batch_groups=min(cfg.train.micro_batch_groups, prompts),
+        micro_batch_groups=min(cfg.train.micro_batch_groups, prompts // cfg.train.mini_batches),
         prompts_per_node=per_node,
         prompt_tokens=prompt_tokens,
         vision_tokens=vision_tokens,
@@ -143,6 +143,8 @@ def iteration_spec(cfg: RunConfig, dims, prompt_tokens: int, vision_tokens: int,
         train_fusion=cfg.train.train_fusion,
         window_chunks=cfg.train.window_chunks,
         grad_prefix_lookahead=cfg.train.grad_prefix_lookahead,
+        mini_batches=cfg.train.mini_batches,
+        epochs=cfg.train.epochs,
     )
     return IterationSpec(shape, engines, policy, world, cfg.cluster.tp_rollout)
 
@@ -161,6 +163,15 @@ class Session:
         if unknown:
             known = ", ".join(sorted(self.algorithm.hyperparameters())) or "none"
             raise RollplexError(f"params: {unknown} are not hyperparameters of {self.algorithm.name} (known: {known})")
+        if cfg.train.clip_ratio_c is not None:
+            if "clip_ratio_c" not in self.algorithm.hyperparameters():
+                raise ConfigError(f"train.clip_ratio_c: the loss of {self.algorithm.name} has no dual clip (it takes "
+                                  f"no clip_ratio_c hyperparameter)")
+            if "clip_ratio_c" in cfg.params:
+                raise ConfigError("train.clip_ratio_c and params.clip_ratio_c are both set; keep train.clip_ratio_c")
+        if rollout_is_cap(cfg) is not None and "rollout_is_weights" not in self.algorithm.loss_fn.reads:
+            raise ConfigError(f"train.rollout_is: the policy loss {self.algorithm.loss_fn.name}() of "
+                              f"{self.algorithm.name} does not read rollout_is_weights, so nothing would weigh it")
         check_group_size(self.algorithm, cfg.rollout.samples_per_prompt)
         self.cfg = cfg
         self.run_dir = run_dir
@@ -220,7 +231,7 @@ class Session:
         check_data_parallel(self.world, shape.prompts, shape.micro_batch_groups, self.train_engine,
                             cfg.train.zero_stage, self.decode_engine,
                             processes=self.worker_processes,
-                            tp_rollout=cfg.cluster.tp_rollout)
+                            tp_rollout=cfg.cluster.tp_rollout, mini_batches=shape.mini_batches)
         self.shape = shape
         self.dims = dims
         # After a warm-up the reference is the warmed-up policy, saved once in the run directory.
@@ -305,8 +316,11 @@ class Session:
         settings = IterationSettings(
             seed=cfg.seed, samples=cfg.rollout.samples_per_prompt, max_new_tokens=cfg.rollout.max_new_tokens,
             temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-            pad_id=tok.convert_tokens_to_ids("<|endoftext|>"), stop_token_ids=stop, params=dict(cfg.params))
-        micro_batches = len(self.shape.micro_batches()) // self.world  # each rank accumulates its share
+            pad_id=tok.convert_tokens_to_ids("<|endoftext|>"), stop_token_ids=stop,
+            params={**cfg.params, **({"clip_ratio_c": cfg.train.clip_ratio_c} if cfg.train.clip_ratio_c else {})},
+            rollout_is_cap=rollout_is_cap(cfg))
+        # Each rank accumulates its share of one optimizer step's micro-batches.
+        micro_batches = len(self.shape.micro_batches()) // self.world // self.shape.mini_batches
         train_options = {"lr": cfg.train.lr, "betas": tuple(cfg.train.betas), "eps": cfg.train.eps,
                          "weight_decay": cfg.train.weight_decay, "grad_clip": cfg.train.grad_clip,
                          "zero_stage": cfg.train.zero_stage, "accumulation_steps": micro_batches,
