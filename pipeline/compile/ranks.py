@@ -196,6 +196,10 @@ def distribute(graph: IterationGraph, ranks: int, tp_rollout: int = 1) -> Iterat
                 if r in before:
                     out.add_order(before[r], copy, reason=data.get("reason", "order"))
             continue
+        if u in s.copies and v in out.nodes:  # a node made one per rank, before one on a rank: its copy there
+            u = s.copies[u].get(out.nodes[v].meta["rank"], u)
+        elif v in s.copies and u in out.nodes:
+            v = s.copies[v].get(out.nodes[u].meta["rank"], v)
         if u not in out.nodes or v not in out.nodes:
             continue
         if data.get("reason") == "accumulation order" and out.nodes[u].meta["rank"] != out.nodes[v].meta["rank"]:
@@ -331,7 +335,12 @@ def _replicate(s: _Split, node: Node) -> None:
         outputs = tuple(f"{o}_r{r}" for o in node.outputs)
         s.local.update({(o, r): f"{o}_r{r}" for o in node.outputs})
         infos = {f"{o}_r{r}": graph.values[o] for o in node.outputs}
-        s.add(Node(f"{node.name}_r{r}", node.kind, s.reads(node.inputs, r), outputs, node.model, node.engine,
+        reads = s.reads(node.inputs, r)
+        if node.kind == "report":  # a batch-level value (PPO's whitened advantages) covers this rank's prompts too
+            mine = set(s.layout.prompts_of(r))
+            reads += tuple(s.host_relay(v, r) for v in node.inputs if v not in reads and (v, r) not in s.local
+                           and len(graph.values[v].prompts) > 1 and mine & set(graph.values[v].prompts))
+        s.add(Node(f"{node.name}_r{r}", node.kind, reads, outputs, node.model, node.engine,
                    dict(node.args, rank=r), dict(node.meta)), r, infos, of=node.name)
         parts += outputs
     if node.kind == "report":

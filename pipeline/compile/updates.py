@@ -89,9 +89,16 @@ def add_updates(g: IterationGraph, alg, shape, add, host, dev, dims, bind, value
         chains += [*losses.values(), *forwards.values()]
         chains += _memory_bounds(g, shape, policy, forwards, micro, at, early if k == 0 else set(),
                                  early_models if k == 0 else set())
+        previous_step = None
         for model, outs in losses.items():
             node, value = step_name(policy, model, at)
             add(node, "optimizer_step", outs, [value], model=model, **{value: host(64, "step", model=model)})
+            # Two trained models (PPO's actor and critic) reduce gradients over the same ranks: one
+            # model's backwards and step before the next's, so every rank meets the collectives in
+            # the same order.
+            if previous_step is not None:
+                orders += [(previous_step, loss, "collective order") for loss in outs]
+            previous_step = node
             if k == 0 and steps > 1:
                 orders += [(n, node, "rollout-time weights") for n in rollout_time[model]]
             last[model] = node
