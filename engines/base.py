@@ -200,7 +200,8 @@ class TrainEngine(ABC):
     @abstractmethod
     def state_dict_for_sync(self, trainable_only: bool = False) -> Iterable[tuple[str, torch.Tensor]]:
         """The current weights under HF parameter names, for ``DecodeEngine.load_weights``;
-        ``trainable_only`` leaves out the frozen vision tower, which never changes."""
+        ``trainable_only`` leaves out the vision tower, which no decode engine runs (``vit_encode``
+        feeds them its output)."""
 
     @abstractmethod
     def save(self, directory: str) -> None:

@@ -1,6 +1,7 @@
-"""Plain PyTorch train engine: one HF Qwen2.5-VL, AdamW over the language model, no sharding.
+"""Plain PyTorch train engine: one HF Qwen2.5-VL, AdamW over what trains, no sharding.
 
-Also holds the helpers the DeepSpeed engine shares: loading the policy with its vision tower frozen,
+What trains (``load_policy``): the language model, with the vision tower frozen unless the option
+``freeze_vision`` is false. Also holds the helpers the DeepSpeed engine shares: loading the policy,
 mapping checkpoint names to module names, and naming a non-finite gradient.
 
 Parameter names. ``module.state_dict()`` (transformers 5.19) says ``model.language_model.*`` and
@@ -40,10 +41,10 @@ def with_value_head(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def load_policy(ctx: EngineContext) -> torch.nn.Module:
-    """The HF model on ctx.device/dtype with its vision tower frozen and its window attention
-    batched (engines.vision_attention). ``options["module"]``: a model built by the caller, used as
-    is otherwise, e.g. by ``rollplex bench``; ``options["head"] == "value"`` gives it a scalar value
-    head instead of the LM head (a critic)."""
+    """The HF model on ctx.device/dtype with its window attention batched (engines.vision_attention)
+    and its vision tower frozen unless ``options["freeze_vision"]`` is false. ``options["module"]``:
+    a model built by the caller, used as is otherwise, e.g. by ``rollplex bench``;
+    ``options["head"] == "value"`` gives it a scalar value head instead of the LM head (a critic)."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     from rollplex.engines.vision_attention import batch_vision_attention
@@ -56,8 +57,9 @@ def load_policy(ctx: EngineContext) -> torch.nn.Module:
     if ctx.options.get("head", "lm") == "value":
         with_value_head(model)
     model.to(ctx.device)
+    freeze_vision = bool(ctx.options.get("freeze_vision", True))
     for name, p in model.named_parameters():
-        if is_vision_param(name):
+        if freeze_vision and is_vision_param(name):
             p.requires_grad_(False)
     # Log-prob ratios need the same forward at rollout and at training time, so no dropout.
     model.eval()
@@ -201,8 +203,8 @@ class TorchTrainEngine(TrainEngine):
                 p.grad.div_(self.world)
 
     def state_dict_for_sync(self, trainable_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-        """Module names (see the module docstring). ``trainable_only`` skips the frozen vision tower,
-        which a decode engine loaded once already."""
+        """Module names (see the module docstring). ``trainable_only`` skips the vision tower, which
+        no decode engine runs (vit_encode feeds them its output)."""
         for name, t in self.module.state_dict().items():
             if not (trainable_only and is_vision_param(name)):
                 yield name, t

@@ -104,6 +104,9 @@ class TrainConfig:
                                    "held beside the one training; 0 = no bound (all may run in the decode window)")
     ref_cache_gib: float = f(1.0, lo=0.0, doc="host memory for frozen models' prefixes, reused across "
                              "epochs (0 disables)")
+    freeze_vision: bool = f(True, doc="keep every vision-tower (*visual*) weight frozen, as EasyR1's "
+                            "freeze_vision_tower; false: the policy's vision tower trains too (its vision forward "
+                            "keeps a graph per micro-batch; the reference keeps its own frozen one)")
 
 
 @dataclass
@@ -376,6 +379,9 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"cluster.lowering: 'iteration' runs a whole iteration on one worker; with "
                           f"cluster.workers {cfg.cluster.workers} the ranks exchange values mid-iteration "
                           f"(use nodes or auto)")
+    if cfg.cluster.memory_plan and not cfg.train.freeze_vision:
+        raise ConfigError("cluster.memory_plan: the plan sizes a frozen vision tower, not train.freeze_vision: "
+                          "false; leave one of them off")
     if cfg.rollout.chunk_tokens > cfg.rollout.max_new_tokens:
         raise ConfigError(f"rollout.chunk_tokens: {cfg.rollout.chunk_tokens} exceeds rollout.max_new_tokens "
                           f"({cfg.rollout.max_new_tokens})")

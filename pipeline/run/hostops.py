@@ -14,9 +14,13 @@ def _warmup(host, examples: list, lr: float) -> float:
     from rollplex.engines import vlm
     from rollplex.tasks.data import warmup_target_ids
 
+    from rollplex.engines.torch_train import is_vision_param
+
     policy = host.algorithm.rollout_model
     engine = host.train_engine(policy)
-    vision_model = host.model(host.algorithm.vision_model)
+    # A vision tower that trains (train.freeze_vision: false) is the policy's, and learns here too.
+    trains_vision = any(p.requires_grad and is_vision_param(n) for n, p in engine.module.named_parameters())
+    vision_model = engine.module if trains_vision else host.model(host.algorithm.vision_model)
     engine.set_lr(lr)
     targets = [warmup_target_ids(host.tokenizer, t) for _, t in examples]
     total = sum(len(ids) for ids in targets)
@@ -26,7 +30,7 @@ def _warmup(host, examples: list, lr: float) -> float:
     vocab = engine.module.config.get_text_config().vocab_size
     for run in vlm.batches_within([len(ids) for ids in targets], vocab, grad=True):
         prompts = [examples[i][0] for i in run]
-        visions = vlm.vision_embeds_batch(vision_model, prompts)
+        visions = vlm.vision_embeds_batch(vision_model, prompts, grad=trains_vision)
         states = vlm.prefix_forward_batch(engine.module, prompts, visions, grad=True)
         scored = vlm.suffix_logprobs_batch(engine.module, states, [[targets[i]] for i in run],
                                           pad_id=host.spec.settings.pad_id, grad=True)

@@ -92,7 +92,8 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = 
         from rollplex.pipeline.run import preflight
 
         preflight.check_memory_budget(cfg.cluster.memory_budget_gib, preflight.memory_terms(
-            *preflight.parameter_counts(session.model_path), 4 if cfg.model.dtype == "float32" else 2,
+            *preflight.parameter_counts(session.model_path, cfg.train.freeze_vision),
+            4 if cfg.model.dtype == "float32" else 2,
             session.train_engine, len(spec.frozen), spec.decode_options.get("kv_cache_bytes", 0),
             None if session.weight_plan is None else session.weight_plan.per_gpu("extra")))
     where = session.device if session.worker_processes else f"{session.device} (in-process worker)"

@@ -129,6 +129,7 @@ def iteration_spec(cfg: RunConfig, dims, prompt_tokens: int, vision_tokens: int,
         train_fusion=cfg.train.train_fusion,
         window_chunks=cfg.train.window_chunks,
         grad_prefix_lookahead=cfg.train.grad_prefix_lookahead,
+        trains_vision=not cfg.train.freeze_vision,
     )
     return IterationSpec(shape, engines, policy, world, cfg.cluster.tp_rollout)
 
@@ -283,6 +284,7 @@ class Session:
                          "zero_stage": cfg.train.zero_stage, "accumulation_steps": micro_batches,
                          # weight sharing with vLLM: DeepSpeed's flat buffer holds q|k|v, gate|up adjacent
                          "fusion_order": cfg.engines.weight_sharing != "off" and self.decode_engine == "vllm",
+                         "freeze_vision": cfg.train.freeze_vision,
                          **cfg.engines.train_options}
         longest = max(256, self.shape.prompt_tokens + cfg.rollout.max_new_tokens + 64)
         sequences = self.shape.prompts * self.shape.samples

@@ -488,7 +488,7 @@ def execute_node(host: WorkerHost, node: Node, iteration: int, inputs: dict[str,
     start = time.time()
     try:
         # Named after the kind so that a profile (rollplex bench --profile) sums device time per kind.
-        keeps_graph = node.kind in ("prefix", "suffix_score") and bool(node.args.get("grad"))
+        keeps_graph = node.kind in ("vit_encode", "prefix", "suffix_score") and bool(node.args.get("grad"))
         with host.on_stream(node.stream, keeps_graph=keeps_graph) as sms, \
                 torch.profiler.record_function(f"node:{node.kind}"):
             outputs = task_for(node.kind)(NodeContext(host, iteration, values), node, inputs)
