@@ -436,8 +436,8 @@ def optimizer_step(ctx, node, inputs):
 
 @register_task("weight_sync")
 def weight_sync(ctx, node, inputs):
-    # The trainable weights travel, less the vision tower, which decode engines never run: vit_encode
-    # feeds them.
+    # Only what training changes travels (with LoRA adapters: the targets, merged), less the vision
+    # tower, which decode engines never run: vit_encode feeds them.
     weights = ctx.train_engine(node.model).state_dict_for_sync(trainable_only=True)
     ctx.decode_engine.load_weights(weights)
     return {node.outputs[0]: {"version": ctx.iteration + 1}}

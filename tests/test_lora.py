@@ -158,3 +158,107 @@ def test_lora_refuses_zero3_and_names_unknown_targets(model_dir):
         make("deepspeed", model_dir, zero_stage=3, lora=LORA)
     with pytest.raises(ConfigError, match=r"train.lora.target_modules: \['qkv_proj'\] name no linear layer.*q_proj"):
         make("torch", model_dir, lora={**LORA, "target_modules": ["qkv_proj"]})
+
+
+@pytest.mark.parametrize("given, message", [
+    ("train.lora={rnak: 4}", "unknown field train.lora.rnak; did you mean 'rank'?"),
+    ("train.lora={rank: 0}", "train.lora.rank: 0 is below the minimum 1"),
+    ("train.lora={alpha: 0}", "train.lora.alpha: 0.0 must be above 0"),
+    ("train.lora={dropout: 1}", r"train.lora.dropout: 1.0 is not in \[0, 1\)"),
+    ("train.lora={target_modules: q_proj}", "train.lora.target_modules: expected list"),
+    ("train.freeze_vision=false", "train.freeze_vision: false trains the whole vision tower"),
+])
+def test_bad_lora_settings_are_refused_by_name(given, message):
+    from rollplex.config import load_config
+    from rollplex.errors import ConfigError
+
+    extra = ["train.lora={rank: 4}"] if given.startswith("train.freeze") else []
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [given, *extra])
+
+
+def test_missing_lora_keys_take_their_defaults_and_the_config_round_trips(tmp_path):
+    from rollplex.config import LORA_DEFAULTS, dump_config, load_config
+
+    cfg = load_config(None, ["train.lora={rank: 16}"])
+    assert cfg.train.lora == {**LORA_DEFAULTS, "rank": 16}
+    (tmp_path / "c.yaml").write_text(dump_config(cfg))
+    assert load_config(tmp_path / "c.yaml") == cfg
+    assert load_config(None).train.lora is None
+
+
+def test_the_sharing_plan_gives_vllm_its_own_copy_of_each_layer_a_target_is_part_of(tiny_model_dir):
+    from rollplex.pipeline.plan.weightshare import annotate_run
+
+    def decisions(targets):
+        plan = annotate_run([], str(tiny_model_dir), "vllm", "deepspeed", "float32", 2, "auto", lora_targets=targets)
+        return plan, {d.tensor: d for d in plan.gpus[0].decisions}
+
+    full, before = decisions(())
+    plan, after = decisions(["q_proj", "lm_head"])
+    assert all(d.kind == "alias" for d in before.values())
+    rebuilt = {n for n, d in after.items() if d.kind == "rebuild"}
+    assert rebuilt == {n for n in after if "qkv_proj" in n} | {"lm_head.weight"}
+    assert after["layers.0.self_attn.qkv_proj.weight"].how == "merge"
+    assert after["layers.0.self_attn.qkv_proj.bias"].how == "copy"  # q's bias sits in the fused q|k|v
+    # only what is reloaded counts as synced; the base the rollout aliases never changes
+    assert {n for n, d in after.items() if d.trainable} == rebuilt
+    assert plan.per_gpu("extra") == sum(after[n].nbytes for n in rebuilt) > full.per_gpu("extra") == 0
+    assert any("LoRA on q_proj, lm_head" in note for note in plan.notes)
+    # hf runs the trainer's module, adapters and all: its plan is the one without LoRA
+    hf = annotate_run([], str(tiny_model_dir), "hf", "torch", "float32", 0, "auto", lora_targets=["q_proj"])
+    assert all(d.kind == "alias" for d in hf.gpus[0].decisions)
+
+
+@pytest.mark.slow
+def test_vllm_and_hf_decode_the_adapted_policy_on_the_trainers_base(tiny_model_dir):
+    """Weight sharing under LoRA: the hf engine runs the trainer's module, adapters and all; vLLM runs
+    on the trainer's storage for every layer the adapters leave alone and keeps its own copy of the
+    targets, merged at each sync. Both follow the adapters' steps and agree token for token."""
+    pytest.importorskip("vllm")
+    from rollplex.engines.base import DecodeRequest, EngineContext, get_engine
+    from rollplex.engines.sharing import fuse_for_rollout
+    from rollplex.pipeline.plan.weightshare import annotate_run
+
+    torch.set_num_threads(2)
+    dtype, device = torch.float32, torch.device("cpu")
+    train = get_engine("torch", "train").factory(EngineContext(str(tiny_model_dir), device, dtype, 0,
+                                                               {"lr": 0.05, "lora": LORA}))
+    fuse_for_rollout(train.module, "torch")
+    vllm = get_engine("vllm", "decode").factory(EngineContext(str(tiny_model_dir), device, dtype, 0, {
+        "share_model": train.module, "max_model_len": 256, "max_num_seqs": 4, "kv_cache_bytes": 32 << 20}))
+    hf = get_engine("hf", "decode").factory(EngineContext(str(tiny_model_dir), device, dtype, 0,
+                                                           {"share_model": train.module}))
+    shared = vllm.shared.tensors
+    assert shared and all(st.aliased for st in shared.values()), vllm.shared.summary()
+    # the run's sharing plan (what `rollplex graph` prints) says exactly this
+    plan = annotate_run([], str(tiny_model_dir), "vllm", "torch", "float32", 0, "auto",
+                        lora_targets=LORA["target_modules"])
+    assert {d.tensor for d in plan.gpus[0].decisions if d.kind == "alias"} == set(shared)
+    assert not [n for n in shared if n.startswith(("lm_head", "layers.0.self_attn.qkv", "layers.0.mlp.down"))]
+    assert "layers.0.mlp.gate_up_proj.weight" in shared and "layers.0.self_attn.o_proj.weight" in shared
+
+    def greedy(engine, tag):
+        engine.add_requests([DecodeRequest(f"{tag}{i}", [5 + i, 17, 33, 9], None, None, 8, seed=i, temperature=0.0)
+                             for i in range(2)])
+        out = []
+        while engine.has_unfinished():
+            out += engine.step(8)
+        return sorted((f.request_id[len(tag):], f.token_ids) for f in out)
+
+    before = greedy(vllm, "a")
+    assert before == greedy(hf, "b")
+    ids = torch.tensor([[5, 17, 33, 9] + before[0][1]])
+    for _ in range(3):  # move the adapters far enough to change greedy tokens
+        loss = -train.module(ids).logits.log_softmax(-1)[0, :-1].gather(1, ids[0, 1:, None]).mean()
+        train.backward(-loss)
+        train.step()
+    vllm.load_weights(train.state_dict_for_sync(trainable_only=True))
+    hf.load_weights(train.state_dict_for_sync(trainable_only=True))
+    after = greedy(vllm, "c")
+    assert after == greedy(hf, "d") and after != before
+    storages = {p.untyped_storage().data_ptr() for p in train.module.parameters()}
+    model = dict(vllm.llm.collective_rpc(lambda w: w.model_runner.model)[0].named_parameters())
+    assert model["language_model.model.layers.0.mlp.gate_up_proj.weight"].untyped_storage().data_ptr() in storages
+    assert model["language_model.lm_head.weight"].untyped_storage().data_ptr() not in storages  # merged, its own
+    # Not closed, as in test_weightshare: in-process vLLM's teardown takes the process group with it.

@@ -52,19 +52,38 @@ def _sync_decode(host) -> None:
 
 
 def _adopt_reference(host, directory: str) -> None:
-    """Make the frozen copies of the policy equal to it now, and save it for resumed runs."""
+    """Make the frozen copies of the policy equal to it now, and save it for resumed runs. With LoRA
+    the adapters are folded into the base, which the reference is (it has no weights of its own)."""
     alg = host.algorithm
     policy = host.train_engine(alg.rollout_model)
-    weights = dict(policy.state_dict_for_sync())
+    policy.fold_adapter()
+    weights = None
     for name, decl in alg.models.items():
         # A critic trains its own weights; a model on an engine of its own (a reward model) keeps its.
         if decl.copy_of == alg.rollout_model and not decl.trainable and decl.engine is None:
-            host.engines[name].model.load_state_dict(weights)
+            if not getattr(host.engines[name], "shares_weights", False):
+                weights = weights if weights is not None else dict(policy.state_dict_for_sync())
+                host.engines[name].model.load_state_dict(weights)
             host.register_frozen(name)  # cached prefixes of the old weights no longer match
     import torch
 
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:  # one writer per run
-        policy.module.save_pretrained(directory)
+    main = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0  # one writer per run
+    policy.export(directory, is_main_process=main)
+
+
+def _lora_sizes(host) -> dict | None:
+    """The policy's adapter and base sizes (engines.lora.sizes), None without LoRA; and per frozen
+    copy of the policy (the reference) the bytes it holds outside the policy's own storage."""
+    from rollplex.engines import lora
+    from rollplex.pipeline.run.worker import shares_policy_base
+
+    alg = host.algorithm
+    policy = host.train_engine(alg.rollout_model)
+    if getattr(policy, "peft", None) is None:
+        return None
+    copies = {m: lora.own_bytes(host.engines[m].model, policy.module) for m in host.spec.frozen
+              if m in alg.models and shares_policy_base(alg.models[m], alg.rollout_model)}
+    return {**lora.sizes(policy.module), "copies": copies}
 
 
 def _save(host, directory: str, pids: set[int]) -> None:
