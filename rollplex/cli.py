@@ -9,7 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from rollplex.errors import Interrupted, RollplexError
+from rollplex.errors import ConfigError, Interrupted, RollplexError
 
 
 def _config_from(args, base: Path | None = None) -> "object":
@@ -45,6 +45,8 @@ def cmd_train(args) -> int:
 
         print(format_fields(), end="")
         return 0
+    args.out = _resume_dir(args.resume, args.out)
+    args.resume = bool(args.resume)
     cfg = _config_from(args)
     out = Path(args.out or f"runs/{cfg.algorithm.replace('/', '_').removesuffix('.py')}-seed{cfg.seed}")
     saved = out / "config.yaml"
@@ -58,6 +60,18 @@ def cmd_train(args) -> int:
     print(f"done: {summary.iterations} iterations, mean reward of the last 10 {summary.final_reward:.3f}, "
           f"{summary.seconds_per_iteration:.3f} s/iteration → {summary.run_dir}")
     return 0
+
+
+def _resume_dir(resume: bool | str | None, out: str | None) -> str | None:
+    """The run directory of ``--resume RUN_DIR`` or ``--resume --out RUN_DIR`` (both: the same one)."""
+    if not isinstance(resume, str):
+        return out
+    if Path(resume).is_file():  # `--resume my.yaml`: argparse took the config for the run directory
+        raise ConfigError(f"--resume {resume}: a file, not a run directory; give the config first "
+                          f"(rollplex train {resume} --resume RUN_DIR)")
+    if out is not None and Path(out).resolve() != Path(resume).resolve():
+        raise ConfigError(f"--resume {resume} and --out {out} name two run directories; give one of them")
+    return resume
 
 
 def cmd_graph(args) -> int:
@@ -132,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="data-parallel ranks, one Dask worker each (LocalCluster starts N; with --scheduler, "
                         "the cluster must have N workers); docs/distributed.md")
     t.add_argument("--dashboard", action="store_true", help="serve the Dask dashboard and print its address")
-    t.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    t.add_argument("--resume", nargs="?", const=True, default=False, metavar="RUN_DIR",
+                   help="continue the run in RUN_DIR (or --out) from its last checkpoint")
     t.add_argument("--no-progress", action="store_true", help="plain log lines, no progress bar")
     common(t)
     t.set_defaults(fn=cmd_train)
@@ -153,9 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-new-tokens", type=int, default=256)
     b.add_argument("--mean-new-tokens", type=int, default=96, help="centre of the long-tailed length spread")
     b.add_argument("--chunk-tokens", type=int, default=32)
-    b.add_argument("--iterations", type=int, default=4, help="per policy; the first is a warm-up")
-    b.add_argument("--policies", help="comma-separated, from serial-noshare,serial,rollplex (one GPU; the "
-                                      "default), rollplex-nofusion (one GPU) and disaggregated,disaggregated-noshare,"
+    b.add_argument("--iterations", type=int, default=7,
+                   help="per policy; the first is a warm-up, and a 95%% interval needs 6 timed ones")
+    b.add_argument("--policies", help="comma-separated, from plain,serial-noshare,serial,rollplex (one GPU; the "
+                                      "default, with serial#aa, serial once more: the A/A noise floor), "
+                                      "rollplex-nofusion (one GPU) and disaggregated,disaggregated-noshare,"
                                       "rollplex-dp2 (two GPUs); a rollplex policy takes options, e.g. rollplex:gate=32:sms=64 "
                                       "(gate: prefix work waits for at most that many decode rows; sms: decode's "
                                       "SMs beside compute work, 0 per chunk)")

@@ -2,7 +2,7 @@
 
 It does no warm-up, scores against their model as the reference, runs the iterations asked for
 (the embedded task's reward stop stays off, though the reward here is always above 0.9), and writes
-model folders that load alone in plain transformers; the README's recompute example, run on its
+model folders that load alone in plain transformers; docs/run-directory.md's recompute example, run on its
 rollouts, gives the logged log-probs back.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from rollplex.pipeline.run.runner import train
 from rollplex.tasks.dataset import export_synthetic
 
 ITERATIONS = 11  # one more than the reward stop's window of 10
-README = Path(__file__).resolve().parents[1] / "README.md"
+RUN_DIRECTORY_DOC = Path(__file__).resolve().parents[1] / "docs" / "run-directory.md"
 
 # Never below 0.9, never constant within a group: advantages are not all zero.
 REWARD = '''
@@ -81,9 +81,9 @@ def test_every_model_folder_loads_alone_in_transformers(run):
 
 
 def _readme_example() -> str:
-    text = README.read_text(encoding="utf-8")
+    text = RUN_DIRECTORY_DOC.read_text(encoding="utf-8")
     match = re.search(r"`tests/test_user_run.py`\s+runs this example:\n\n```python\n(.*?)```", text, re.S)
-    assert match, "README: the recompute example is gone"
+    assert match, "docs/run-directory.md: the recompute example is gone"
     return match.group(1)
 
 
@@ -94,7 +94,7 @@ def test_the_readme_recompute_example_gives_the_logged_logprobs(run, capsys):
     n = ITERATIONS - 1
     assert '"runs/my-run", 25' in code
     scope: dict = {}
-    exec(code.replace('"runs/my-run", 25', f'"{run}", {n}'), scope)  # noqa: S102 - the project's own README
+    exec(code.replace('"runs/my-run", 25', f'"{run}", {n}'), scope)  # noqa: S102 - the project's own docs
     logged = torch.tensor(scope["row"]["old_logprobs"])
     assert float((scope["logprobs"] - logged).abs().max()) <= 1e-5
     printed = float(capsys.readouterr().out.strip())

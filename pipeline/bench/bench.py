@@ -7,8 +7,11 @@ weights and optimizer state and the same prompts, so their updates can be compar
 are the medians of the iterations after a warm-up one.
 
 Policies:
-- ``serial-noshare``: today's runtimes. Phase barriers, and every response is scored and trained over
-  its full sequence (the prompt re-run G times).
+- ``plain``: the same GRPO iteration written with plain transformers/torch calls after a rollout on
+  the same decode engine (``pipeline/bench/plain.py``): the reference for "today's serial runtimes",
+  against which every ratio is also printed.
+- ``serial-noshare``: phase barriers, and every response is scored and trained over its full sequence
+  (the prompt re-run G times).
 - ``serial``: phase barriers, prefix sharing on (prefix once per prompt, G suffixes on its KV).
 - ``rollplex``: no barriers. Vision and prefix work run on the compute stream inside the decode window;
   with ``sp=1``, while both streams are busy each runs on its own green context (SM partition), and
@@ -18,6 +21,13 @@ Policies:
   decode window (rollplex-nofusion ÷ serial) and stage fusion (rollplex ÷ rollplex-nofusion).
 - ``disaggregated``, ``disaggregated-noshare`` and ``rollplex-dp2``, on two GPUs: see
   ``pipeline/bench/multi.py``.
+- ``serial#aa`` (added by default): serial once more under its own name. Its ratio to serial, with
+  its 95% interval, is the noise floor; a run whose A/A interval misses 1 does not count.
+
+The one-GPU policies take turns iteration by iteration, serial first in every round (its first update
+is the reference) and the others in an order that rotates each round; ratios are medians of the
+per-iteration pairs with a distribution-free 95% interval (``results.median_interval``), which needs
+at least 6 timed iterations (the default, after one warm-up).
 
 A rollplex policy may carry options (``rollplex:gate=32:target=0``), so variants run side by side
 against the same serial run. What is measured and reported lives in ``pipeline/bench/results.py``.
@@ -25,6 +35,7 @@ against the same serial run. What is measured and reported lives in ``pipeline/b
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import os
 import sys
@@ -64,8 +75,11 @@ class BenchConfig:
     max_new_tokens: int = 256
     mean_new_tokens: int = 96  # response lengths: a long-tailed (log-normal) spread capped at max
     chunk_tokens: int = 32
-    iterations: int = 4  # the first is a warm-up (graph capture, allocator) and is not timed
+    iterations: int = 7  # the first is a warm-up (graph capture, allocator) and is not timed: 6 timed pairs
     policies: tuple[str, ...] = POLICIES
+    # The first one-GPU policy (serial where run) once more under its own name, ``serial#aa``: its ratio
+    # to itself is the noise a ratio must clear (results.speedups).
+    aa: bool = True
     train_engine: str = "torch"
     decode_sms: int = 0  # SMs for decode while both streams are busy; 0: re-chosen per chunk from the live batch
     gate_rows: int = 0  # rollplex: prefix work waits until decode has at most this many live rows
@@ -248,8 +262,12 @@ def bench_spec(cfg: BenchConfig, policy: str):
 
 
 def compile_for(cfg: BenchConfig, policy: str, config):
-    """The scheduled iteration of a bench policy, built as a run builds it (``plan.build``)."""
+    """The scheduled iteration of a bench policy, built as a run builds it (``plan.build``); None for
+    ``plain``, which is no graph (pipeline/bench/plain.py)."""
     from rollplex.dags.grpo import grpo
+
+    if parse_policy(policy)[0] == "plain":
+        return None
     from rollplex.pipeline.compile.compiler import ModelDims
     from rollplex.pipeline.plan.build import build_iteration
 
@@ -336,7 +354,12 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
         """One host per rank: ``ranks[r]`` holds its actor, ref and decode engines; a decode engine on
         another device than the trainer's (disaggregated) gets its stream there."""
         hosts = []
-        options = parse_policy(policy)[1]
+        base, options = parse_policy(policy)
+        if base == "plain":
+            from rollplex.pipeline.bench.plain import PlainExecutor
+
+            return PlainExecutor(cfg, ranks[0]["actor"], ranks[0]["ref"], ranks[0]["decode"], bench_reward,
+                                 options.get("seq", 0))
         use_steps_per_graph(policy, [engines["decode"] for engines in ranks])
         for rank, engines in enumerate(ranks):
             home = cfg.device if rank == 0 else cfg.second_device
@@ -396,7 +419,8 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
                 torch.cuda.reset_peak_memory_stats(d)
 
     def inputs_for(graph, iteration: int) -> dict[str, Any]:
-        return graph.feed(make_prompts(cfg, config, iteration))
+        prompts = make_prompts(cfg, config, iteration)
+        return graph.feed(prompts) if graph is not None else {f"prompt_p{p}": x for p, x in enumerate(prompts)}
 
     def run_policy(policy: str, graph, extra: bench_multi.Replicas | None):
         """A generator: each ``next`` runs one iteration (the first a warm-up), the one after the last
@@ -446,7 +470,11 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
 
     # Serial first: its recorded rollout is what the others replay right after their timed runs, and
     # its update is what theirs are compared with, once, as each policy ends.
-    graphs = {policy: compile_for(cfg, policy, config) for policy in sorted(cfg.policies, key=lambda p: p != "serial")}
+    policies = list(cfg.policies)
+    one_gpu_named = [p for p in policies if parse_policy(p)[0] not in TWO_GPU_POLICIES]
+    if cfg.aa and one_gpu_named:
+        policies.append(("serial" if "serial" in policies else one_gpu_named[0]) + "#aa")
+    graphs = {policy: compile_for(cfg, policy, config) for policy in sorted(policies, key=lambda p: p != "serial")}
     repeats = same_graph_as(graphs)  # the order they meet each iteration's inputs in
     failed: dict[str, str] = {}  # policy -> why it stopped (out of memory), reported with the rest
     running: dict[str, PolicyResult] = {}  # every started policy's result so far (serial's update is the reference)
@@ -479,8 +507,16 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
     one_gpu = [p for p in graphs if parse_policy(p)[0] not in TWO_GPU_POLICIES]
     if cfg.interleave and len(one_gpu) > 1:
         turns = {policy: run_policy(policy, graphs[policy], None) for policy in one_gpu}
-        while turns:  # serial first in every round: its first iteration's update is the reference
-            for policy in [p for p, runner in turns.items() if advance(p, runner)]:
+        # Serial first in every round: its first update is the reference and its recorded rollout the
+        # one the others replay as they end. The others' order rotates by one each round, so none always
+        # follows the same policy; serial#aa, rotating with them, measures what that order is worth.
+        for round_ in itertools.count():
+            if not turns:
+                break
+            first = [p for p in turns if p == "serial"]
+            rest = [p for p in turns if p != "serial"]
+            shift = round_ % len(rest) if rest else 0
+            for policy in [p for p in first + rest[shift:] + rest[:shift] if advance(p, turns[p])]:
                 del turns[policy]
     else:
         one_gpu = []

@@ -238,19 +238,22 @@ def latest_name(run_dir: Path) -> str | None:
     return done[-1].name if done else None
 
 
-def rl_rows(path: Path) -> list[dict]:
-    """The metrics.jsonl rows of the RL iterations logged so far (a torn last line left out)."""
+def metric_rows(path: Path) -> list[dict]:
+    """Every metrics.jsonl row logged so far (a torn last line left out)."""
     if not path.exists():
         return []
     rows = []
     for line in path.read_text().splitlines():
         try:
-            row = json.loads(line)
+            rows.append(json.loads(line))
         except json.JSONDecodeError:
             continue
-        if row.get("phase") == "rl":
-            rows.append(row)
     return rows
+
+
+def rl_rows(path: Path) -> list[dict]:
+    """The metrics.jsonl rows of the RL iterations logged so far (a torn last line left out)."""
+    return [row for row in metric_rows(path) if row.get("phase") == "rl"]
 
 
 def rl_rewards(path: Path) -> list[float]:
@@ -259,7 +262,8 @@ def rl_rewards(path: Path) -> list[float]:
 
 
 def truncate_metrics(path: Path, iteration: int) -> None:
-    """Keep warm-up rows and RL rows up to ``iteration``; drop later rows and a torn last line."""
+    """Keep warm-up rows, RL rows up to ``iteration`` and validation rows up to ``iteration + 1`` (the
+    one after iteration N validates checkpoint N's policy); drop later rows and a torn last line."""
     if not path.exists():
         return
     kept = []
@@ -268,6 +272,7 @@ def truncate_metrics(path: Path, iteration: int) -> None:
             row = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if row.get("phase") == "warmup" or row.get("iteration", -1) <= iteration:
+        limit = iteration + 1 if row.get("phase") == "eval" else iteration
+        if row.get("phase") == "warmup" or row.get("iteration", -1) <= limit:
             kept.append(line)
     atomic_write_text(path, "".join(line + "\n" for line in kept))

@@ -51,6 +51,20 @@ def resolve_engines(cfg: RunConfig, device: str) -> tuple[str, str, str]:
     return decode, train, cfg.engines.score
 
 
+def check_group_size(algorithm, samples: int) -> None:
+    """Refuse G below what the advantage is defined for: a group-normalised advantage divides by
+    the std of the group's rewards, which for one response is NaN and would stop the run (exit 3)
+    at its first step. verl instead takes mean 0 and std 1 for a group of one (Â = r, REINFORCE
+    without a baseline); refusing says so up front rather than training a different algorithm."""
+    decl = algorithm.advantage_fn
+    needed = decl.options.get("min_samples", 1) if decl is not None else 1
+    if samples < needed:
+        raise ConfigError(f"rollout.samples_per_prompt: {samples} is too few for {algorithm.name}, whose advantage "
+                          f"{decl.name}() normalises within a prompt's group and needs at least {needed} samples; "
+                          f"set rollout.samples_per_prompt ≥ {needed}, or use an algorithm without group normalisation "
+                          "(rloo, ppo, reinforce_pp)")
+
+
 def resolve_device(cfg: RunConfig) -> str:
     import torch
 
@@ -168,6 +182,7 @@ class Session:
         if unknown:
             known = ", ".join(sorted(self.algorithm.hyperparameters())) or "none"
             raise RollplexError(f"params: {unknown} are not hyperparameters of {self.algorithm.name} (known: {known})")
+        check_group_size(self.algorithm, cfg.rollout.samples_per_prompt)
         self.cfg = cfg
         self.run_dir = run_dir
         self.device = resolve_device(cfg)
@@ -198,6 +213,20 @@ class Session:
                 self.decode_engine, cfg.engines.overrides.get("decode_chunk")):
             raise EngineError(f"data.path: {cfg.data.path} has video prompts, which the vllm decode engine does "
                               "not take yet; set engines.decode: hf")
+        # eval.*: the validation prompts, held to data.max_prompt_tokens (else the training prompts'
+        # length), which the decode engine is sized for too
+        self.eval_task, self.eval_prompt_tokens = None, 0
+        if cfg.eval.every or cfg.eval.before_train:
+            from rollplex.pipeline.run.evaluation import probe
+            from rollplex.tasks.dataset import make_eval_task
+
+            self.eval_prompt_tokens = max(cfg.data.max_prompt_tokens, prompt_tokens)
+            self.eval_task = make_eval_task(cfg, self.task, self.eval_prompt_tokens)
+            if getattr(self.eval_task, "has_video", False) and "vllm" in (
+                    self.decode_engine, cfg.engines.overrides.get("decode_chunk")):
+                raise EngineError(f"data.val_path: {cfg.data.val_path} has video prompts, which the vllm decode "
+                                  "engine does not take yet; set engines.decode: hf")
+            probe(self.eval_task, self.builder)
         choice = EngineChoice({"decode": self.decode_engine, "train": self.train_engine, "score": self.score_engine},
                               dict(cfg.engines.overrides))
         spec = iteration_spec(cfg, dims, prompt_tokens, vision_tokens, self.device, choice)
@@ -309,7 +338,7 @@ class Session:
                          "fusion_order": cfg.engines.weight_sharing != "off" and self.decode_engine == "vllm",
                          "freeze_vision": cfg.train.freeze_vision, "lora": cfg.train.lora,
                          **cfg.engines.train_options}
-        longest = max(256, self.shape.prompt_tokens + cfg.rollout.max_new_tokens + 64)
+        longest = max(256, max(self.shape.prompt_tokens, self.eval_prompt_tokens) + cfg.rollout.max_new_tokens + 64)
         sequences = self.shape.prompts * self.shape.samples
         # Size the decode KV pool from the batch: vLLM's CPU default reserves a share of host memory.
         kv_bytes = max(32 << 20, 2 * self.dims.kv_bytes(longest) * sequences)
@@ -327,7 +356,7 @@ class Session:
             weight_sharing=cfg.engines.weight_sharing,
             # Partitions serve work beside decode, which only the rollplex schedule runs.
             window=WindowSharing(partitions=cfg.cluster.sm_partitions and "rollplex" in self.schedules),
-            task=self.task, graphs=self.graphs)
+            task=self.task, eval_task=self.eval_task, graphs=self.graphs)
 
     @property
     def ref_cache_off(self) -> str | None:
