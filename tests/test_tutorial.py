@@ -32,7 +32,7 @@ def test_the_parser_finds_every_block():
     found = steps(DOC.read_text())
     assert [s[1] for s in found if s[0] == "write"] == ["my_grpo.py", "my_run.yaml"]
     scripts = [s[2] for s in found if s[0] == "run"]
-    assert len(scripts) == 4
+    assert len(scripts) == 5
     for needed in ("rollplex export-task", "rollplex graph", "rollplex train", "rollplex plot"):
         assert any(needed in s for s in scripts), needed
     # The engine swap is one line of config, on the train command itself.
@@ -67,3 +67,7 @@ def test_every_command_of_the_tutorial_runs(tmp_path):
     assert len((run / "eval" / "iter_000004.jsonl").read_text().splitlines()) == 8 * 2
     assert any((run / "tensorboard").glob("events.out.tfevents.*"))
     assert {p.name for p in (run / "plots").iterdir()} == {"curves.png", "time_by_kind.png", "gantt_iter_000003.png"}
+    # the LoRA run: its reference holds nothing of its own, its checkpoint the merged model and the adapter
+    assert re.search(r"^lora: rank 4, alpha 16 on \d+ layers .* ref is the base with the adapters off, on the "
+                     r"policy's weights: 0 bytes of its own", log, re.M)
+    assert "model.safetensors" in log and "adapter_model.safetensors" in log
