@@ -47,6 +47,12 @@ def test_only_the_adapters_train_and_the_sync_speaks_the_base_models_names(model
     trained = {n for n, p in engine.module.named_parameters() if p.requires_grad}
     assert trained and all(".lora_" in n for n in trained)
     assert optimized == {id(p) for n, p in engine.module.named_parameters() if n in trained}
+    # the memory preflight counts them alike, on the meta device
+    from rollplex.pipeline.run.preflight import parameter_counts
+
+    assert parameter_counts(str(model_dir), lora=LORA) == (sum(p.numel() for p in engine.module.parameters()),
+                                                           sum(p.numel() for n, p in engine.module.named_parameters()
+                                                               if n in trained))
     before = merged(engine)
     steps(engine, batch, 2)
     after = merged(engine)

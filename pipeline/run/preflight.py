@@ -73,7 +73,8 @@ def parameter_counts(model_path: str, freeze_vision: bool = True, lora: dict | N
 
         modules = dict(model.named_modules())
         layers = [modules[n] for n in target_names(model, lora["target_modules"])]
-        return total, sum(lora["rank"] * (m.in_features + m.out_features) for m in layers)
+        adapters = sum(lora["rank"] * (m.in_features + m.out_features) for m in layers)  # A and B
+        return total + adapters, adapters
     trainable = sum(p.numel() for n, p in model.named_parameters() if not freeze_vision or "visual" not in n)
     return total, trainable
 
