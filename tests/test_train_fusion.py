@@ -70,7 +70,7 @@ def _actor_and_critic():
     return alg
 
 
-@pytest.mark.parametrize("alg, kw, why", [(ppo, {}, "nodes of its own (gae_returns)"),
+@pytest.mark.parametrize("alg, kw, why", [(ppo, {}, "trains ['actor', 'critic']"),
                                           (_actor_and_critic(), {}, "trains ['actor', 'critic']"),
                                           (grpo, dict(train_fusion=False), None),
                                           (grpo, dict(stage_fusion=False), "needs stage fusion")])
@@ -207,7 +207,7 @@ def test_a_fused_run_trains_and_logs_like_any_run(tmp_path):
 
 def test_a_session_says_why_an_algorithm_cannot_train_in_the_window(tmp_path):
     cfg = load_config(None, [*OVERRIDES, "algorithm=ppo", "schedule=rollplex", "train.train_fusion=true"])
-    assert "nodes of its own (gae_returns)" in Session(cfg, tmp_path / "run").train_fusion_off
+    assert "trains ['actor', 'critic']" in Session(cfg, tmp_path / "run").train_fusion_off
     assert Session(load_config(None, [*OVERRIDES, "schedule=rollplex", "train.train_fusion=true"]),
                    tmp_path / "run2").train_fusion_off is None
 

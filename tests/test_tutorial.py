@@ -32,7 +32,7 @@ def test_the_parser_finds_every_block():
     found = steps(DOC.read_text())
     assert [s[1] for s in found if s[0] == "write"] == ["my_grpo.py", "my_run.yaml"]
     scripts = [s[2] for s in found if s[0] == "run"]
-    assert len(scripts) == 5
+    assert len(scripts) == 6
     for needed in ("rollplex export-task", "rollplex graph", "rollplex train", "rollplex plot"):
         assert any(needed in s for s in scripts), needed
     # The engine swap is one line of config, on the train command itself.
