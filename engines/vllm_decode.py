@@ -81,6 +81,10 @@ class VLLMDecodeEngine(DecodeEngine):
         kwargs.update(opts.get("vllm_kwargs", {}))
         if torch.device(ctx.device).type == "cpu":
             _rank_tokens_eagerly()
+        # vLLM adopts this process's group; one of its own would listen on every interface.
+        from rollplex.runtime import init_local_group
+
+        init_local_group(torch.device(ctx.device).type)
         self._lock = threading.Lock()
         with self._lock:
             self.llm = LLM(**kwargs)

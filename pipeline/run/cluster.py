@@ -14,6 +14,7 @@ import logging
 from collections.abc import Iterator
 
 import dask
+from distributed import Worker
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from rollplex.errors import EngineError, RollplexError
@@ -62,6 +63,14 @@ def worker_process_environ(threads: int) -> dict:
     return {"distributed.nanny.pre-spawn-environ": {"MALLOC_TRIM_THRESHOLD_": None, "OMP_NUM_THREADS": str(threads)}}
 
 
+class _InProcessWorker(Worker):
+    """A worker in the driver's process. Its HTTP server (health, metrics) would take its host from
+    the worker's address, which is inproc:// here, and so listen on every interface: loopback instead."""
+
+    def __init__(self, *args, dashboard_address=None, **kwargs) -> None:
+        super().__init__(*args, dashboard_address=dashboard_address or "127.0.0.1:0", **kwargs)
+
+
 @contextlib.contextmanager
 def connect(address: str | None, workers: int, threads: int, processes: bool = True,
             dashboard: bool = False, security=None) -> Iterator:
@@ -89,7 +98,7 @@ def connect(address: str | None, workers: int, threads: int, processes: bool = T
             resources={**{s: 1 for s in STREAMS}, **gpu},
             processes=processes,
             # Loopback only. In-process workers take the scheduler's inproc address, which refuses a host.
-            **({"host": "127.0.0.1"} if processes else {}),
+            **({"host": "127.0.0.1"} if processes else {"worker_class": _InProcessWorker}),
             # The scheduler serves HTTP (health, metrics) even without the dashboard; a random port keeps
             # two runs on one machine from fighting over 8787.
             dashboard_address="127.0.0.1:8787" if dashboard else "127.0.0.1:0",
@@ -163,6 +172,7 @@ def _join_group(spec: HostSpec, rank: int, world: int, master: str, port: int, l
     import torch
 
     from rollplex.pipeline.run.worker import install_host
+    from rollplex.runtime import init_process_group
 
     os.environ.update(MASTER_ADDR=master, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(local_rank))
@@ -170,9 +180,8 @@ def _join_group(spec: HostSpec, rank: int, world: int, master: str, port: int, l
     if device.startswith("cuda") and torch.cuda.device_count() > 1:
         device = f"cuda:{local_rank % torch.cuda.device_count()}"
         torch.cuda.set_device(device)
-    torch.distributed.init_process_group("nccl" if device.startswith("cuda") else "gloo",
-                                         init_method=f"tcp://{master}:{port}", rank=rank, world_size=world,
-                                         timeout=datetime.timedelta(seconds=RANK_TIMEOUT_S))
+    init_process_group("nccl" if device.startswith("cuda") else "gloo", master, port, rank, world,
+                       datetime.timedelta(seconds=RANK_TIMEOUT_S))
     install_host(dataclasses.replace(spec, device=device), name=f"rank{rank}")
     return os.getpid()
 
