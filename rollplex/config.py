@@ -21,13 +21,15 @@ import yaml
 from rollplex.errors import ConfigError
 
 
-def _range(lo: float | None = None, hi: float | None = None, choices: tuple | None = None, doc: str = ""):
-    return {"lo": lo, "hi": hi, "choices": choices, "doc": doc}
+def _range(lo: float | None = None, hi: float | None = None, choices: tuple | None = None, doc: str = "",
+           above: bool = False):
+    return {"lo": lo, "hi": hi, "choices": choices, "doc": doc, "above": above}
 
 
-def f(default: Any, lo=None, hi=None, choices=None, doc: str = ""):
-    """A config field with its default, allowed range or choices, and a one-line description."""
-    meta = _range(lo, hi, choices, doc)
+def f(default: Any, lo=None, hi=None, choices=None, doc: str = "", above: bool = False):
+    """A config field with its default, allowed range (``above``: strictly above ``lo``) or choices, and
+    a one-line description. Every number has both bounds: what its consumer (an engine, numpy) takes."""
+    meta = _range(lo, hi, choices, doc, above)
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -45,7 +47,7 @@ class TaskConfig:
     name: str = f("synthetic", choices=("synthetic",), doc="prompt source")
     kinds: list = f(["colour"], doc="synthetic question kinds: colour, shape, count")
     image_size: int = f(112, lo=28, hi=1024, doc="synthetic image side in pixels (multiple of 28): 16 vision tokens")
-    size: int = f(512, lo=1, doc="number of distinct synthetic items")
+    size: int = f(512, lo=1, hi=2**24, doc="number of distinct synthetic items")
     reward: str = f("exact_match", doc="reward: a registered name (exact_match, math_answer) or module:function "
                     "or path/to/file.py:function, fn(text, answer) -> float")
 
@@ -62,7 +64,7 @@ class DataConfig:
     on_bad_row: str = f("reject", choices=("skip", "reject"),
                         doc="a row with a missing/unreadable image, empty prompt or no answer: reject (exit 2, "
                         "naming file and row) or skip (logged, counted in metrics)")
-    max_prompt_tokens: int = f(0, lo=0, doc="longer prompts are bad rows; 0: the longest of the first 32 rows")
+    max_prompt_tokens: int = f(0, lo=0, hi=2**20, doc="longer prompts are bad rows; 0: the longest of the first 32 rows")
 
 
 @dataclass
@@ -72,7 +74,7 @@ class RolloutConfig:
     max_new_tokens: int = f(8, lo=1, hi=65536, doc="response length cap")
     chunk_tokens: int = f(4, lo=1, hi=65536, doc="K: tokens per decode_chunk node")
     temperature: float = f(1.0, lo=0.0, hi=10.0, doc="sampling temperature (0 = greedy)")
-    top_p: float = f(1.0, lo=0.0, hi=1.0, doc="nucleus sampling mass")
+    top_p: float = f(1.0, lo=0.0, hi=1.0, above=True, doc="nucleus sampling mass, in (0, 1]")
 
 
 @dataclass
@@ -81,9 +83,9 @@ class TrainConfig:
     betas: list = f([0.9, 0.999], doc="AdamW betas")
     eps: float = f(1e-8, lo=0.0, hi=1.0)
     weight_decay: float = f(0.0, lo=0.0, hi=1.0)
-    grad_clip: float = f(1.0, lo=0.0, doc="max gradient norm; 0 disables clipping")
-    micro_batch_groups: int = f(2, lo=1, doc="prompt groups per loss/backward node")
-    prompts_per_node: int = f(0, lo=0, doc="prompts per vit_encode/prefix/suffix_score node (one batched "
+    grad_clip: float = f(1.0, lo=0.0, hi=1e6, doc="max gradient norm; 0 disables clipping")
+    micro_batch_groups: int = f(2, lo=1, hi=65536, doc="prompt groups per loss/backward node")
+    prompts_per_node: int = f(0, lo=0, hi=65536, doc="prompts per vit_encode/prefix/suffix_score node (one batched "
                               "forward); 0 = auto: enough prompts that a node's work outweighs its dispatch")
     zero_stage: int = f(2, lo=0, hi=3, doc="DeepSpeed ZeRO stage")
     prefix_sharing: bool = f(True, doc="score the prompt prefix once per group (else full sequences)")
@@ -94,20 +96,20 @@ class TrainConfig:
                            "in the decode window, micro_batch_groups at a time, its gradient normalised at "
                            "the step (needs engines.train: "
                            "torch and a per-group algorithm; otherwise the graph trains after decode)")
-    window_chunks: int = f(0, lo=0, doc="with stage fusion and no train fusion, the decode chunks from this one "
+    window_chunks: int = f(0, lo=0, hi=65536, doc="with stage fusion and no train fusion, the decode chunks from this one "
                            "on are scored by one node after the last chunk (one forward instead of one per "
                            "chunk, for the chunks that end after the decode window); 0 = one node per chunk")
-    grad_prefix_lookahead: int = f(0, lo=0, doc="the policy's prefix forward of micro-batch m waits for the "
+    grad_prefix_lookahead: int = f(0, lo=0, hi=65536, doc="the policy's prefix forward of micro-batch m waits for the "
                                    "loss of micro-batch m - N, so at most N micro-batches of its graphs are "
                                    "held beside the one training; 0 = no bound (all may run in the decode window)")
-    ref_cache_gib: float = f(1.0, lo=0.0, doc="host memory for frozen models' prefixes, reused across "
+    ref_cache_gib: float = f(1.0, lo=0.0, hi=2**20, doc="host memory for frozen models' prefixes, reused across "
                              "epochs (0 disables)")
 
 
 @dataclass
 class WarmupConfig:
-    steps: int = f(40, lo=0, doc="supervised answer-format steps before RL (0 disables)")
-    batch_size: int = f(32, lo=1)
+    steps: int = f(40, lo=0, hi=10**9, doc="supervised answer-format steps before RL (0 disables)")
+    batch_size: int = f(32, lo=1, hi=65536)
     lr: float = f(2e-3, lo=0.0, hi=1.0)
 
 
@@ -142,7 +144,7 @@ class ClusterConfig:
                           "iteration (one task per iteration on its worker, whose streams run the nodes); auto: "
                           "iteration with one worker, nodes with data-parallel ranks")
     dashboard: bool = f(False, doc="serve the Dask dashboard")
-    memory_budget_gib: float | None = f(None, lo=0.0, doc="memory per device the engines may hold; checked "
+    memory_budget_gib: float | None = f(None, lo=0.0, hi=2**20, doc="memory per device the engines may hold; checked "
                                         "before they start (null: no check)")
     sm_partitions: bool = f(False, doc="rollplex schedule on CUDA: while decode and compute-stream work run "
                             "together each gets its own SMs (green contexts), the split re-chosen per decode "
@@ -160,8 +162,8 @@ class ClusterConfig:
 
 @dataclass
 class CheckpointConfig:
-    every: int = f(25, lo=0, doc="iterations between checkpoints (0: only the last)")
-    keep_last: int = f(2, lo=1, doc="checkpoints kept besides the best")
+    every: int = f(25, lo=0, hi=10**9, doc="iterations between checkpoints (0: only the last)")
+    keep_last: int = f(2, lo=1, hi=10**6, doc="checkpoints kept besides the best")
 
 
 @dataclass
@@ -203,6 +205,66 @@ class _Dumper(yaml.SafeDumper):
 _EXP_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9]+$")
 for _cls in (_Loader, _Dumper):
     _cls.add_implicit_resolver("tag:yaml.org,2002:float", _EXP_FLOAT, list("-+0123456789."))
+
+# Plain scalars that YAML 1.1 (PyYAML) and YAML 1.2 read as different values: yes/no/on/off (a bool or
+# a string), 010 (8 or 10), 0o10 (a string or 8), 0b10 (2 or a string), 1:30 (90 or a string).
+_AMBIGUOUS = re.compile(r"""^(?:yes|Yes|YES|no|No|NO|on|On|ON|off|Off|OFF
+    |[-+]?0[0-7_]+|[-+]?0o[0-7_]+|[-+]?0b[01_]+|[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?)$""", re.X)
+_AMBIGUOUS_TAG = "tag:rollplex,2026:ambiguous"
+
+
+class AmbiguousYAML(yaml.MarkedYAMLError):
+    """A YAML text that two readers (or YAML 1.1 and 1.2) would take to mean different things."""
+
+
+def _resolve(self, kind, value, implicit):
+    if kind is yaml.ScalarNode and implicit[0] and _AMBIGUOUS.match(value):
+        return _AMBIGUOUS_TAG
+    return yaml.SafeLoader.resolve(self, kind, value, implicit)
+
+
+def _refuse_ambiguous(loader, node):
+    value = node.value
+    v11 = yaml.load(value, Loader=yaml.SafeLoader)
+    digits = value.replace("_", "")
+    if re.fullmatch(r"[-+]?0[0-7]+", digits):
+        v12 = int(digits, 10)
+    elif re.fullmatch(r"[-+]?0o[0-7]+", digits):
+        v12 = int(digits.replace("0o", ""), 8)
+    else:
+        v12 = value
+    if v11 == v12:  # e.g. 00: zero either way
+        return v11
+
+    def shown(v):
+        return f"the string {v!r}" if isinstance(v, str) else str(v).lower()
+    raise AmbiguousYAML(None, None, f"{value} is {shown(v11)} in YAML 1.1 and {shown(v12)} in YAML 1.2; write "
+                        "the one you mean (a string in quotes)", node.start_mark)
+
+
+def _construct_mapping(self, node, deep=False):
+    """A key twice in one mapping: YAML keeps the last silently, so one of the two is not what runs."""
+    if isinstance(node, yaml.MappingNode):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
+            try:
+                first = seen.get(key)
+            except TypeError:  # an unhashable key: SafeConstructor names it
+                continue
+            if first is not None:
+                raise AmbiguousYAML(None, None, f"key {key!r} appears twice in one mapping (lines {first} and "
+                                    f"{line}); YAML would keep the last silently", key_node.start_mark)
+            seen[key] = line
+    return yaml.SafeLoader.construct_mapping(self, node, deep)
+
+
+_Loader.resolve = _resolve
+_Dumper.add_implicit_resolver(_AMBIGUOUS_TAG, _AMBIGUOUS, list("-+0123456789yYnNoO"))  # such strings go quoted
+_Loader.construct_mapping = _construct_mapping
+_Loader.add_constructor(_AMBIGUOUS_TAG, _refuse_ambiguous)
 
 
 def _suggest(name: str, known: list[str]) -> str:
@@ -281,6 +343,8 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
             shown = ", ".join(str(c).lower() if isinstance(c, bool) else str(c) for c in meta["choices"])
             raise ConfigError(f"{path}: {value!r} is not one of {shown}")
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if meta.get("above") and value <= meta["lo"]:
+                raise ConfigError(f"{path}: {value} is not above {meta['lo']}")
             if meta.get("lo") is not None and value < meta["lo"]:
                 raise ConfigError(f"{path}: {value} is below the minimum {meta['lo']}")
             if meta.get("hi") is not None and value > meta["hi"]:
@@ -297,6 +361,8 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
         raise ConfigError(f"--set {item!r}: empty key")
     try:
         value = yaml.load(raw, Loader=_Loader) if raw.strip() else ""
+    except AmbiguousYAML as exc:
+        raise ConfigError(f"--set {item!r}: {exc.problem}") from None
     except (yaml.YAMLError, ValueError, RecursionError):  # ValueError: e.g. 2001-13-01 looks like a date
         value = raw
     return key.strip().split("."), value
@@ -321,6 +387,8 @@ def read_yaml(path: str | Path) -> dict:
     p = Path(path)
     if not p.exists():
         raise ConfigError(f"config file {p} does not exist")
+    if p.is_dir():
+        raise ConfigError(f"config file {p} is a directory, not a YAML file")
     try:
         text = p.read_text(encoding="utf-8")  # dump_config's files are written as UTF-8
     except (OSError, UnicodeDecodeError) as exc:
@@ -333,7 +401,8 @@ def read_yaml(path: str | Path) -> dict:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError(f"{p}: malformed YAML{where}: {problem}") from None
+        what = "ambiguous" if isinstance(exc, AmbiguousYAML) else "malformed"
+        raise ConfigError(f"{p}: {what} YAML{where}: {problem}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -364,6 +433,8 @@ def validate(cfg: RunConfig) -> None:
     if cfg.data.path is None and cfg.rollout.prompts_per_iteration > cfg.task.size:
         raise ConfigError(f"rollout.prompts_per_iteration: {cfg.rollout.prompts_per_iteration} exceeds task.size "
                           f"({cfg.task.size}): the dataset holds fewer prompts than one iteration needs")
+    if cfg.cluster.scheduler is not None:
+        _validate_address(cfg.cluster.scheduler)
     _validate_tls(cfg.cluster)
     if cfg.cluster.lowering == "iteration" and cfg.cluster.workers > 1:
         raise ConfigError(f"cluster.lowering: 'iteration' runs a whole iteration on one worker; with "
@@ -372,6 +443,21 @@ def validate(cfg: RunConfig) -> None:
     if cfg.rollout.chunk_tokens > cfg.rollout.max_new_tokens:
         raise ConfigError(f"rollout.chunk_tokens: {cfg.rollout.chunk_tokens} exceeds rollout.max_new_tokens "
                           f"({cfg.rollout.max_new_tokens})")
+
+
+_ADDRESS = re.compile(r"(?:(?P<scheme>[a-z0-9]+)://)?(?P<host>\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):(?P<port>[0-9]+)")
+
+
+def _validate_address(address: str) -> None:
+    """A scheduler address as Dask takes it: [tcp:// or tls://]HOST:PORT."""
+    m = _ADDRESS.fullmatch(address)
+    if m is None:
+        raise ConfigError(f"cluster.scheduler: {address!r} is not a Dask address; expected tcp://HOST:PORT "
+                          "(or tls://HOST:PORT)")
+    if m["scheme"] not in (None, "tcp", "tls"):
+        raise ConfigError(f"cluster.scheduler: {address!r}: protocol {m['scheme']!r} is not one of tcp, tls")
+    if not 1 <= int(m["port"]) <= 65535:
+        raise ConfigError(f"cluster.scheduler: {address!r}: port {int(m['port'])} is not in 1..65535")
 
 
 def _validate_tls(c: ClusterConfig) -> None:
@@ -385,8 +471,10 @@ def _validate_tls(c: ClusterConfig) -> None:
     if missing:
         raise ConfigError(f"{', '.join(missing)}: TLS needs all of cluster.tls_ca_file, tls_cert and tls_key")
     for name, value in given.items():
-        if not Path(value).is_file():
+        if not Path(value).exists():
             raise ConfigError(f"cluster.{name}: {value} does not exist")
+        if not Path(value).is_file():
+            raise ConfigError(f"cluster.{name}: {value} is not a file (a PEM file is expected)")
     if not (c.scheduler or "").startswith("tls://"):
         raise ConfigError(f"cluster.scheduler: TLS options need a tls://HOST:PORT scheduler address, got "
                           f"{c.scheduler!r} (a LocalCluster stays on loopback and needs no TLS)")
