@@ -9,7 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from rollplex.errors import Interrupted, RollplexError
+from rollplex.errors import ConfigError, Interrupted, RollplexError
 
 
 def _config_from(args, base: Path | None = None) -> "object":
@@ -31,7 +31,7 @@ def _config_from(args, base: Path | None = None) -> "object":
         overrides.append(f"cluster.workers={args.workers}")
     if getattr(args, "dashboard", False):
         overrides.append("cluster.dashboard=true")
-    cfg = load_config(config_path, overrides)
+    cfg = load_config(config_path, overrides, checksummed=base is not None and config_path == base)
     if dag_file is not None:
         cfg.algorithm = dag_file  # a path, taken as is (not through YAML)
     return cfg
@@ -43,8 +43,11 @@ def cmd_train(args) -> int:
     cfg = _config_from(args)
     out = Path(args.out or f"runs/{cfg.algorithm.replace('/', '_').removesuffix('.py')}-seed{cfg.seed}")
     saved = out / "config.yaml"
-    if args.resume and saved.is_file() and not (args.config or "").endswith((".yaml", ".yml")):
-        cfg = _config_from(args, base=saved)  # continue the run as configured; flags and --set still apply
+    if args.resume and not (args.config or "").endswith((".yaml", ".yml")):
+        if saved.is_file():
+            cfg = _config_from(args, base=saved)  # continue the run as configured; flags and --set still apply
+        elif (out / "checkpoints").is_dir():
+            raise ConfigError(f"--resume: {saved} is missing; give the run's config file as the first argument")
     request_cuda_allocator(cfg.cluster.cuda_allocator)  # before torch loads, here and in the workers
 
     from rollplex.pipeline.run.runner import train

@@ -383,7 +383,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
-def read_yaml(path: str | Path) -> dict:
+def read_yaml(path: str | Path, checksummed: bool = False) -> dict:
     p = Path(path)
     if not p.exists():
         raise ConfigError(f"config file {p} does not exist")
@@ -393,6 +393,11 @@ def read_yaml(path: str | Path) -> dict:
         text = p.read_text(encoding="utf-8")  # dump_config's files are written as UTF-8
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"config file {p} cannot be read: {exc}") from None
+    if checksummed:
+        header, _, body = text.partition("\n")
+        if header != _checksum_header(body):
+            raise ConfigError(f"{p} fails its checksum: it was edited or damaged since the run wrote it; restore "
+                              "it, or give the run's config file as the first argument")
     try:
         data = yaml.load(text, Loader=_Loader)
     except (ValueError, RecursionError) as exc:  # a constructor failed, e.g. the date 2001-13-01
@@ -410,8 +415,11 @@ def read_yaml(path: str | Path) -> dict:
     return data
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    data = read_yaml(path) if path is not None else {}
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                checksummed: bool = False) -> RunConfig:
+    """``checksummed``: ``path`` is a run's config.yaml (``run_config_text``), refused unless its
+    checksum holds."""
+    data = read_yaml(path, checksummed) if path is not None else {}
     data = apply_overrides(data, list(overrides or []))
     cfg = _build(RunConfig, data, "")
     validate(cfg)
@@ -482,6 +490,46 @@ def _validate_tls(c: ClusterConfig) -> None:
 
 def dump_config(cfg: RunConfig) -> str:
     return yaml.dump(cfg.to_dict(), Dumper=_Dumper, sort_keys=False)
+
+
+def _checksum_header(body: str) -> str:
+    import hashlib
+
+    return f"# rollplex run config; sha256 of the lines below: {hashlib.sha256(body.encode()).hexdigest()}"
+
+
+def run_config_text(cfg: RunConfig) -> str:
+    """A run directory's config.yaml: the resolved config under a checksum line, which a resume
+    verifies before it reads the rest (``load_config(..., checksummed=True)``)."""
+    body = dump_config(cfg)
+    return f"{_checksum_header(body)}\n{body}"
+
+
+# Fields a resume may change: how long a run goes on, how often it checkpoints, and how it reaches its
+# cluster; none enters what an iteration computes. Every other field defines the run, and a resume
+# refuses a change to it by name (a new learning rate would be recorded while the optimizer kept the
+# old one; a new batch size would change the batch mid-run).
+MAY_CHANGE_ON_RESUME = frozenset({
+    "iterations", "stop_at_reward", "checkpoint.every", "checkpoint.keep_last", "cluster.scheduler",
+    "cluster.dashboard", "cluster.tls_ca_file", "cluster.tls_cert", "cluster.tls_key", "cluster.processes",
+    "cluster.cuda_allocator", "cluster.memory_budget_gib",
+})
+
+
+def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted paths to leaves (a dict field's own keys too: params.kl_coef); an empty dict adds none."""
+    if not isinstance(data, dict):
+        return {prefix.rstrip("."): data}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        out.update(_flat(value, f"{prefix}{key}."))
+    return out
+
+
+def config_changes(before: dict, after: dict) -> dict[str, tuple[Any, Any]]:
+    """{field: (before, after)} of the fields whose values differ between two ``to_dict()`` configs."""
+    a, b = _flat(before), _flat(after)
+    return {k: (a.get(k), b.get(k)) for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)}
 
 
 def describe_fields(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, str, str]]:

@@ -74,7 +74,27 @@ def _corrupt(rel: str, how: str):
             manifest = target.parent / "manifest.json"
             m = json.loads(manifest.read_text())
             m["files"][rel] = {"sha256": hashlib.sha256(EVIL_PICKLE).hexdigest(), "bytes": len(EVIL_PICKLE)}
+            m["sha256"] = hashlib.sha256(json.dumps(m["files"], sort_keys=True).encode()).hexdigest()
             manifest.write_text(json.dumps(m))
+    return prepare
+
+
+def _damage(rel: str | None, how: str = "flip"):
+    """A copy of the finished run with ``rel`` (a path in it) flipped in one byte, removed or edited
+    (None: a plain copy)."""
+    def prepare(cwd: Path, finished: Path) -> None:
+        shutil.copytree(finished, cwd / "run")
+        target = cwd / "run" / (rel or "")
+        if rel is None:
+            return
+        if how == "remove":
+            target.unlink()
+        elif how == "lr":  # an edit a person might make; YAML still parses
+            target.write_text(target.read_text().replace("lr: 0.001", "lr: 0.002"))
+        else:
+            data = bytearray(target.read_bytes())
+            data[len(data) // 2] ^= 0x01
+            target.write_bytes(bytes(data))
     return prepare
 
 
@@ -128,6 +148,20 @@ CASES = {
     "truncated checkpoint": Case(RESUME, ("optimizer.pt", "truncated"), {"run": _corrupt("optimizer.pt", "truncate")}),
     "checkpoint with a foreign pickle": Case(RESUME, ("rng.pt cannot be read", "UnpicklingError"),
                                              {"run": _corrupt("rng.pt", "pickle")}),
+    "checkpoint without its manifest": Case(RESUME, ("iter_000005 has no manifest.json", "resume from iter_000004"),
+                                            {"run": _damage("checkpoints/iter_000005/manifest.json", "remove")}),
+    "corrupt reference": Case(RESUME, ("reference model", "model.safetensors fails its checksum"),
+                              {"run": _damage("reference/model.safetensors")}),
+    "reference without its manifest": Case(RESUME, ("reference model", "has no manifest.json"),
+                                           {"run": _damage("reference/manifest.json", "remove")}),
+    "edited config.yaml": Case(RESUME, ("run/config.yaml fails its checksum",), {"run": _damage("config.yaml", "lr")}),
+    "missing config.yaml": Case(RESUME, ("run/config.yaml is missing",), {"run": _damage("config.yaml", "remove")}),
+    "metrics.jsonl rewritten": Case(RESUME, ("metrics.jsonl", "up to iter_000005"), {"run": _damage("metrics.jsonl")}),
+    "resume with a new learning rate": Case((*RESUME, "--set", "train.lr=0.1"),
+                                            ("--resume: train.lr (0.001 → 0.1)", "start a new run"),
+                                            {"run": _damage(None)}),
+    "resume with a new group size": Case((*RESUME, "--set", "rollout.samples_per_prompt=4"),
+                                         ("rollout.samples_per_prompt (2 → 4)",), {"run": _damage(None)}),
     "image of a wrong type": Case((*TRAIN, *HF_TORCH), ("prompt syn-000000 image 0", "got str"),
                                   setup=BAD_IMAGE.format(image="'cat.png'")),
     "image of a wrong shape": Case((*TRAIN, *HF_TORCH), ("prompt syn-000000", "uint8 HxWx3", "(56, 56)"),
@@ -178,6 +212,33 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(case, cli, tmp_path, r
         assert name in lines[0], f"{name!r} not in: {lines[0]}"
     assert result.changed == [], f"bad input changed {result.changed}"
     assert not (cwd / "pwned").exists()
+
+
+def read_on_resume(run: Path) -> list[str]:
+    """Every file of a run directory that `rollplex train --resume` reads: the newest checkpoint's,
+    the state.json (and manifest) of the older ones (retention), the reference, config.yaml and the
+    metrics it keeps. Rollouts, traces and graph.txt are written, never read."""
+    *older, newest = sorted((run / "checkpoints").glob("iter_*"))
+    files = [p for p in newest.rglob("*") if p.is_file()] + [p for p in (run / "reference").rglob("*") if p.is_file()]
+    files += [d / name for d in older for name in ("state.json", "manifest.json")]
+    return sorted(p.relative_to(run).as_posix() for p in files + [run / "config.yaml", run / "metrics.jsonl"])
+
+
+def test_a_flipped_byte_in_any_file_a_resume_reads_is_refused_naming_it(cli, finished_run, tmp_path):
+    files = read_on_resume(finished_run)
+    assert len(files) >= 20 and "reference/model.safetensors" in files, files
+    wrong = []
+    for i, rel in enumerate(files):
+        cwd = tmp_path / f"case{i}"
+        cwd.mkdir()
+        _damage(rel)(cwd, finished_run)
+        result = cli(cwd, list(RESUME))
+        lines = result.stderr.splitlines()
+        named = rel if rel in ("config.yaml", "metrics.jsonl") else Path(rel).name
+        if not (result.rc == 2 and len(lines) == 1 and lines[0].startswith("rollplex: error: ")
+                and named in lines[0] and result.changed == []):
+            wrong.append((rel, result.rc, result.stderr[-300:], result.changed[:3]))
+    assert not wrong, wrong
 
 
 # -- fuzzing ------------------------------------------------------------------------------------------

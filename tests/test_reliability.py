@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 import pytest
-from reliability_harness import HF_TORCH, Launch, assert_intact, metric_rows, worker_start_environment
+from reliability_harness import HF_TORCH, Launch, assert_intact, metric_rows, run_to_end, worker_start_environment
 
 from rollplex.errors import CheckpointError, ConfigError, RollplexError
 from rollplex.pipeline.run import checkpoints
@@ -31,8 +31,8 @@ def nan_runs(tmp_path_factory) -> dict[str, tuple[Path, Launch]]:
     root = tmp_path_factory.mktemp("nan")
     out: dict[str, tuple[Path, Launch]] = {}
     for where in ("loss", "grad"):
-        launch = Launch(root / where, [*HF_TORCH, *ONE_MICRO_BATCH, "--set", f"params.nan_at={NAN_AT}",
-                                       "--set", f"params.nan_in={where}"])
+        launch = Launch(root / where, [*HF_TORCH, *ONE_MICRO_BATCH],
+                        env={"ROLLPLEX_TEST_NAN_AT": str(NAN_AT), "ROLLPLEX_TEST_NAN_IN": where})
         launch.finish()
         out[where] = (root / where, launch)
     return out
@@ -56,11 +56,26 @@ def test_nan_stops_the_iteration_before_its_update_and_keeps_the_last_checkpoint
 
 def test_resume_after_a_nan_continues_from_the_last_good_checkpoint(nan_runs):
     run_dir, _ = nan_runs["loss"]
-    launch = Launch(run_dir, [*HF_TORCH, *ONE_MICRO_BATCH, "--set", "params.nan_at=-1"])
+    launch = Launch(run_dir, [*HF_TORCH, *ONE_MICRO_BATCH])
     assert launch.finish() == 0, launch.log()
     assert any(line.startswith(f"it    {NAN_AT} ") for line in launch.lines), launch.log()
     rl = [r["iteration"] for r in metric_rows(run_dir) if r["phase"] == "rl"]
     assert rl == list(range(6))
+
+
+def test_a_resume_may_run_longer_and_the_change_is_recorded_where_it_took_effect(tmp_path):
+    """iterations may change on --resume (it defines how long, not what, the run computes); the row of
+    the first iteration run under the new value says so, and config.yaml holds it, checksummed."""
+    from rollplex.config import load_config
+
+    run_dir = tmp_path / "run"
+    run_to_end(run_dir, HF_TORCH)
+    launch = run_to_end(run_dir, [*HF_TORCH, "--iterations", "8"])
+    rl = [r for r in metric_rows(run_dir) if r["phase"] == "rl"]
+    assert [r["iteration"] for r in rl] == list(range(8))
+    assert [(r["iteration"], r["config_changed"]) for r in rl if "config_changed" in r] == [(6, {"iterations": [6, 8]})]
+    assert "--resume: iterations 6 → 8 from iteration 6 (recorded in metrics.jsonl)" in launch.lines, launch.log()
+    assert load_config(run_dir / "config.yaml", checksummed=True).iterations == 8
 
 
 # -- security defaults ---------------------------------------------------------------------------

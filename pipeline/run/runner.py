@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rollplex.config import RunConfig, dump_config
-from rollplex.errors import Interrupted, NodeFailure, NonFiniteError, RollplexError, WorkerLost
+from rollplex.config import MAY_CHANGE_ON_RESUME, RunConfig, config_changes, run_config_text
+from rollplex.errors import CheckpointError, ConfigError, Interrupted, NodeFailure, NonFiniteError, RollplexError, WorkerLost
 from rollplex.pipeline.run import checkpoints
 from rollplex.pipeline.run.faults import point
 from rollplex.fsio import append_line, atomic_write_text
@@ -62,13 +62,20 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = 
     runtime.configure(threads=cfg.cluster.threads, device=resolve_device(cfg))
     run_dir = Path(run_dir)
     state = None
-    metrics_path = run_dir / "metrics.jsonl"
+    metrics_path = run_dir / checkpoints.METRICS
     if resume:
         state = checkpoints.latest(run_dir)  # verified; a corrupt one is refused here
         if state is None:  # killed before the first checkpoint: nothing to keep, start again
             log(f"--resume: {run_dir} has no complete checkpoint yet; starting the run from the beginning")
     elif metrics_path.exists():
         raise RollplexError(f"{run_dir} already holds a run; pass --resume to continue it or pick another --out")
+    changed: dict = {}
+    if state is not None:  # what else the resume reads, checked before anything starts
+        changed = resume_changes(cfg, state, log)
+        checkpoints.kept_metrics(metrics_path, state.iteration, state.metrics_sha256, state.directory.name)
+        checkpoints.verify_states(run_dir)
+        if (run_dir / checkpoints.REFERENCE).exists():
+            checkpoints.verify_reference(run_dir)
     session = Session(cfg, run_dir)
     session.loader.log = log
     for bad in getattr(session.task, "bad_rows", [])[:20]:
@@ -142,13 +149,31 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = 
         run_dir.mkdir(parents=True, exist_ok=True)
         checkpoints.clean_stale(run_dir)
         checkpoints.retain(run_dir, cfg.checkpoint.keep_last)
-        atomic_write_text(run_dir / "config.yaml", dump_config(cfg))
+        atomic_write_text(run_dir / "config.yaml", run_config_text(cfg))
         atomic_write_text(run_dir / "graph.txt", str(session.graph) + "\n")
         try:
-            return _train_loop(cfg, session, client, state, metrics_path, progress, log, t0, stop, ranks)
+            return _train_loop(cfg, session, client, state, metrics_path, progress, log, t0, stop, ranks, changed)
         finally:
             if cfg.cluster.scheduler:
                 uninstall_engines(client)
+
+
+def resume_changes(cfg: RunConfig, state, log) -> dict:
+    """The fields a resume changes ({field: (before, after)}) against the config its checkpoint
+    recorded: refused by name where they define the run (``MAY_CHANGE_ON_RESUME``), else logged."""
+    if state.config is None:
+        raise CheckpointError(f"checkpoint {state.directory} records no config (an earlier Rollplex wrote it), so a "
+                              "resume cannot check it continues the same run; start the run again")
+    changed = config_changes(state.config, cfg.to_dict())
+    defining = {k: v for k, v in changed.items() if k not in MAY_CHANGE_ON_RESUME}
+    if defining:
+        shown = ", ".join(f"{k} ({a!r} → {b!r})" for k, (a, b) in defining.items())
+        raise ConfigError(f"--resume: {shown} would change what the run computes; {state.directory.name} was "
+                          f"written with the first value{'s' * (len(defining) > 1)}; start a new run (another "
+                          "--out) to change it")
+    for k, (a, b) in changed.items():
+        log(f"--resume: {k} {a!r} → {b!r} from iteration {state.iteration + 1} (recorded in metrics.jsonl)")
+    return changed
 
 
 def dashboard_link(client) -> str:
@@ -193,10 +218,12 @@ def _start_from(cfg: RunConfig, session: Session, executor, watch, state, metric
         return 0, []
     session.loader.load_state_dict(state.loader)
     checkpoints.restore_rng(state.rng)
-    checkpoints.truncate_metrics(metrics_path, state.iteration)
-    reference = session.run_dir / "reference"
-    watch.on_each(_restore, str(state.directory),
-                  str(reference) if recovering and (reference / "config.json").exists() else None)
+    checkpoints.truncate_metrics(metrics_path, state.iteration, state.metrics_sha256, state.directory.name)
+    reference = session.run_dir / checkpoints.REFERENCE
+    reload = recovering and (reference / "config.json").exists()
+    if reload:
+        checkpoints.verify_reference(session.run_dir)
+    watch.on_each(_restore, str(state.directory), str(reference) if reload else None)
     return state.iteration + 1, checkpoints.rl_rows(metrics_path)
 
 
@@ -212,7 +239,9 @@ def _failure(exc: BaseException, where: str, run_dir: Path) -> BaseException:
 
 
 def _train_loop(cfg: RunConfig, session: Session, client, state, metrics_path: Path, progress: bool, log,
-                t0: float, stop, ranks: list[str] | None = None) -> RunSummary:
+                t0: float, stop, ranks: list[str] | None = None, changed: dict | None = None) -> RunSummary:
+    """``changed``: fields this resume changed ({field: (before, after)}), recorded in the row of the
+    first iteration run under them."""
     from tqdm import tqdm
 
     from rollplex.pipeline.run import faults
@@ -220,6 +249,7 @@ def _train_loop(cfg: RunConfig, session: Session, client, state, metrics_path: P
     from rollplex.pipeline.run.recovery import WorkerWatch, drop_tracebacks, quiet_task_errors
 
     run_dir = session.run_dir
+    changed_at = state.iteration + 1 if state else 0  # a rollback below may move ``state`` on
     executor = DaskExecutor(client, ranks, cfg.cluster.lowering, installed=session.graphs)
     watch = WorkerWatch(client)
     log(f"engines ready in {time.time() - t0:.1f}s")
@@ -251,6 +281,8 @@ def _train_loop(cfg: RunConfig, session: Session, client, state, metrics_path: P
                            "seconds_by_kind": seconds_by_kind(result.events),
                            "peak_memory_bytes": result.peak_memory_bytes, "reward_chance": session.task.chance,
                            **session.loader.metrics()}
+                if changed and iteration == changed_at:
+                    metrics["config_changed"] = {k: list(v) for k, v in changed.items()}
                 append_line(metrics_path, json.dumps(metrics, sort_keys=True))
                 point("iteration:written")
                 rewards.append(metrics["reward_mean"])
@@ -372,6 +404,7 @@ def _run_warmup(cfg: RunConfig, session: Session, executor, metrics_path: Path, 
     staging = session.run_dir / ".reference-tmp"
     shutil.rmtree(staging, ignore_errors=True)
     executor.call(_adopt_reference, str(staging))
+    checkpoints.write_manifest(staging)  # a resume verifies the reference before its frozen models load it
     shutil.rmtree(target, ignore_errors=True)
     os.replace(staging, target)
     log(f"warm-up done: loss {loss:.3f}; the reference model is now the warmed-up policy")

@@ -244,7 +244,7 @@ class Session:
             self.processor.save_pretrained(directory)
 
         return checkpoints.save(self.run_dir, iteration, write, loader=self.loader.state_dict(),
-                                keep_last=self.cfg.checkpoint.keep_last, reward=reward)
+                                keep_last=self.cfg.checkpoint.keep_last, reward=reward, config=self.cfg.to_dict())
 
     def plan_memory(self, graph, schedule_name: str):
         """Offload/prefetch nodes so one device fits ``cluster.memory_budget_gib`` (pipeline/plan/residency.py)."""
