@@ -10,6 +10,7 @@ Traps handled here (see shared/STACK.md):
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Iterable, Sequence
 
@@ -21,6 +22,7 @@ from rollplex.engines.base import (
     EngineContext,
     EngineSpec,
     FinishedSequence,
+    Option,
     register_engine,
 )
 from rollplex.engines.torch_decode import eos_token_ids
@@ -263,10 +265,23 @@ def _finished(out) -> list[FinishedSequence]:
     return sorted(done, key=lambda f: f.index)
 
 
+def _engine_args(kwargs: dict) -> str | None:
+    """vllm_kwargs go to ``LLM`` as they are: each must name one of vLLM's engine arguments."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    known = {f.name for f in dataclasses.fields(EngineArgs)}
+    unknown = sorted(str(k) for k in kwargs if k not in known)
+    return f"vLLM has no engine argument {', '.join(map(repr, unknown))}" if unknown else None
+
+
 SPEC = register_engine(EngineSpec(
     name="vllm",
     role="decode",
     factory=VLLMDecodeEngine,
     requires=("vllm",),
     description="vLLM in-process engine with precomputed image embeddings and in-place weight reload",
+    options={"max_model_len": Option(int, 1, 2**20), "max_num_seqs": Option(int, 1, 2**20),
+             "kv_cache_bytes": Option(int, 1, 2**50), "enforce_eager": Option(bool), "limit_images": Option(int, 0, 64),
+             "limit_videos": Option(int, 0, 64), "enable_prefix_caching": Option(bool),
+             "vllm_kwargs": Option(dict, check=_engine_args)},
 ))

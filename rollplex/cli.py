@@ -58,10 +58,25 @@ def cmd_train(args) -> int:
     return 0
 
 
+def _output_file(path: str, flag: str) -> None:
+    """Refuse an output path that names the wrong kind of thing, before any work."""
+    import os
+
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{flag} {path}: is a directory; give a file name")
+    if not p.parent.is_dir():
+        raise ConfigError(f"{flag} {path}: {p.parent} is not a directory")
+    if not os.access(p.parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {path}: {p.parent} is not writable (a read-only file system, or no permission)")
+
+
 def cmd_graph(args) -> int:
     from rollplex.pipeline.compile.render import render
     from rollplex.pipeline.run.session import Session
 
+    if args.out is not None:
+        _output_file(args.out, "--out")
     cfg = _config_from(args)
     session = Session(cfg, Path("."))
     if args.out is None:

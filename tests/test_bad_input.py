@@ -176,6 +176,61 @@ CASES = {
                                                 ("rollout.prompts_per_iteration (8)", "cluster.workers (3)")),
     "unservable architecture": Case((*TRAIN, "--set", "model.path=model", *HF_TORCH),
                                     ("LlamaForCausalLM", "Qwen2.5-VL"), {"model": _model(_llama)}),
+    # -- addresses and paths: the wrong kind of thing
+    "scheduler that is not an address": Case((*TRAIN, "--scheduler", "notaurl"),
+                                             ("cluster.scheduler", "'notaurl' is not a Dask address")),
+    "scheduler without a port": Case((*TRAIN, "--scheduler", "tcp://127.0.0.1"), ("cluster.scheduler", "HOST:PORT")),
+    "scheduler port out of range": Case((*TRAIN, "--scheduler", "tcp://127.0.0.1:99999"), ("port 99999",)),
+    "--out names a file": Case(("train", "--out", "f.txt"), ("--out f.txt: is a file",), {"f.txt": "x"}),
+    "--out inside a file": Case(("train", "--out", "f.txt/run"), ("f.txt is a file",), {"f.txt": "x"}),
+    "--out on a read-only file system": Case(
+        ("train", "--out", "ro/run"), ("--out ro/run: ro is not writable", "read-only"), {"ro/keep": "x"},
+        # what os.access says of a read-only mount (EROFS), whoever the user is
+        setup="import os; _access = os.access; os.access = lambda p, m, **k: False if str(p) == 'ro' else "
+              "_access(p, m, **k)"),
+    "graph --out names a directory": Case(("graph", "--out", "outdir"), ("--out outdir: is a directory",),
+                                          {"outdir/keep": "x"}),
+    "DAG path names a directory": Case((*TRAIN, "--set", "algorithm=sub/"), ("DAG file sub is a directory",),
+                                       {"sub/keep": "x"}),
+    "reward path names a directory": Case((*TRAIN, "--set", "task.reward=r.py:fn"), ("r.py is a directory",),
+                                          {"r.py/keep": "x"}),
+    "model.path names a file": Case((*TRAIN, "--set", "model.path=m"), ("model.path: m is a file",), {"m": "x"}),
+    "TLS file names a directory": Case((*TRAIN, "--scheduler", "tls://127.0.0.1:1", "--set", "cluster.tls_ca_file=t",
+                                        "--set", "cluster.tls_cert=t", "--set", "cluster.tls_key=t"),
+                                       ("cluster.tls_ca_file: t is not a file",), {"t/keep": "x"}),
+    "config file names a directory": Case(("train", "c.yaml", "--out", "run"), ("c.yaml is a directory",),
+                                          {"c.yaml/keep": "x"}),
+    # -- option dicts and hyperparameters: the engines' own ranges, unknown keys refused
+    "train option that a train field sets": Case((*TRAIN, "--set", "engines.train_options={lr: abc}"),
+                                                 ("engines.train_options.lr: set train.lr instead",)),
+    "unknown decode option": Case((*TRAIN, "--set", "engines.decode_options={nope: 1}"),
+                                  ("engines.decode_options.nope", "takes no option", "max_num_seqs")),
+    "decode option of a wrong type": Case((*TRAIN, *HF_TORCH, "--set", "engines.decode_options={max_num_seqs: many}"),
+                                          ("engines.decode_options.max_num_seqs: expected int",)),
+    "unknown vLLM engine argument": Case((*TRAIN, "--set", "engines.decode_options={vllm_kwargs: {blok_size: 32}}"),
+                                         ("engines.decode_options.vllm_kwargs", "'blok_size'")),
+    "max_model_len shorter than a sequence": Case((*TRAIN, "--set", "engines.decode_options={max_model_len: 10}"),
+                                                  ("engines.decode_options.max_model_len: 10 is shorter",)),
+    "responses past the model's positions": Case((*TRAIN, "--set", "rollout.max_new_tokens=60000",
+                                                  "--set", "rollout.chunk_tokens=60000"),
+                                                 ("rollout.max_new_tokens", "max_position_embeddings (2048)")),
+    "hyperparameter of a wrong type": Case((*TRAIN, "--set", "params.kl_coef=abc"),
+                                           ("params.kl_coef: expected float", "'abc'")),
+    "hyperparameter that is nan": Case((*TRAIN, "--set", "params.kl_coef=.nan"), ("params.kl_coef", "finite")),
+    "top_p of 0": Case((*TRAIN, "--set", "rollout.top_p=0"), ("rollout.top_p: 0.0 is not above 0.0",)),
+    "infinite gradient clip": Case((*TRAIN, "--set", "train.grad_clip=.inf"), ("train.grad_clip", "maximum")),
+    "infinite reference cache": Case((*TRAIN, "--set", "train.ref_cache_gib=.inf"), ("train.ref_cache_gib",)),
+    "a task too large to shuffle": Case((*TRAIN, "--set", "task.size=1000000000000000"), ("task.size", "maximum")),
+    "a warm-up batch too large to build": Case((*TRAIN, "--set", "warmup.batch_size=100000000000"),
+                                               ("warmup.batch_size", "maximum")),
+    # -- YAML that could mean two things
+    "a key twice": Case(("train", "c.yaml", "--out", "run"), ("c.yaml: ambiguous YAML at line 2", "'seed' appears twice"),
+                        {"c.yaml": "seed: 1\nseed: 2\n"}),
+    "yes for a bool": Case(("train", "c.yaml", "--out", "run"), ("c.yaml: ambiguous YAML", "yes is true in YAML 1.1"),
+                           {"c.yaml": "cluster:\n  processes: yes\n"}),
+    "a leading-zero number": Case(("train", "c.yaml", "--out", "run"), ("010 is 8 in YAML 1.1 and 10 in YAML 1.2",),
+                                  {"c.yaml": "seed: 010\n"}),
+    "on in --set": Case((*TRAIN, "--set", "cluster.dashboard=on"), ("--set 'cluster.dashboard=on'", "YAML 1.1")),
 }
 
 
@@ -202,6 +257,7 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(case, cli, tmp_path, r
         if callable(content):
             content(cwd, request.getfixturevalue("finished_run"))
         else:
+            (cwd / name).parent.mkdir(parents=True, exist_ok=True)
             (cwd / name).write_text(content)
     result = cli(cwd, list(case.argv), case.setup)
     assert result.rc == 2, (result.rc, result.stderr)

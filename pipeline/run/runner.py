@@ -61,6 +61,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = 
 
     runtime.configure(threads=cfg.cluster.threads, device=resolve_device(cfg))
     run_dir = Path(run_dir)
+    check_run_dir(run_dir)
     state = None
     metrics_path = run_dir / checkpoints.METRICS
     if resume:
@@ -156,6 +157,20 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = 
         finally:
             if cfg.cluster.scheduler:
                 uninstall_engines(client)
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """Refuse a run directory that cannot be one before anything starts: a file, or a place where it
+    cannot be written (a read-only file system, no permission). Creates nothing."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"--out {run_dir}: is a file, not a run directory")
+    existing = run_dir
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"--out {run_dir}: {existing} is a file, so the run directory cannot be made in it")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {run_dir}: {existing} is not writable (a read-only file system, or no permission)")
 
 
 def resume_changes(cfg: RunConfig, state, log) -> dict:

@@ -41,6 +41,11 @@ def resolve_engines(cfg: RunConfig, device: str) -> tuple[str, str, str]:
         if not spec.installed():
             raise EngineError(f"engines.{role}: engine {name!r} is not installed "
                               f"(missing {', '.join(spec.missing())})")
+    from rollplex.engines.base import check_options
+
+    check_options(get_engine(decode), cfg.engines.decode_options, "engines.decode_options")
+    check_options(get_engine(train), cfg.engines.train_options, "engines.train_options",
+                  elsewhere={k: f"train.{k}" for k in ("lr", "betas", "eps", "weight_decay", "grad_clip", "zero_stage")})
     for kind, name in cfg.engines.overrides.items():
         from rollplex.pipeline.compile.ir import get_kind
 
@@ -50,6 +55,47 @@ def resolve_engines(cfg: RunConfig, device: str) -> tuple[str, str, str]:
         except RollplexError as exc:
             raise EngineError(f"engines.overrides.{kind}: {exc}") from None
     return decode, train, cfg.engines.score
+
+
+def check_hyperparameters(algorithm, params: dict) -> None:
+    """Each of ``params`` names a hyperparameter of ``algorithm`` and has its default's type: a number
+    for a number (finite), a bool for a bool, a string for a string. A loss given ``kl_coef: abc``
+    otherwise failed inside its first node, after the engines had started."""
+    defaults = algorithm.hyperparameters()
+    unknown = sorted(set(params) - set(defaults))
+    if unknown:
+        known = ", ".join(sorted(defaults)) or "none"
+        raise ConfigError(f"params: {unknown} are not hyperparameters of {algorithm.name} (known: {known})")
+    for name, value in params.items():
+        default = defaults[name]
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if isinstance(default, bool) or default is None or isinstance(default, str):
+            fits = default is None or type(value) is type(default)
+        elif isinstance(default, (int, float)):
+            fits = number and (isinstance(default, float) or isinstance(value, int))
+        else:
+            fits = type(value) is type(default)
+        if not fits:
+            raise ConfigError(f"params.{name}: expected {type(default).__name__} like its default {default!r}, "
+                              f"got {type(value).__name__} {value!r}")
+        if number and not math.isfinite(value):
+            raise ConfigError(f"params.{name}: expected a finite number, got {value}")
+
+
+def check_sequence_length(cfg: RunConfig, hf_config, prompt_tokens: int) -> int:
+    """A prompt and its response fit the model's positions and the decode engine's max_model_len
+    (else vLLM refuses at construction and the torch engines fail mid-rollout). Returns the former."""
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    positions = int(getattr(text, "max_position_embeddings", 0) or 2**20)
+    longest = prompt_tokens + cfg.rollout.max_new_tokens
+    if longest > positions:
+        raise ConfigError(f"rollout.max_new_tokens: {cfg.rollout.max_new_tokens} new tokens after prompts of "
+                          f"{prompt_tokens} is {longest}, past the model's max_position_embeddings ({positions})")
+    asked = cfg.engines.decode_options.get("max_model_len")
+    if asked is not None and asked < longest:
+        raise ConfigError(f"engines.decode_options.max_model_len: {asked} is shorter than a prompt and its response "
+                          f"({prompt_tokens} + rollout.max_new_tokens {cfg.rollout.max_new_tokens})")
+    return positions
 
 
 def resolve_device(cfg: RunConfig) -> str:
@@ -79,6 +125,8 @@ def resolve_worker_processes(processes: bool | str, workers: int, device: str, s
 def resolve_model_path(cfg: RunConfig) -> str:
     if cfg.model.path:
         path = Path(cfg.model.path)
+        if path.is_file():
+            raise RollplexError(f"model.path: {path} is a file; expected an HF model directory")
         if not (path / "config.json").exists():
             raise RollplexError(f"model.path: {path} has no config.json (expected an HF model directory)")
         return str(path)
@@ -157,10 +205,7 @@ class Session:
         # What needs only the config and the DAG file is checked first: a typo is refused in a second
         # or two, not after transformers' imports (about 8 s on a slow 2-core host).
         self.algorithm = load_algorithm(cfg.algorithm)
-        unknown = sorted(set(cfg.params) - set(self.algorithm.hyperparameters()))
-        if unknown:
-            known = ", ".join(sorted(self.algorithm.hyperparameters())) or "none"
-            raise RollplexError(f"params: {unknown} are not hyperparameters of {self.algorithm.name} (known: {known})")
+        check_hyperparameters(self.algorithm, cfg.params)
         self.cfg = cfg
         self.run_dir = run_dir
         self.device = resolve_device(cfg)
@@ -192,6 +237,7 @@ class Session:
             raise EngineError(f"data.path: {cfg.data.path} has video prompts, which the vllm decode engine does "
                               "not take yet; set engines.decode: hf")
         shape = batch_shape(cfg, dims, prompt_tokens, vision_tokens, self.device)
+        self.max_positions = check_sequence_length(cfg, hf_config, prompt_tokens)
         if cfg.train.train_fusion and self.train_engine != "torch":
             raise ConfigError(f"train.train_fusion: the {self.train_engine} train engine cannot rescale its "
                               "accumulated gradients at the step; set engines.train: torch or train.train_fusion: false")
@@ -293,7 +339,7 @@ class Session:
                          # weight sharing with vLLM: DeepSpeed's flat buffer holds q|k|v, gate|up adjacent
                          "fusion_order": cfg.engines.weight_sharing != "off" and self.decode_engine == "vllm",
                          **cfg.engines.train_options}
-        longest = max(256, self.shape.prompt_tokens + cfg.rollout.max_new_tokens + 64)
+        longest = min(self.max_positions, max(256, self.shape.prompt_tokens + cfg.rollout.max_new_tokens + 64))
         sequences = self.shape.prompts * self.shape.samples
         # Size the decode KV pool from the batch: vLLM's CPU default reserves a share of host memory.
         kv_bytes = max(32 << 20, 2 * self.dims.kv_bytes(longest) * sequences)
