@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from rollplex.engines import vlm
+from rollplex.tasks.returns import loss_values
 from rollplex.tasks.nodes import by_prompt, count_of, group_advantages, group_rewards, join_samples, loss_metrics, \
     summed_loss, the, with_role
 
@@ -65,8 +66,7 @@ def train_handoff(ctx, node, inputs) -> dict:
                       as_: logprobs, f"old_{as_}": logprobs.detach(),
                       **{name: frozen_scores(chunks, p, mask.shape[-1]) for name, chunks in frozen.items()}}
             values = {k: v.to(engine.device) if torch.is_tensor(v) else v for k, v in values.items()}
-            result = decl.call(values, ctx.params)
-            per_token, metrics = result if isinstance(result, tuple) else (result, {})
+            per_token, metrics = loss_values(decl.fn, decl.call(values, ctx.params), values["mask"])
             contribution = summed_loss(per_token, values["mask"], agg)
             total = contribution if total is None else total + contribution
             parts.append((p, contribution.detach(), values["mask"], metrics))

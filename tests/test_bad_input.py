@@ -270,6 +270,57 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(case, cli, tmp_path, r
     assert not (cwd / "pwned").exists()
 
 
+USER_LOSS = '''\
+from rollplex import Algorithm
+
+algorithm = Algorithm("user")
+algorithm.policy("actor")
+algorithm.score("actor", as_="logprobs", grad=True)
+
+
+@algorithm.advantage(scope="group")
+def advantages(rewards):
+    return rewards - rewards.mean()
+
+
+@algorithm.loss(agg="token-mean")
+def policy_loss(logprobs, advantages):
+    return {loss}
+'''
+USER_CODE = {
+    "a loss of the wrong shape": (USER_LOSS.format(loss="-(logprobs.sum(-1) * advantages)"), [],
+                                  ("policy_loss() at user.py:13 returned a torch.float32 tensor of shape [2]",
+                                   "shaped like mask [2, 2]")),
+    "a loss that is not a tensor": (USER_LOSS.format(loss="0.5"), [], ("policy_loss() at user.py:13 returned float 0.5",)),
+    "a loss that raises": (USER_LOSS.format(loss="-(logprobs * advantages[1000])"), [],
+                           ("user.py:15 in policy_loss() raised IndexError: index 1000 is out of bounds",)),
+    "a reward that returns None": ("def bad(text, answer):\n    return None\n", ["--set", "task.reward=user.py:bad"],
+                                   ("%reward_p0 (reward): bad() at user.py:1 returned NoneType None",)),
+}
+
+
+@pytest.mark.parametrize("case", list(USER_CODE), ids=list(USER_CODE))
+def test_an_error_in_user_code_is_one_line_naming_node_file_and_line(case, cli, tmp_path):
+    """Known only once the code runs: one line naming the iteration, the node and the user's file and
+    line (exit 2), the traceback in the run directory's errors.log."""
+    from reliability_harness import TINY
+
+    source, extra, names = USER_CODE[case]
+    (tmp_path / "user.py").write_text(source)
+    dag = ["user.py"] if "Algorithm" in source else []
+    result = cli(tmp_path, ["train", *dag, "--out", "run", *TINY, *HF_TORCH, "--iterations", "1",
+                            "--set", "warmup.steps=0", *extra])
+    assert result.rc == 2, result.stderr[-2000:]
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("rollplex: error: iteration 0: %"), result.stderr[-2000:]
+    assert lines[0].endswith("(traceback in run/errors.log)") and "Traceback" not in result.stderr, lines[0]
+    for name in names:
+        assert name in lines[0], f"{name!r} not in: {lines[0]}"
+    log = (tmp_path / "run" / "errors.log").read_text()
+    said = lines[0].removeprefix("rollplex: error: ").removesuffix(" (traceback in run/errors.log)")
+    assert "Traceback (most recent call last)" in log and said in log, log
+
+
 def read_on_resume(run: Path) -> list[str]:
     """Every file of a run directory that `rollplex train --resume` reads: the newest checkpoint's,
     the state.json (and manifest) of the older ones (retention), the reference, config.yaml and the

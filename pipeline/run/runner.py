@@ -6,6 +6,7 @@ Run directory layout:
     rollouts/iter_NNNNNN.jsonl  one object per response
     traces/iter_NNNNNN.json     Chrome trace events, one track per worker and stream (Perfetto)
     checkpoints/iter_NNNNNN/    the actor in HF format + optimizer, RNG and data-loader state
+    errors.log                  the traceback of each error in the user's code (the console has one line)
 Every file is written atomically (temp file + rename); ``--resume`` continues from the last
 complete checkpoint and truncates later metric rows, so the sequence has no gaps or duplicates.
 A lost Dask worker rolls the run back to its last checkpoint and replays from there, and
@@ -22,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from rollplex.config import MAY_CHANGE_ON_RESUME, RunConfig, config_changes, run_config_text
-from rollplex.errors import CheckpointError, ConfigError, Interrupted, NodeFailure, NonFiniteError, RollplexError, WorkerLost
+from rollplex.errors import (CheckpointError, ConfigError, Interrupted, NodeFailure, NonFiniteError, RollplexError,
+                             UserCodeError, WorkerLost)
 from rollplex.pipeline.run import checkpoints
 from rollplex.pipeline.run.faults import point
 from rollplex.fsio import append_line, atomic_write_text
@@ -32,6 +34,7 @@ from rollplex.pipeline.plan.trace import chrome_trace, seconds_by_kind
 
 
 MOVING_WINDOW = 10  # iterations averaged for stop_at_reward and the summary's final reward
+ERRORS_LOG = "errors.log"  # tracebacks of errors in the user's code, which the console gets as one line
 
 
 @dataclass
@@ -243,7 +246,12 @@ def _start_from(cfg: RunConfig, session: Session, executor, watch, state, metric
 
 
 def _failure(exc: BaseException, where: str, run_dir: Path) -> BaseException:
-    """A NaN/Inf refusal becomes one line naming the iteration; anything else stays as it is."""
+    """A NaN/Inf refusal becomes one line naming the iteration, and an error in the user's code one line
+    naming the iteration, node and code, its traceback appended to errors.log; anything else stays."""
+    if isinstance(exc, UserCodeError):
+        log_path = run_dir / ERRORS_LOG
+        append_line(log_path, f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {where}: {exc}\n{exc.trace.rstrip()}")
+        return UserCodeError(f"{where}: {exc} (traceback in {log_path})")
     detail = exc.detail if isinstance(exc, NodeFailure) else ""
     if isinstance(exc, FloatingPointError) or detail.startswith("FloatingPointError"):
         done = checkpoints.latest_name(run_dir)
@@ -329,6 +337,8 @@ def _train_loop(cfg: RunConfig, session: Session, client, state, metrics_path: P
         except Exception as exc:
             lost = str(exc) if isinstance(exc, WorkerLost) else watch.lost()
             if lost is None:
+                bar.leave = False
+                bar.close()  # cleared: the error's one line is all the console keeps
                 raise _failure(exc, where, run_dir) from exc
             if stop.requested:
                 raise _interrupted(stop, run_dir, None) from None
