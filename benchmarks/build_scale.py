@@ -2,7 +2,8 @@
 
 For each P (GRPO, G samples, the 7B preset's dimensions, the default config otherwise, prompts of the
 7B workload's length, batched per node as on a GPU), both schedules as ``rollplex train`` builds them
-(``session.build_iteration``: compile, distribute, schedule; stage fusion under rollplex):
+(``plan.build.build_iteration`` of ``session.iteration_spec``: compile, distribute, schedule; stage
+fusion under rollplex):
 
 - build: compile + distribute + schedule;
 - print: ``str(graph)``, the one-line-per-node table;
@@ -66,10 +67,11 @@ def main() -> None:
     from rollplex.pipeline.plan.costs import Workload
     from rollplex.pipeline.run.executor import lower
     from rollplex.pipeline.run.local import LocalExecutor
-    from rollplex.pipeline.run.session import batch_shape, build_iteration
+    from rollplex.pipeline.plan.build import build_iteration
+    from rollplex.pipeline.run.session import iteration_spec
 
     m = load_model("qwen2.5-vl-7b")
-    dims = ModelDims(m.hidden, m.layers, m.kv_heads, m.head_dim, m.vocab, m.params, 2)
+    dims = ModelDims.of(m, 2)
     w = Workload()
     choice = EngineChoice({"decode": "torch-graph", "train": "deepspeed", "score": "transformers"})
     rows = []
@@ -78,9 +80,10 @@ def main() -> None:
     for P in args.prompts:
         cfg = load_config(None, [f"rollout.prompts_per_iteration={P}", f"rollout.samples_per_prompt={args.samples}",
                                  *args.set])
-        shape = batch_shape(cfg, dims, w.prefix_tokens, w.vision_total, "cuda")
+        spec = iteration_spec(cfg, dims, w.prefix_tokens, w.vision_total, "cuda", choice)
         for policy in args.policies:
-            build, (_, _, graph) = timed(lambda: build_iteration(grpo, shape, choice, dims, policy), args.repeat)
+            build, built = timed(lambda: build_iteration(grpo, spec.under(policy), dims), args.repeat)
+            graph = built.graph
             printing, _ = timed(lambda: str(graph), args.repeat)
             inputs = graph.feed([None] * P)
             executor = LocalExecutor(NullHost())

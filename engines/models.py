@@ -104,7 +104,7 @@ def preset_spec(name: str, corpus: tuple[str, ...], layers: int | None = None,
     ViT) with random weights and the task's own tokenizer; ``layers``/``vision_layers`` cut the depth."""
     from rollplex.engines.modelspec import load_model
 
-    m = load_model(name)
+    m = load_model(name, "--preset")
     return TinyVLMSpec(hidden_size=m.hidden, intermediate_size=m.intermediate, num_hidden_layers=layers or m.layers,
                        num_attention_heads=m.heads, num_key_value_heads=m.kv_heads,
                        vision_depth=vision_layers or m.vit_depth, vision_hidden_size=m.vit_hidden,
@@ -117,7 +117,7 @@ def write_vlm(spec: TinyVLMSpec, out_dir: Path) -> Path:
     """Build ``spec`` into ``out_dir``, which must not exist yet (atomic: temp dir + rename)."""
     out_dir = Path(out_dir)
     if out_dir.exists() or not _build_then_rename(spec, out_dir):
-        raise ConfigError(f"--out {out_dir}: exists already; name a new directory")
+        raise ConfigError(f"{out_dir}: exists already; name a new directory")
     return out_dir
 
 

@@ -103,21 +103,22 @@ PRESETS = {
 }
 
 
-def from_config(path: str | Path) -> VLMSpec:
-    """Read an HF config.json (text fields at the top or under ``text_config``)."""
+def from_config(path: str | Path, arg: str = "--model") -> VLMSpec:
+    """Read an HF config.json (text fields at the top or under ``text_config``); errors name ``arg``,
+    the flag or field that gave the path."""
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
     try:
         data = json.loads(p.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise ConfigError(f"--model {path}: no such preset ({', '.join(PRESETS)}) or config file") from None
+        raise ConfigError(f"{arg} {path}: no such preset ({', '.join(PRESETS)}) or config file") from None
     except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"--model {p}: cannot read config.json: {exc}") from None
-    return from_dict(data, p)
+        raise ConfigError(f"{arg} {p}: cannot read config.json: {exc}") from None
+    return from_dict(data, p, arg)
 
 
-def from_dict(data: dict, p: Path | str = "config.json") -> VLMSpec:
+def from_dict(data: dict, p: Path | str = "config.json", arg: str = "--model") -> VLMSpec:
     """An HF config as a dict (``config.to_dict()`` or a parsed config.json); ``p`` names it in errors."""
     p = Path(p)
     text = data.get("text_config") or data
@@ -126,7 +127,7 @@ def from_dict(data: dict, p: Path | str = "config.json") -> VLMSpec:
     def need(section: dict, key: str, where: str):
         value = section.get(key, data.get(key))
         if value is None:
-            raise ConfigError(f"--model {p}: {where}{key} is missing")
+            raise ConfigError(f"{arg} {p}: {where}{key} is missing")
         return value
 
     heads = need(text, "num_attention_heads", "")
@@ -147,13 +148,14 @@ def from_dict(data: dict, p: Path | str = "config.json") -> VLMSpec:
         tied=bool(text.get("tie_word_embeddings", data.get("tie_word_embeddings", False))), **vit)
 
 
-def load_model(name_or_path: str) -> VLMSpec:
+def load_model(name_or_path: str, arg: str = "--model") -> VLMSpec:
+    """A preset by name, or an HF config.json; errors name ``arg``, the flag that gave it."""
     key = name_or_path.lower()
     if key in PRESETS:
         return PRESETS[key]
     if not Path(name_or_path).exists():
-        raise ConfigError(f"--model {name_or_path!r}: not a preset ({', '.join(PRESETS)}) and no such file")
-    return from_config(name_or_path)
+        raise ConfigError(f"{arg} {name_or_path!r}: not a preset ({', '.join(PRESETS)}) and no such file")
+    return from_config(name_or_path, arg)
 
 
 def vision_patches(vision_tokens: int, spec: VLMSpec) -> int:

@@ -40,6 +40,11 @@ def _config_from(args, base: Path | None = None) -> "object":
 def cmd_train(args) -> int:
     from rollplex.runtime import request_cuda_allocator
 
+    if args.help_config:
+        from rollplex.config import format_fields
+
+        print(format_fields(), end="")
+        return 0
     cfg = _config_from(args)
     out = Path(args.out or f"runs/{cfg.algorithm.replace('/', '_').removesuffix('.py')}-seed{cfg.seed}")
     saved = out / "config.yaml"
@@ -132,9 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train with an RL algorithm (default: GRPO on the embedded task)")
     t.add_argument("config", nargs="?", help="a YAML config (default: the embedded defaults)")
-    t.add_argument("--schedule", choices=("serial", "rollplex", "auto"))
-    t.add_argument("--iterations", type=int)
-    t.add_argument("--seed", type=int)
+    t.add_argument("--schedule", choices=("serial", "rollplex", "auto"),
+                   help="serial: phase barriers; rollplex: vision, prefix and scoring inside the decode window; "
+                        "auto: time both first, keep the faster (the config's `schedule`)")
+    t.add_argument("--iterations", type=int, metavar="N", help="RL iterations to run (the config's `iterations`)")
+    t.add_argument("--seed", type=int, help="run seed: data order, sampling, init (the config's `seed`)")
+    t.add_argument("--help-config", action="store_true",
+                   help="print every config field with its type, default and meaning, and exit")
     t.add_argument("--out", help="run directory (default: runs/<algorithm>-seed<seed>)")
     t.add_argument("--scheduler", metavar="tcp://HOST:PORT", help="use an existing Dask cluster")
     t.add_argument("--workers", type=int, metavar="N",
@@ -162,9 +171,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-new-tokens", type=int, default=256)
     b.add_argument("--mean-new-tokens", type=int, default=96, help="centre of the long-tailed length spread")
     b.add_argument("--chunk-tokens", type=int, default=32)
-    b.add_argument("--iterations", type=int, default=4, help="per policy; the first is a warm-up")
-    b.add_argument("--policies", help="comma-separated, from serial-noshare,serial,rollplex (one GPU; the "
-                                      "default), rollplex-nofusion (one GPU) and disaggregated,disaggregated-noshare,"
+    b.add_argument("--iterations", type=int, default=7,
+                   help="per policy; the first is a warm-up, and a 95%% interval needs 6 timed ones")
+    b.add_argument("--policies", help="comma-separated, from plain,serial-noshare,serial,rollplex (one GPU; the "
+                                      "default, with serial#aa, serial once more: the A/A noise floor), "
+                                      "rollplex-nofusion (one GPU) and disaggregated,disaggregated-noshare,"
                                       "rollplex-dp2 (two GPUs); a rollplex policy takes options, e.g. rollplex:gate=32:sms=64 "
                                       "(gate: prefix work waits for at most that many decode rows; sms: decode's "
                                       "SMs beside compute work, 0 per chunk)")

@@ -54,9 +54,11 @@ class TaskConfig:
 
 @dataclass
 class DataConfig:
-    path: str | None = f(None, doc="a jsonl or parquet file of prompts (verl/EasyR1 columns); null: the "
-                         "embedded synthetic task")
-    format: str = f("auto", choices=("auto", "jsonl", "parquet"), doc="file format; auto: by suffix")
+    path: str | None = f(None, doc="a jsonl or parquet file of prompts (verl/EasyR1 columns) or a Hugging Face "
+                         "datasets folder (save_to_disk); null: the embedded synthetic task")
+    format: str = f("auto", choices=("auto", "jsonl", "parquet", "datasets"),
+                    doc="file format; auto: by suffix, datasets for a folder")
+    split: str = f("train", doc="the split to read when data.path is a DatasetDict folder")
     prompt_key: str | None = f(None, doc="prompt column; null: `prompt`, else `problem`")
     image_key: str = f("images", doc="column of image paths (relative to the file), bytes or {bytes, path}")
     video_key: str = f("videos", doc="column of videos, each a list of frames or a directory of frames")
@@ -81,8 +83,8 @@ class RolloutConfig:
 class TrainConfig:
     lr: float = f(1e-3, lo=0.0, hi=1.0, doc="AdamW learning rate")
     betas: list = f([0.9, 0.999], doc="AdamW betas")
-    eps: float = f(1e-8, lo=0.0, hi=1.0)
-    weight_decay: float = f(0.0, lo=0.0, hi=1.0)
+    eps: float = f(1e-8, lo=0.0, hi=1.0, doc="AdamW epsilon")
+    weight_decay: float = f(0.0, lo=0.0, hi=1.0, doc="AdamW decoupled weight decay")
     grad_clip: float = f(1.0, lo=0.0, hi=1e6, doc="max gradient norm; 0 disables clipping")
     micro_batch_groups: int = f(2, lo=1, hi=65536, doc="prompt groups per loss/backward node")
     prompts_per_node: int = f(0, lo=0, hi=65536, doc="prompts per vit_encode/prefix/suffix_score node (one batched "
@@ -108,9 +110,11 @@ class TrainConfig:
 
 @dataclass
 class WarmupConfig:
-    steps: int = f(40, lo=0, hi=10**9, doc="supervised answer-format steps before RL (0 disables)")
-    batch_size: int = f(32, lo=1, hi=65536)
-    lr: float = f(2e-3, lo=0.0, hi=1.0)
+    steps: int | None = f(None, lo=0, hi=10**9, doc="supervised answer-format steps toward random valid answers "
+                          "before RL, whose result becomes the reference (0 disables); null: 40 on the embedded "
+                          "task (README), 0 on data.path")
+    batch_size: int = f(32, lo=1, hi=65536, doc="warm-up examples per step")
+    lr: float = f(2e-3, lo=0.0, hi=1.0, doc="warm-up learning rate")
 
 
 @dataclass
@@ -177,8 +181,9 @@ class RunConfig:
                                                    "the faster median (each one's first iteration is not counted)")
     algorithm: str = f("grpo", doc="a dags/ name (grpo) or a path to a DAG .py file")
     params: dict = f({}, doc="algorithm hyperparameter overrides, e.g. {kl_coef: 0.0}")
-    stop_at_reward: float | None = f(0.9, lo=0.0, hi=1.0,
-                                     doc="stop once the mean reward of the last 10 iterations reaches this (null: never)")
+    stop_at_reward: float | str | None = f("auto", lo=0.0, hi=1.0,
+                                           doc="stop once the mean reward of the last 10 iterations reaches this "
+                                               "(null: never); auto: 0.9 on the embedded task, never on data.path")
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -428,6 +433,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 def validate(cfg: RunConfig) -> None:
     """Cross-field checks that a single field's range cannot express."""
+    if isinstance(cfg.stop_at_reward, str) and cfg.stop_at_reward != "auto":
+        raise ConfigError(f"stop_at_reward: expected a number in [0, 1], null or auto, got {cfg.stop_at_reward!r}")
     if cfg.task.image_size % 28:
         raise ConfigError(f"task.image_size: {cfg.task.image_size} is not a multiple of 28 "
                           "(Qwen2.5-VL merges 2×2 patches of 14 pixels)")
@@ -466,6 +473,22 @@ def _validate_address(address: str) -> None:
         raise ConfigError(f"cluster.scheduler: {address!r}: protocol {m['scheme']!r} is not one of tcp, tls")
     if not 1 <= int(m["port"]) <= 65535:
         raise ConfigError(f"cluster.scheduler: {address!r}: port {int(m['port'])} is not in 1..65535")
+
+
+# The embedded task's walk-through (README): a warm-up that teaches the answer format and a stop once
+# GRPO has solved it. A user's data and model get RL from their model for the iterations asked.
+EMBEDDED_WARMUP_STEPS = 40
+EMBEDDED_STOP_AT_REWARD = 0.9
+
+
+def resolve_task_defaults(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with ``warmup.steps: null`` and ``stop_at_reward: auto`` made concrete for its prompt source."""
+    embedded = cfg.data.path is None
+    steps = cfg.warmup.steps if cfg.warmup.steps is not None else (EMBEDDED_WARMUP_STEPS if embedded else 0)
+    stop = cfg.stop_at_reward
+    if stop == "auto":
+        stop = EMBEDDED_STOP_AT_REWARD if embedded else None
+    return dataclasses.replace(cfg, warmup=dataclasses.replace(cfg.warmup, steps=steps), stop_at_reward=stop)
 
 
 def _validate_tls(c: ClusterConfig) -> None:
@@ -532,14 +555,37 @@ def config_changes(before: dict, after: dict) -> dict[str, tuple[Any, Any]]:
     return {k: (a.get(k), b.get(k)) for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)}
 
 
-def describe_fields(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, str, str]]:
-    """(path, default, description) for every field, for `rollplex train --help-config`."""
+def _type_name(hint: Any) -> str:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " | ".join("null" if a is type(None) else _type_name(a) for a in typing.get_args(hint))
+    return getattr(hint, "__name__", str(hint))
+
+
+def describe_fields(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """(path, type, default as YAML, description) for every field, for `rollplex train --help-config`."""
     rows = []
+    hints = typing.get_type_hints(cls)
     for fl in dataclasses.fields(cls):
-        hint = typing.get_type_hints(cls)[fl.name]
+        hint = hints[fl.name]
         if dataclasses.is_dataclass(hint):
             rows += describe_fields(hint, f"{prefix}{fl.name}.")
             continue
         default = fl.default if fl.default is not dataclasses.MISSING else fl.default_factory()
-        rows.append((f"{prefix}{fl.name}", repr(default), fl.metadata.get("doc", "")))
+        shown = yaml.dump(default, Dumper=_Dumper, default_flow_style=True, width=10**6).strip().removesuffix("...")
+        kind = _type_name(hint)
+        if fl.metadata.get("choices"):
+            kind = " | ".join(str(c).lower() if isinstance(c, bool) else str(c) for c in fl.metadata["choices"])
+        elif default == "auto":  # a number or the word auto (stop_at_reward)
+            kind = kind.replace("str", "auto")
+        rows.append((f"{prefix}{fl.name}", kind, shown.strip(), fl.metadata.get("doc", "")))
     return rows
+
+
+def format_fields() -> str:
+    """Every field as `path  type  default  meaning`, one per line: what `--help-config` prints."""
+    rows = describe_fields()
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    head = ("field", "type", "default", "meaning")
+    lines = ["  ".join(c.ljust(w) for c, w in zip(head[:3], widths)) + "  " + head[3]]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3] for r in rows]
+    return "\n".join(lines) + "\n"

@@ -14,3 +14,14 @@ python -m pip install -q -e '.[cpu,test]'
 python -m pip uninstall -q -y torchaudio torchcodec 2>/dev/null || true
 # torchvision arrives as a CUDA build too; see rollplex/_compat.py for why it needs this guard.
 python -m rollplex._compat
+# tests/test_render_browser.py looks at `rollplex graph --format html` in a real browser: Debian's
+# headless Chromium (chromium-headless-shell and chromium-common: 283 MiB installed, dpkg-query) and a
+# font for it to draw text with.
+if ! command -v chromium-headless-shell >/dev/null && ! command -v chromium >/dev/null; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    { apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium-headless-shell fonts-dejavu-core; } \
+      >/dev/null || echo "setup.sh: could not install chromium-headless-shell; tests/test_render_browser.py needs it" >&2
+  else
+    echo "setup.sh: install chromium-headless-shell (apt) for tests/test_render_browser.py" >&2
+  fi
+fi

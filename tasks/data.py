@@ -240,7 +240,10 @@ def build_item(task, builder: PromptBuilder, index: int) -> PromptInputs:
     if not isinstance(task, SyntheticVisualTask):
         return task.build(builder, index)
     item = task.item(index)
-    meta = {"index": index, "kind": item.kind}
+    # The image is a pure function of these: SyntheticVisualTask(seed=, image_size=, ...).item(index).image
+    source = {"task": "synthetic", "seed": task.seed, "index": index, "kind": item.kind,
+              "image_size": task.image_size, "kinds": list(task.kinds), "size": task.size}
+    meta = {"index": index, "kind": item.kind, "images": [source]}
     return builder.build(task.prompt_id(index), item.image, item.question, item.answer, meta)
 
 

@@ -1,4 +1,5 @@
-"""Prompts from jsonl or parquet files, in the column conventions of verl/EasyR1 datasets.
+"""Prompts from jsonl or parquet files or a Hugging Face ``datasets`` folder (``save_to_disk``), in
+the column conventions of verl/EasyR1 datasets.
 
 A row holds
 - a prompt: ``prompt`` or ``problem`` (``data.prompt_key``), a string or verl's list of chat
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
     from rollplex.tasks.data import PromptBuilder
     from rollplex.engines.vlm import PromptInputs
 
-FORMATS = ("jsonl", "parquet")
+FORMATS = ("jsonl", "parquet", "datasets")
 _SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
 _FRAME_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif")
 _VIDEO_FILE_SUFFIXES = (".mp4", ".avi", ".mov", ".mkv", ".webm")
@@ -99,10 +100,16 @@ class FileDataset:
 
     def __init__(self, path: str | Path, fmt: str = "auto", prompt_key: str | None = None,
                  image_key: str = "images", video_key: str = "videos", answer_key: str = "answer",
-                 on_bad_row: str = "reject", reward: str = "exact_match", max_prompt_tokens: int = 0) -> None:
+                 on_bad_row: str = "reject", reward: str = "exact_match", max_prompt_tokens: int = 0,
+                 split: str = "train") -> None:
         self.path = Path(path)
-        if not self.path.is_file():
+        self.split = split
+        if self.path.is_dir():
+            self.path, fmt = _datasets_folder(self.path, split, fmt), "datasets"
+        elif not self.path.is_file():
             raise DataError(f"data.path: {self.path} does not exist (or is not a file)")
+        elif fmt == "datasets":
+            raise ConfigError(f"data.format: datasets reads a save_to_disk folder, but data.path {self.path} is a file")
         if fmt == "auto":
             fmt = _SUFFIXES.get(self.path.suffix.lower(), "")
             if not fmt:
@@ -119,7 +126,8 @@ class FileDataset:
         self.reward = reward
         self.max_prompt_tokens = max_prompt_tokens
         get_reward(reward)  # fail at config time, with the list of known rewards
-        self.root = self.path.resolve().parent
+        # Relative image paths: beside a file, inside a datasets folder.
+        self.root = self.path.resolve() if fmt == "datasets" else self.path.resolve().parent
         self.rows: list[FileRow] = []
         self.bad_rows: list[BadRow] = []
         self.total_rows = 0
@@ -157,6 +165,10 @@ class FileDataset:
                     yield where, ValueError(f"not valid JSON: {exc.msg} at column {exc.colno}")
                     continue
                 yield where, row
+            return
+        if self.format == "datasets":
+            for i, row in enumerate(_datasets_rows(self.path)):
+                yield f"{self.path} row {i}", row
             return
         try:
             import pyarrow.parquet as pq
@@ -268,11 +280,13 @@ class FileDataset:
         valid rows in the same order, hence the same item indices."""
         key = self.prompt_keys[0] if len(self.prompt_keys) == 1 else None
         return (FileDataset, (str(self.path.resolve()), self.format, key, self.image_key, self.video_key,
-                              self.answer_key, self.on_bad_row, self.reward, self.max_prompt_tokens))
+                              self.answer_key, self.on_bad_row, self.reward, self.max_prompt_tokens, self.split))
 
     def identity(self) -> dict:
         """What a resumed run must match: the same file (by name, size and rows) and the same keys."""
-        return {"path": str(self.path.resolve()), "bytes": self.path.stat().st_size, "rows": self.total_rows,
+        size = (sum(p.stat().st_size for p in _datasets_files(self.path)) if self.format == "datasets"
+                else self.path.stat().st_size)
+        return {"path": str(self.path.resolve()), "bytes": size, "rows": self.total_rows,
                 "valid": len(self.rows), "keys": [list(self.prompt_keys), self.image_key, self.video_key,
                                                   self.answer_key]}
 
@@ -294,7 +308,9 @@ class FileDataset:
         else:
             parts = [{"type": "image"} for _ in images] + [{"type": "video"} for _ in videos]
             parts.append({"type": "text", "text": row.text})
-        meta = {"index": index, "kind": "file", "row": row.where}
+        meta = {"index": index, "kind": "file", "row": row.where, "images": [_media_ref(r) for r in row.images]}
+        if row.videos:
+            meta["videos"] = [[_media_ref(r) for r in frames] for frames in row.videos]
         try:
             prompt = builder.encode(self.prompt_id(index), parts, images, videos, row.answer, row.text, meta)
         except DataError as exc:
@@ -303,6 +319,60 @@ class FileDataset:
             raise DataError(f"{row.where}: the prompt has {prompt.num_tokens} tokens, more than "
                             f"data.max_prompt_tokens={self.max_prompt_tokens}")
         return prompt
+
+
+def _datasets_folder(path: Path, split: str, fmt: str) -> Path:
+    """The ``save_to_disk`` folder of one split: ``path`` itself (a Dataset) or ``path/split`` (a DatasetDict)."""
+    if fmt not in ("auto", "datasets"):
+        raise ConfigError(f"data.format: {fmt} reads a file, but data.path {path} is a directory")
+    if (path / "dataset_dict.json").is_file():
+        try:
+            splits = json.loads((path / "dataset_dict.json").read_text(encoding="utf-8"))["splits"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise DataError(f"data.path: {path}/dataset_dict.json cannot be read: {exc}") from None
+        if split not in splits:
+            raise ConfigError(f"data.split: {split!r} is not a split of {path} (it has {', '.join(map(str, splits))})")
+        path = path / split
+    if not (path / "state.json").is_file():
+        raise DataError(f"data.path: {path} is a directory but not a Hugging Face datasets folder "
+                        "(save_to_disk writes state.json and data-*.arrow)")
+    return path
+
+
+def _datasets_files(folder: Path) -> list[Path]:
+    """The folder's Arrow files, in the order its state.json lists them (the dataset's row order)."""
+    try:
+        files = [folder / f["filename"] for f in json.loads((folder / "state.json").read_text(encoding="utf-8"))
+                 ["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise DataError(f"data.path: {folder}/state.json cannot be read: {exc}") from None
+    missing = [str(p) for p in files if not p.is_file()]
+    if missing:
+        raise DataError(f"data.path: {folder}/state.json lists {missing[0]}, which does not exist")
+    return files
+
+
+def _datasets_rows(folder: Path):
+    """A datasets folder's rows, read with pyarrow: its Arrow files are IPC streams, and the Image
+    feature is a {bytes, path} struct, as in parquet (the `datasets` package itself is not needed)."""
+    import pyarrow as pa
+
+    for p in _datasets_files(folder):
+        try:
+            with pa.memory_map(str(p)) as source:
+                table = pa.ipc.open_stream(source).read_all()
+        except (OSError, pa.ArrowInvalid) as exc:
+            raise DataError(f"data.path: {p} cannot be read as an Arrow stream: {exc}") from None
+        yield from table.to_pylist()
+
+
+def _media_ref(ref) -> dict:
+    """What a rollout records of one image, so it can be found again: its file, or its bytes' sha256."""
+    if isinstance(ref, bytes):
+        import hashlib
+
+        return {"sha256": hashlib.sha256(ref).hexdigest()}
+    return {"path": ref}
 
 
 def _load(ref) -> Image.Image:
@@ -318,7 +388,7 @@ def make_task(cfg):
     d = cfg.data
     if d.path:
         return FileDataset(d.path, d.format, d.prompt_key, d.image_key, d.video_key, d.answer_key,
-                           d.on_bad_row, cfg.task.reward, d.max_prompt_tokens)
+                           d.on_bad_row, cfg.task.reward, d.max_prompt_tokens, d.split)
     return SyntheticVisualTask(kinds=tuple(cfg.task.kinds), image_size=cfg.task.image_size, size=cfg.task.size,
                                seed=cfg.seed, reward=cfg.task.reward)
 
@@ -363,8 +433,8 @@ def export_synthetic(out_dir: str | Path, size: int = 64, kinds: tuple[str, ...]
     from rollplex.fsio import atomic_write_bytes, atomic_write_text
     from rollplex.tasks.data import SyntheticVisualTask
 
-    if fmt not in FORMATS:
-        raise ConfigError(f"--format: {fmt!r} is not one of {', '.join(FORMATS)}")
+    if fmt not in ("jsonl", "parquet"):
+        raise ConfigError(f"--format: {fmt!r} is not one of jsonl, parquet")
     if video_frames < 0:
         raise ConfigError(f"--video-frames: {video_frames} must be >= 0")
     task = SyntheticVisualTask(kinds=tuple(kinds), image_size=image_size, size=size, seed=seed)

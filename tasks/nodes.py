@@ -485,6 +485,10 @@ def report(ctx, node, inputs):
                 "prompt_id": prompt.prompt_id,
                 "sample": g,
                 "prompt_token_ids": prompt.input_ids.tolist(),
+                # where each image came from (a path, a sha256, or the embedded task's seed and index),
+                # so a log-prob can be recomputed without the run
+                "images": prompt.meta.get("images", []),
+                **({"videos": prompt.meta["videos"]} if prompt.meta.get("videos") else {}),
                 "response_token_ids": list(seq.token_ids),
                 "text": ctx.decode_text(seq.token_ids),
                 "answer": prompt.answer,

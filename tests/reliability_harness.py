@@ -166,7 +166,7 @@ def assert_intact(run_dir: Path) -> None:
 
     root = run_dir / "checkpoints"
     if root.exists():
-        for d in root.glob("iter_*"):
+        for d in checkpoints.final_dirs(root):
             assert (d / "manifest.json").exists(), f"{d} is under its final name without a manifest"
             checkpoints.verify(d)
     metrics = run_dir / "metrics.jsonl"
@@ -248,7 +248,7 @@ def progress(run_dir: Path) -> tuple[int, bool]:
     name = checkpoints.latest_name(run_dir)
     if name is None:
         return ITERATIONS, True
-    return ITERATIONS - (int(name.removeprefix("iter_")) + 1), False
+    return ITERATIONS - (checkpoints.iteration_of(name) + 1), False
 
 
 @dataclass

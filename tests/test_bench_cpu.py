@@ -22,7 +22,7 @@ def test_bench_runs_every_policy_and_replayed_updates_agree(tmp_path):
                           text_tokens=8, max_new_tokens=8, mean_new_tokens=4, chunk_tokens=4, iterations=2,
                           profile=("rollplex",), out=str(tmp_path)), log=lambda *a: None)
     saved = json.loads((tmp_path / "bench.json").read_text())
-    assert [r["policy"] for r in saved["results"]] == ["serial-noshare", "serial", "rollplex"]
+    assert [r["policy"] for r in saved["results"]] == ["plain", "serial-noshare", "serial", "rollplex", "serial#aa"]
     assert all(r["median_s"] > 0 and r["seconds_by_kind"]["decode_chunk"] > 0 for r in saved["results"])
     updates = {u["policy"]: u for u in out["updates"]}
     assert updates["serial"]["replayed"] == 0.0  # replaying serial's rollout reproduces its update exactly
@@ -32,10 +32,12 @@ def test_bench_runs_every_policy_and_replayed_updates_agree(tmp_path):
     # reverse order gives 1.1 on this workload.
     assert updates["rollplex"]["replayed"] <= 1e-2
     assert updates["serial-noshare"]["replayed"] <= 1e-3  # full-sequence scoring: fp32 rounding only
+    # plain transformers/torch, full sequences in one padded batch per group: the same update
+    assert updates["plain"]["replayed"] <= 1e-3 and updates["serial#aa"]["replayed"] == 0.0
     assert (tmp_path / "bench.png").exists() and not list(tmp_path.glob("trace_*"))
     trace = json.loads((tmp_path / "trace.json").read_text())  # every policy in one Perfetto trace
     names = {e["args"]["name"].split(":")[0] for e in trace["traceEvents"] if e.get("name") == "process_name"}
-    assert names == {"serial-noshare", "serial", "rollplex"}
+    assert names == {"plain", "serial-noshare", "serial", "rollplex", "serial#aa"}
     assert {e["cat"] for e in trace["traceEvents"] if e.get("ph") == "X"} >= {"decode_chunk", "prefix", "loss"}
     profiled = (tmp_path / "profile_rollplex.txt").read_text()  # operators of the stream threads, per kind
     assert "node:suffix_score" in profiled and "node:loss" in profiled
@@ -89,7 +91,7 @@ def test_a_policy_that_runs_out_of_memory_is_reported_and_the_rest_still_run(tmp
     config = resolve_model_path(load_config(None, [])) + "/config.json"
     out = run(BenchConfig(model=config, device="cpu", dtype="float32", prompts=2, samples=2, vision_tokens=16,
                           text_tokens=8, max_new_tokens=8, mean_new_tokens=4, chunk_tokens=4, iterations=2,
-                          policies=("serial", "serial:ppn=2", "rollplex"), out=str(tmp_path)), log=lambda *a: None)
+                          policies=("serial", "serial:ppn=2", "rollplex"), aa=False, out=str(tmp_path)), log=lambda *a: None)
     saved = json.loads((tmp_path / "bench.json").read_text(),  # strict JSON: no NaN where a baseline is missing
                        parse_constant=lambda name: pytest.fail(f"bench.json holds {name}"))
     assert [r["policy"] for r in saved["results"]] == ["serial", "rollplex"]
@@ -152,7 +154,7 @@ def test_bench_two_gpu_policies_on_cpu_match_serial(tmp_path):
     assert "prefix" in rows["disaggregated"]["seconds_by_kind"]
     assert updates["disaggregated-noshare"]["replayed"] <= 1e-3
     assert f"{DP2} is" in " ".join(out["speedups"]) and any(
-        line.startswith(f"{DP2} is") and line.endswith("x disaggregated-noshare") for line in out["speedups"])
+        line.startswith(f"{DP2} is") and "x disaggregated-noshare (" in line for line in out["speedups"])
     # Two ranks sum their halves' gradients instead of accumulating all micro-batches in one order,
     # and each scores its own chunks' samples (stage fusion per rank: the join of their scores runs),
     # which rounds as rollplex's per-sample scoring does (1e-2, see the first test).
@@ -280,16 +282,17 @@ def test_a_slow_iteration_does_not_pull_the_breakdown_off_the_median():
 @pytest.mark.slow
 def test_interleaved_policies_take_turns_and_compute_what_they_compute_in_a_row(tmp_path, monkeypatch):
     """Every iteration starts from the same weights, so taking turns changes no policy's rollout or
-    update: both orders give the same responses and the same update differences from serial."""
+    update: both orders give the same responses and the same update differences from serial. Taking
+    turns, serial goes first in every round and the others' order rotates by one each round."""
     from rollplex.pipeline.run.local import LocalExecutor
 
     config = resolve_model_path(load_config(None, [])) + "/config.json"
     policies = ("serial", "serial:ppn=2:mb=2", "rollplex")
-    order: list[int] = []
+    order: list[tuple[str, int]] = []
     timed = LocalExecutor.run
 
     def run_and_note(self, graph, iteration, inputs):
-        order.append(iteration)
+        order.append((self.hosts[0].name.split("/", 1)[1], iteration))
         return timed(self, graph, iteration, inputs)
 
     monkeypatch.setattr(LocalExecutor, "run", run_and_note)
@@ -300,12 +303,39 @@ def test_interleaved_policies_take_turns_and_compute_what_they_compute_in_a_row(
                                            vision_tokens=16, text_tokens=8, max_new_tokens=8, mean_new_tokens=4,
                                            chunk_tokens=4, iterations=3, policies=policies, interleave=interleave,
                                            out=str(tmp_path / str(interleave))), log=lambda *a: None)
-        # Three policies × (3 iterations + the replay of iteration 0 right after a policy's last).
-        assert order == ([0, 0, 0, 1, 1, 1, 2, 0, 2, 0, 2, 0] if interleave else [0, 1, 2, 0] * 3), interleave
+        names = [*policies, "serial#aa"]
+        if not interleave:  # each policy's 3 iterations and its replay of iteration 0, in a row
+            assert [i for _, i in order] == [0, 1, 2, 0] * 4
+            continue
+        # a round per iteration; the last one runs each policy's iteration 2 and at once its replay of 0
+        rounds = [order[0:4], order[4:8], [x for x in order[8:] if x[1] == 2]]
+        assert [{i for _, i in r} for r in rounds] == [{0}, {1}, {2}] and len(order) == 16
+        others = [[p for p, _ in r[1:]] for r in rounds]
+        assert all(r[0][0] == "serial" for r in rounds) and all(sorted(o) == sorted(names[1:]) for o in others)
+        for before, after in zip(others, others[1:]):
+            assert after == before[1:] + before[:1]  # rotated by one
     for a, b in zip(outs[True]["updates"], outs[False]["updates"]):
         assert a["policy"] == b["policy"]
         assert (a["sampled"], a["replayed"], a["identical_responses"]) == (b["sampled"], b["replayed"],
                                                                           b["identical_responses"])
+
+
+def test_a_ratio_has_its_95_percent_interval_and_the_a_a_line_says_whether_the_run_counts():
+    """The median of paired per-iteration ratios with a distribution-free interval from order
+    statistics: six pairs give [min, max] (96.9% coverage), five too few for 95%."""
+    from rollplex.pipeline.bench.results import PolicyResult, median_interval, speedups
+
+    assert median_interval([1.0, 1.2, 0.9, 1.1, 1.05, 0.95]) == (1.025, 0.9, 1.2)
+    assert median_interval([1.0, 1.2, 0.9, 1.1, 1.05]) is None
+    assert median_interval(list(range(1, 21))) == (10.5, 6, 15)  # n = 20: x(6)..x(15), 95.9%
+    base = [5.0, 5.2, 4.9, 5.1, 5.0, 5.3]
+    calm = {"serial": PolicyResult("serial", seconds=base), "rollplex": PolicyResult("rollplex", seconds=[4.0] * 6),
+            "serial#aa": PolicyResult("serial#aa", seconds=[5.05, 5.1, 5.0, 5.0, 5.1, 5.2])}
+    lines = speedups(calm)
+    assert "rollplex is 1.26x serial (95% 1.23-1.32, n=6)" in lines
+    assert any(line.startswith("A/A: serial#aa is") and "contains 1: the run counts" in line for line in lines)
+    drifting = dict(calm, **{"serial#aa": PolicyResult("serial#aa", seconds=[s * 0.9 for s in base])})
+    assert any("does not contain 1" in line for line in speedups(drifting))
 
 
 def test_a_policys_gil_and_cudnn_options_hold_while_its_iterations_run_and_the_process_keeps_its_own(
@@ -328,7 +358,7 @@ def test_a_policys_gil_and_cudnn_options_hold_while_its_iterations_run_and_the_p
     before = (sys.getswitchinterval(), torch.backends.cuda.cudnn_sdp_enabled())
     run(BenchConfig(model=config, device="cpu", dtype="float32", prompts=2, samples=2, vision_tokens=16,
                     text_tokens=8, max_new_tokens=8, mean_new_tokens=4, chunk_tokens=4, iterations=2,
-                    policies=("serial", "rollplex:gil=250:cudnn=0"), out=str(tmp_path)), log=lambda *a: None)
+                    policies=("serial", "rollplex:gil=250:cudnn=0"), aa=False, out=str(tmp_path)), log=lambda *a: None)
     by_graph: dict[int, list] = {}  # serial's and rollplex's graphs differ in size
     for nodes, settings in seen:
         by_graph.setdefault(nodes, []).append(settings)

@@ -54,7 +54,7 @@ def test_empty_files_and_sections_mean_defaults(tmp_path, text):
 
 def test_every_field_is_described():
     rows = describe_fields()
-    paths = [path for path, _, _ in rows]
+    paths = [path for path, _, _, _ in rows]
     assert len(paths) == len(set(paths))
     assert {"seed", "rollout.temperature", "engines.decode", "train.betas"} <= set(paths)
     assert all(path.count(".") <= 1 for path in paths)
@@ -279,7 +279,7 @@ def test_dump_load_round_trip(tmp_path):
     assert dump_config(back) == text
 
 
-FIELD_NAMES = sorted({part for path, _, _ in describe_fields() for part in path.split(".")})
+FIELD_NAMES = sorted({part for path, *_ in describe_fields() for part in path.split(".")})
 SAFE_FLOATS = st.floats(allow_nan=False)
 PARAM_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**63), 2**63) | SAFE_FLOATS | st.text(max_size=10),

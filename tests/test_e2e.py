@@ -132,6 +132,20 @@ def test_run_directory_has_every_artefact(runs):
         assert (final / name).exists(), name
 
 
+def test_every_model_folder_loads_alone_in_transformers(runs):
+    """The reference, the checkpoint after the warm-up and the RL checkpoints: model, tokenizer, processor."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    run_dir = runs["rollplex"]
+    folders = [run_dir / "reference", run_dir / "checkpoints" / "after_warmup",
+               *sorted((run_dir / "checkpoints").glob("iter_*"))]
+    assert len(folders) == 2 + ITERATIONS
+    for folder in folders:
+        processor = AutoProcessor.from_pretrained(folder)
+        model = AutoModelForImageTextToText.from_pretrained(folder)
+        assert processor.tokenizer.convert_tokens_to_ids("<|image_pad|>") == model.config.image_token_id
+
+
 def test_schedule_auto_alternates_keeps_the_faster_and_resumes_to_the_same_choice(runs, tmp_path):
     """schedule: auto with one counted trial each: rollplex, serial (first runs, not counted), rollplex,
     serial, then the lower of iterations 2 and 3 for good. Stopped after iteration 2 and resumed, the

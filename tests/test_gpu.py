@@ -216,10 +216,11 @@ def test_bench_on_cuda_replays_serial_rollout_under_every_policy(cuda, tiny_mode
     this runs the same path on CUDA with the tiny model (fp32), with auto partitions and train fusion."""
     late = "rollplex:wc=1:tf=0:spg=2:ppn=2:mb=2"  # late chunks scored together, 2-step graphs, batched nodes
     fused = "rollplex:ppn=2:mb=2:tf=1:sp=0"  # batched prompts trained in the window, on plain streams
-    out = _tiny_bench(tiny_model_dir, tmp_path, ("serial", "rollplex-nofusion", "rollplex", late, fused),
+    out = _tiny_bench(tiny_model_dir, tmp_path, ("plain", "serial", "rollplex-nofusion", "rollplex", late, fused),
                       train_fusion=True)
     updates = {u["policy"]: u for u in out["updates"]}
     assert updates["serial"]["replayed"] is not None, "serial's rollout was not recorded on CUDA"
+    assert updates["plain"]["replayed"] <= 1e-3 and updates["serial#aa"]["replayed"] <= 1e-4
     assert updates["rollplex-nofusion"]["replayed"] <= 1e-4 and updates["rollplex"]["replayed"] <= 1e-2
     assert updates[late]["replayed"] <= 1e-2 and updates[fused]["replayed"] <= 1e-2
     kinds = {r["policy"]: r["seconds_by_kind"] for r in out["results"]}

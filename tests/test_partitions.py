@@ -76,7 +76,7 @@ def test_the_host_rechooses_the_split_per_decode_chunk_and_compute_takes_the_com
     host._busy["decode"] = 1
     with host.on_stream("compute", keeps_graph=True) as sms:
         assert sms is None and used[-1] == "compute-whole"
-    host.grad_on_partition = True
+    host.window = dataclasses.replace(host.window, grad_on_partition=True)
     with host.on_stream("compute", keeps_graph=True) as sms:
         assert sms == 100 and used[-1] == "compute32"
 
@@ -89,9 +89,9 @@ def test_the_runtime_asks_for_partitions_under_the_rollplex_schedule_only(tmp_pa
     asked = ["cluster.sm_partitions=true"]
     specs = {s: Session(load_config(None, [f"schedule={s}", *asked]), tmp_path / s).host_spec()
              for s in ("serial", "rollplex")}
-    assert specs["rollplex"].sm_partitions is True and specs["serial"].sm_partitions is False
+    assert specs["rollplex"].window.partitions is True and specs["serial"].window.partitions is False
     default = Session(load_config(None, ["schedule=rollplex"]), tmp_path / "default")
-    assert default.host_spec().sm_partitions is False  # plain streams unless asked for
+    assert default.host_spec().window.partitions is False  # plain streams unless asked for
     # Engines given, so that none is built (a DeepSpeed engine would start a process group here).
     spec = dataclasses.replace(specs["rollplex"], ref_cache_bytes=0)
     host = WorkerHost(spec, name="cpu", engines={"actor": None, "ref": None}, decode=FakeDecode())
@@ -115,7 +115,7 @@ def test_a_partitioned_compute_node_targets_its_sms_and_the_setting_is_restored(
     assert torch._C._get_sm_carveout_experimental() is None
     with host.on_stream("decode"):  # decode replays graphs captured with their own target
         assert torch._C._get_sm_carveout_experimental() is None
-    host.sm_target = False
+    host.window = dataclasses.replace(host.window, sm_target=False)
     with host.on_stream("compute"):
         assert torch._C._get_sm_carveout_experimental() is None
 

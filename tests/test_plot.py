@@ -67,3 +67,20 @@ def test_plot_errors_name_the_directory_or_iteration(tmp_path, capsys):
         plot_run(tmp_path / "empty")
     assert main(["plot", str(run), "--out", str(tmp_path / "o")]) == 0
     assert "wrote" in capsys.readouterr().out
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == PNG
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def test_plots_keep_their_size_from_10_to_1000_iterations(tmp_path):
+    """A figure that grew with the run was 4,365 px wide after 173 iterations; each stays as it is."""
+    sizes = {}
+    for n in (10, 1000):
+        (tmp_path / str(n)).mkdir()
+        sizes[n] = {p.name.split("_iter_")[0]: _png_size(p) for p in plot_run(_run_dir(tmp_path / str(n), n))}
+    assert sizes[10] == sizes[1000]
+    for name, (w, h) in sizes[10].items():
+        assert 600 <= w <= 1300 and 300 <= h <= 900, (name, w, h)

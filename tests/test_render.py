@@ -118,7 +118,7 @@ def test_dot_labels_bytes_lifetimes_and_clusters():
     dot = R.to_dot(g)
     assert '"vit" -> "prefix" [label="vis 8.0KiB live→%decode"]' in dot  # lifetime ends at the last reader
     assert '"decode" [label="decode\\ndecode_chunk[actor]\\n@vllm · gpu0/decode\\n0.100–0.500s"' in dot
-    assert '"suffix" [label="suffix\\nsuffix_score[ref]\\n@hf · compute · prio 3"' in dot
+    assert '"suffix" [label="suffix\\nsuffix_score[ref]\\n@hf · rank0/compute · prio 3"' in dot  # placement always
     assert 'label="stream: gpu0/decode"' in dot  # placed graph: clustered by stream by default
     assert dot.count("subgraph") == len({R._where(n) for n in g})
     by_phase = R.to_dot(g, cluster="phase")
@@ -192,9 +192,16 @@ def test_html_is_self_contained_and_embeds_the_table(graph):
     assert not re.search(r"<(link|iframe|img)\b|\s(src|href)=|@import|url\((?!#)", page)
     for line in str(graph).splitlines():
         assert line.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;") in page
-    data = re.search(r'<script type="application/json" id="rp-data">(.*?)</script>', page, re.S).group(1)
-    assert json.loads(data) == json.loads(json.dumps(R.to_json(graph)))
-    assert page.count("<svg") == (2 if any(R._seconds(n) for n in graph) else 1)  # timeline only when timed
+    data = json.loads(re.search(r'<script type="application/json" id="rp-data">(.*?)</script>', page, re.S).group(1))
+    groups = data.pop("groups")
+    assert data == json.loads(json.dumps(R.to_json(graph)))
+    grouped = R.overview(graph)
+    assert set(groups) == {k for k, b in grouped.boxes.items() if b.is_group}
+    for key, facts in groups.items():
+        assert facts["members"] == list(grouped.boxes[key].members)
+    # One view with the groups, one per group expanded, one of every node; a timeline only when timed.
+    views = 2 + len(groups)
+    assert page.count("<svg") == views + (1 if any(R._seconds(n) for n in graph) else 0)
 
 
 def test_json_round_trips_and_matches_lifetimes(graph):
@@ -262,3 +269,42 @@ def test_unknown_format_names_the_allowed_ones(tmp_path):
 def test_kind_colours_are_fixed():
     assert R.kind_colour("decode_chunk") == R.KIND_COLOURS["decode_chunk"]
     assert R.kind_colour("my_plugin_kind") == R.kind_colour("my_plugin_kind") in R._SPARE_COLOURS
+
+
+def test_overview_groups_per_prompt_nodes_and_labels_edges_with_bytes_and_lifetime():
+    """8 prompts: one box per kind and model with its count; single nodes stay themselves.
+
+        vit ×8 ─▶ prefix[ref] ×8 ─▶ suffix_score[ref] ×8 ─▶ loss ×4 ─▶ optimizer_step ─▶ weight_sync ─▶ report
+    """
+    g = grpo_graph(8)
+    ov = R.overview(g)
+    titles = {b.lines[0] for b in ov.boxes.values()}
+    assert {"reward ×8", "advantage ×8", "prefix[ref] ×8", "suffix_score[ref] ×8", "loss[actor] ×4",
+            "optimizer_step", "weight_sync", "report"} <= titles
+    assert sum(len(b.members) for b in ov.boxes.values()) == len(g)
+    edge = next(e for e in ov.edges if ov.boxes[e.src].lines[0] == "prefix[ref] ×8")
+    kv = sum(g.values[v].nbytes for v in edge.values)
+    assert edge.label == f"8× {R.format_bytes(kv)} live→suffix_score[ref]"
+    # The accumulation order (loss of micro-batch m before the suffix of m+1) would close a cycle
+    # between groups: it is folded out of the grouped picture, which stays a DAG.
+    assert [e.reasons for e in ov.folded] == [("accumulation order",)]
+    assert nx.is_directed_acyclic_graph(ov.digraph())
+    # Expanded, a group's nodes are boxes of their own; ALL draws every node.
+    reward = next(k for k, b in ov.boxes.items() if b.lines[0] == "reward ×8")
+    assert len(R.overview(g, {reward}).boxes) == len(ov.boxes) + 7
+    assert set(R.overview(g, R.ALL).boxes) == set(g.nodes)
+    # Two namings of one graph give the same picture.
+    other = R.overview(renamed(g))
+    assert sorted(b.lines[0].split(" ×")[-1] for b in other.boxes.values() if b.is_group) == \
+        sorted(b.lines[0].split(" ×")[-1] for b in ov.boxes.values() if b.is_group)
+
+
+def test_edges_into_one_node_enter_it_side_by_side():
+    """weight_sync and report read many values: their edges once met in one point and tangled."""
+    svg = R.to_svg(grpo_graph(8))
+    ends: dict[str, list[float]] = {}
+    for dst, path in re.findall(r'<g class="edge" data-src="[^"]*" data-dst="([^"]*)">.*?<path d="([^"]*)"', svg, re.S):
+        ends.setdefault(dst, []).append(float(path.split()[-1].split(",")[0]))
+    assert len(ends["report"]) > 10
+    for dst, xs in ends.items():
+        assert len(set(xs)) == len(xs), dst

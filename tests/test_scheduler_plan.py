@@ -2,6 +2,8 @@
 compiled GRPO iteration. CPU only; no engines, no model weights."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import math
 
 import pytest
@@ -217,48 +219,33 @@ def test_disaggregated_keeps_rollout_and_training_on_their_own_gpus():
             assert slot.gpus == (0, 1, 2, 3)
 
 
-def test_stage_fusion_hands_finished_groups_on_early():
-    """Prompt 0's group finishes in chunk 0: its reward and suffix may start before decode ends."""
-    g = grpo_graph(prompts=2, max_new_tokens=8, chunk_tokens=4)
-    p = plan(g, hardware("h200", 2), unit_costs(g), "rollplex", release={0: 0, 1: 1})
+def test_a_stage_fused_graph_scores_a_chunks_finished_samples_while_decode_goes_on():
+    """The graph compiled with stage fusion (as the rollplex schedule runs it): the reference scores
+    what chunk 0 finished beside a long chunk 1, and the join that hands per-prompt scores on waits
+    for the last chunk's."""
+    shape = BatchShape(prompts=2, samples=2, max_new_tokens=8, chunk_tokens=4, stage_fusion=True)
+    g = compile_iteration(grpo, shape, ENGINES, DIMS)
+    costs = {**unit_costs(g), "decode_c1": NodeCost(5.0, 8)}
+    p = plan(g, hardware("h200", 2), costs, "rollplex")
     check_plan(p)
-    assert p.graph.values["responses_p0"].producer == "decode_c0"
-    assert p.slots["reward_p0"].start < p.slots["decode_c1"].finish
-    assert g.values["responses_p0"].producer == "decode_c1"  # the input graph is untouched
-
-
-def test_frozen_scoring_per_sample_starts_with_the_chunk_that_finished_each_sample():
-    """Prompt 0's two samples finish in chunks 0 and 1: its reference scoring splits in two, the first
-    part scoring sample 0 while chunk 1 decodes, and a join restores ref_logprobs_p0. Prompt 1's
-    samples both finish in chunk 1: its node stays whole."""
-    g = grpo_graph(prompts=2, max_new_tokens=8, chunk_tokens=4)
-    base = {"decode_chunk": 1.0, "prefix": 0.3, "suffix_score": 0.4, "loss": 0.5, "vit_encode": 0.1}
-    costs = lambda node, gang: NodeCost(base.get(node.kind, 0.01), 8 if node.kind == "decode_chunk" else 0)  # noqa: E731
-    p = plan(g, hardware("h200", 2), costs, "rollplex", release={0: 1, 1: 1}, release_samples={0: [0, 1], 1: [1, 1]})
-    check_plan(p)
-    parts = {n.name: dict(n.args["samples"]) for n in p.graph.of_kind("suffix_score") if "samples" in n.args}
-    assert parts == {"suffix_ref_logprobs_p0_c0": {0: [0]}, "suffix_ref_logprobs_p0_c1": {0: [1]}}
-    assert "suffix_ref_logprobs_p1" in p.graph.nodes
-    assert p.graph.values["ref_logprobs_p0"].producer == "join_suffix_ref_logprobs_p0"
-    assert "decode_c0" in p.graph.g.predecessors("suffix_ref_logprobs_p0_c0")
-    assert p.slots["suffix_ref_logprobs_p0_c0"].start < p.slots["decode_c1"].finish
-    assert g.values["ref_logprobs_p0"].producer == "suffix_ref_logprobs_p0"  # the input graph is untouched
+    assert p.slots["suffix_ref_logprobs_c0"].start < p.slots["decode_c1"].finish
+    assert p.slots["join_ref_logprobs"].start >= p.slots["suffix_ref_logprobs_c1"].finish
+    serial = plan(compile_iteration(grpo, replace(shape, stage_fusion=False), ENGINES, DIMS), hardware("h200", 2),
+                  costs, "serial")
+    assert min(s.start for s in serial.slots.values() if s.kind == "suffix_score") >= serial.slots["decode_c1"].finish
 
 
 def test_frozen_scoring_of_chunks_past_the_window_waits_for_the_last_chunk_in_one_node():
-    """window_chunks=1 over three chunks: prompt 0's samples finishing in chunks 1 and 2 are scored by
-    one node, which the last chunk hands on; chunk 0's sample keeps its own node in the window."""
-    g = grpo_graph(prompts=1, samples=3, max_new_tokens=12, chunk_tokens=4)
-    base = {"decode_chunk": 1.0, "prefix": 0.3, "suffix_score": 0.4, "loss": 0.5, "vit_encode": 0.1}
-    costs = lambda node, gang: NodeCost(base.get(node.kind, 0.01), 8 if node.kind == "decode_chunk" else 0)  # noqa: E731
-    p = plan(g, hardware("h200", 2), costs, "rollplex", release={0: 2}, release_samples={0: [0, 1, 2]},
-             window_chunks=1)
+    """window_chunks=1 over three chunks: the samples finishing in chunks 1 and 2 are scored by one
+    node, which waits for the last chunk; chunk 0's keep their own node in the window."""
+    shape = BatchShape(prompts=1, samples=3, max_new_tokens=12, chunk_tokens=4, stage_fusion=True, window_chunks=1)
+    g = compile_iteration(grpo, shape, ENGINES, DIMS)
+    assert sorted(n.name for n in g.of_kind("suffix_score") if n.model == "ref") == [
+        "suffix_ref_logprobs_c0", "suffix_ref_logprobs_c1"]
+    p = plan(g, hardware("h200", 2), {**unit_costs(g), "decode_c1": NodeCost(3.0, 8)}, "rollplex")
     check_plan(p)
-    parts = {n.name: dict(n.args["samples"]) for n in p.graph.of_kind("suffix_score") if "samples" in n.args}
-    assert parts == {"suffix_ref_logprobs_p0_c0": {0: [0]}, "suffix_ref_logprobs_p0_c1": {0: [1, 2]}}
-    assert "decode_c2" in p.graph.g.predecessors("suffix_ref_logprobs_p0_c1")
-    assert p.slots["suffix_ref_logprobs_p0_c1"].start >= p.slots["decode_c2"].finish
-    assert p.slots["suffix_ref_logprobs_p0_c0"].start < p.slots["decode_c1"].finish
+    assert p.slots["suffix_ref_logprobs_c1"].start >= p.slots["decode_c2"].finish
+    assert p.slots["suffix_ref_logprobs_c0"].start < p.slots["decode_c1"].finish
 
 
 def test_a_train_fused_graph_trains_an_early_chunks_groups_while_decode_goes_on():

@@ -273,7 +273,8 @@ def test_a_train_fusion_scenario_costs_each_group_in_the_chunk_that_finished_it_
                       overheads={"prefix": 0.01, "suffix_score": 0.02, "loss": 0.1})
     graphs, costs = {}, None
     for fused in (False, True):
-        scn = S.Scenario(load_model("qwen2.5-vl-3b"), hardware("h200", 1), w, grpo, stage_fusion=True, train_fusion=fused)
+        scn = S.Scenario(load_model("qwen2.5-vl-3b"), hardware("h200", 1), w, grpo, stage_fusion=fused,
+                         train_fusion=fused)
         layout = S.layout_for(scn, "rollplex")
         graphs[fused] = S.compile_for(scn, layout, True, rollplex=True)
         costs = CostModel(scn.model, scn.cluster, w, layout, calibration=cal)

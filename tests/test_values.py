@@ -6,6 +6,8 @@ split; and compile + distribute + schedule + plan give the same result under ano
 value and node, so no pass learns what a value is from its name. CPU only, no engines."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pickle
 from concurrent.futures import Future
 
@@ -22,13 +24,14 @@ from rollplex.pipeline.compile.compiler import BatchShape, EngineChoice, ModelDi
 from rollplex.pipeline.compile.ir import IterationGraph, Node, Value
 from rollplex.pipeline.compile.ranks import distribute
 from rollplex.pipeline.plan import footprint
-from rollplex.pipeline.plan.costs import CostModel, NodeCost, Workload
+from rollplex.pipeline.plan.costs import CostModel, Workload
 from rollplex.pipeline.plan.hardware import Layout, hardware
 from rollplex.pipeline.plan.memory import Resident, plan_memory
-from rollplex.pipeline.plan.schedule import copy_graph, plan, release_finished_groups, schedule
+from rollplex.pipeline.plan.schedule import copy_graph, plan, schedule
 from rollplex.pipeline.run.algorithms import load_algorithm
 from rollplex.pipeline.run.local import LocalExecutor
 from rollplex.pipeline.run.tables import run_tables
+from test_memory_planner import chain  # a prefix's KV made first and read last, decode's pool between
 
 DIMS = ModelDims(128, 2, 2, 32, 1000, 10**6)
 ENGINES = EngineChoice({"decode": "hf", "train": "torch", "score": "transformers"})
@@ -77,48 +80,31 @@ def test_the_users_index_is_a_scan_after_compile_copy_schedule_and_the_rank_spli
 
 
 def test_the_users_index_follows_stage_fusion_footprints_cache_hits_and_residency():
-    """The plan's rewrites (groups and samples moved to the chunk that finished them), the footprint's
-    rebuild, reference prefixes served from the cache (their inputs change) and the memory plan's
-    offload/prefetch nodes (consumers moved to the prefetched copy)."""
-    model = load_model("qwen2.5-vl-7b")
-    cluster = hardware("h200", 2)
-    layout = Layout.colocate(cluster)
-    w = Workload(prompts=8, samples=4, max_new_tokens=128, chunk_tokens=32, response="uniform:8:128",
-                 actor_forward="keep")
-    cm = CostModel(model, cluster, w, layout)
-    shape = BatchShape(prompts=8, samples=4, max_new_tokens=128, chunk_tokens=32, micro_batch_groups=2,
-                       prompt_tokens=w.prefix_tokens, vision_tokens=w.vision_total)
+    """The plan's copy of a stage-fused graph, the footprint's rebuild, reference prefixes served from
+    the cache (their inputs change) and the memory plan's offload/prefetch nodes (consumers moved to
+    the prefetched copy)."""
+    cluster, layout, cm, shape = planned_7b()
     g = footprint.annotate(compile_iteration(grpo, shape, ENGINES, DIMS), cm)
     check_users(g)
-    moved = release_finished_groups(copy_graph(g), cm.profile.finish_chunk)
-    assert any(moved.values[v].producer != g.values[v].producer for v in g.values)
-    check_users(moved)
+    check_users(copy_graph(g))
     check_users(footprint.copy_with_cache_hits(g, cm, lambda p: p % 2 == 0))
-    p = plan(g, cluster, cm, "rollplex", layout, release=cm.profile.finish_chunk,
-             release_samples=cm.profile.sample_chunks)
+    p = plan(g, cluster, cm, "rollplex", layout)
     check_users(p.graph)
-    mp = plan_memory(chain_plan(), [Resident("pool", (0,), 20 * GiB, (("decode", "write"),))], budget=25 * GiB)
+    mp = plan_memory(chain(), [Resident("pool", (0,), 20 * GiB, (("decode", "write"),))], budget=25 * GiB)
     assert "kv@dev0" in mp.plan.graph.values
     check_users(mp.plan.graph)
 
 
-def chain_plan():
-    """A prefix's KV made first and read last, decode's pool between (tests/test_memory_planner.py).
-
-        x -> prefix -(kv 8 GiB)------------------------------------> suffix
-                  \\-> vit -> decode (10 s) -> post ------------------^
-    """
-    g = IterationGraph("kv")
-    g.add_input("x", 16, "host")
-    small = dict(nbytes=1024, device="device")
-    g.add(Node("prefix", "prefix", ("x",), ("kv", "h")), kv=dict(nbytes=8 * GiB, device="device", role="kv"), h=small)
-    g.add(Node("vit", "vit_encode", ("h",), ("vis",)), vis=small)
-    g.add(Node("decode", "decode_chunk", ("vis",), ("resp",)), resp=dict(nbytes=0, device="host"))
-    g.add(Node("post", "prefix", ("resp",), ("ready",)), ready=small)
-    g.add(Node("suffix", "suffix_score", ("kv", "ready"), ("lp",)), lp=small)
-    costs = {"prefix": NodeCost(0.5), "vit": NodeCost(1.0), "decode": NodeCost(10.0, 16), "post": NodeCost(2.0),
-             "suffix": NodeCost(0.5)}
-    return plan(g.connect().lint(), hardware("h200", 1), costs, "rollplex")
+def planned_7b(**shape_fields):
+    """Two H200s, the 7B preset, 8 prompts × 4 samples of up to 128 tokens, stage fusion on: (cluster,
+    layout, cost model, batch shape)."""
+    cluster = hardware("h200", 2)
+    layout = Layout.colocate(cluster)
+    w = Workload(prompts=8, samples=4, max_new_tokens=128, chunk_tokens=32, response="uniform:8:128",
+                 actor_forward="keep")
+    shape = BatchShape(prompts=8, samples=4, max_new_tokens=128, chunk_tokens=32, micro_batch_groups=2,
+                       prompt_tokens=w.prefix_tokens, vision_tokens=w.vision_total, stage_fusion=True, **shape_fields)
+    return cluster, layout, CostModel(load_model("qwen2.5-vl-7b"), cluster, w, layout), shape
 
 
 @st.composite
@@ -297,21 +283,12 @@ def test_compile_distribute_and_schedule_give_the_same_graph_under_another_namin
 
 @pytest.mark.parametrize("train_fusion", [False, True])
 def test_plans_are_the_same_under_another_naming(train_fusion):
-    """The plan reads a node's costs and the values it hands on from facts and args: stage fusion
-    moves groups and splits scoring per finished sample the same way under any names."""
-    model = load_model("qwen2.5-vl-7b")
-    cluster = hardware("h200", 2)
-    layout = Layout.colocate(cluster)
-    w = Workload(prompts=8, samples=4, max_new_tokens=128, chunk_tokens=32, response="uniform:8:128",
-                 actor_forward="keep")
-    cm = CostModel(model, cluster, w, layout)
-    shape = BatchShape(prompts=8, samples=4, max_new_tokens=128, chunk_tokens=32, micro_batch_groups=2,
-                       prompt_tokens=w.prefix_tokens, vision_tokens=w.vision_total, stage_fusion=train_fusion,
-                       train_fusion=train_fusion)
-    g = footprint.annotate(compile_iteration(grpo, shape, ENGINES, DIMS), cm)
-    policies = ["rollplex"] if train_fusion else ["serial", "rollplex"]
-    for policy in policies:
-        plans = [plan(x, cluster, cm, policy, layout, release=cm.profile.finish_chunk,
-                      release_samples=cm.profile.sample_chunks) for x in (g, renamed(g))]
+    """The plan reads a node's costs and the values it hands on from facts and args: a stage-fused
+    graph's per-chunk scoring (or, with train fusion, training) is priced the same under any names."""
+    cluster, layout, cm, shape = planned_7b(train_fusion=train_fusion)
+    fused = footprint.annotate(compile_iteration(grpo, shape, ENGINES, DIMS), cm)
+    unfused = footprint.annotate(compile_iteration(grpo, replace(shape, stage_fusion=False), ENGINES, DIMS), cm)
+    for policy, g in [("rollplex", fused)] + ([] if train_fusion else [("serial", unfused)]):
+        plans = [plan(x, cluster, cm, policy, layout) for x in (g, renamed(g))]
         assert plans[0].makespan == plans[1].makespan
         assert shape_of(plans[1].graph) == shape_of(plans[0].graph)

@@ -7,8 +7,11 @@ weights and optimizer state and the same prompts, so their updates can be compar
 are the medians of the iterations after a warm-up one.
 
 Policies:
-- ``serial-noshare``: today's runtimes. Phase barriers, and every response is scored and trained over
-  its full sequence (the prompt re-run G times).
+- ``plain``: the same GRPO iteration written with plain transformers/torch calls after a rollout on
+  the same decode engine (``pipeline/bench/plain.py``): the reference for "today's serial runtimes",
+  against which every ratio is also printed.
+- ``serial-noshare``: phase barriers, and every response is scored and trained over its full sequence
+  (the prompt re-run G times).
 - ``serial``: phase barriers, prefix sharing on (prefix once per prompt, G suffixes on its KV).
 - ``rollplex``: no barriers. Vision and prefix work run on the compute stream inside the decode window;
   with ``sp=1``, while both streams are busy each runs on its own green context (SM partition), and
@@ -18,6 +21,13 @@ Policies:
   decode window (rollplex-nofusion ÷ serial) and stage fusion (rollplex ÷ rollplex-nofusion).
 - ``disaggregated``, ``disaggregated-noshare`` and ``rollplex-dp2``, on two GPUs: see
   ``pipeline/bench/multi.py``.
+- ``serial#aa`` (added by default): serial once more under its own name. Its ratio to serial, with
+  its 95% interval, is the noise floor; a run whose A/A interval misses 1 does not count.
+
+The one-GPU policies take turns iteration by iteration, serial first in every round (its first update
+is the reference) and the others in an order that rotates each round; ratios are medians of the
+per-iteration pairs with a distribution-free 95% interval (``results.median_interval``), which needs
+at least 6 timed iterations (the default, after one warm-up).
 
 A rollplex policy may carry options (``rollplex:gate=32:target=0``), so variants run side by side
 against the same serial run. What is measured and reported lives in ``pipeline/bench/results.py``.
@@ -25,6 +35,7 @@ against the same serial run. What is measured and reported lives in ``pipeline/b
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import os
 import sys
@@ -64,8 +75,11 @@ class BenchConfig:
     max_new_tokens: int = 256
     mean_new_tokens: int = 96  # response lengths: a long-tailed (log-normal) spread capped at max
     chunk_tokens: int = 32
-    iterations: int = 4  # the first is a warm-up (graph capture, allocator) and is not timed
+    iterations: int = 7  # the first is a warm-up (graph capture, allocator) and is not timed: 6 timed pairs
     policies: tuple[str, ...] = POLICIES
+    # The first one-GPU policy (serial where run) once more under its own name, ``serial#aa``: its ratio
+    # to itself is the noise a ratio must clear (results.speedups).
+    aa: bool = True
     train_engine: str = "torch"
     decode_sms: int = 0  # SMs for decode while both streams are busy; 0: re-chosen per chunk from the live batch
     gate_rows: int = 0  # rollplex: prefix work waits until decode has at most this many live rows
@@ -136,6 +150,26 @@ def hf_config(cfg: BenchConfig):
     ), spec
 
 
+def check_bench_memory(cfg: BenchConfig) -> None:
+    """Refuse a bench whose weights, reference copy, gradients, optimizer state and KV pool alone
+    exceed the device's free memory (the 3B preset on a 24 GB CPU host was killed after five minutes)."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from rollplex.pipeline.run.preflight import available_memory, check_fits, memory_terms
+
+    config, spec = hf_config(cfg)
+    with torch.device("meta"):
+        model = Qwen2_5_VLForConditionalGeneration._from_config(config)
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for n, p in model.named_parameters() if "visual" not in n)
+    width = 2 if cfg.dtype == "bfloat16" else 4
+    per_token = spec.kv_bytes_per_token(width) * (cfg.layers or spec.layers) // spec.layers
+    kv = per_token * (cfg.vision_tokens + 64 + cfg.max_new_tokens) * cfg.prompts * cfg.samples
+    terms = memory_terms(total, trainable, width, cfg.train_engine, 1, kv, decode_weight_bytes=0)
+    check_fits(terms, available_memory(cfg.device), f"rollplex bench --model {cfg.model} on {cfg.device}",
+               "use --layers N for a smoke run or a smaller --model" + (", or --dtype bfloat16" if width == 4 else ""))
+
+
 def build_model(cfg: BenchConfig):
     from transformers import Qwen2_5_VLForConditionalGeneration
 
@@ -177,7 +211,21 @@ def make_prompts(cfg: BenchConfig, config, iteration: int) -> list:
 
 
 # ------------------------------------------------------------------------------------------------
-def _host(cfg: BenchConfig, actor_engine, ref_engine, decode, policy: str, streams: dict, device: str = ""):
+def window_sharing(cfg: BenchConfig, policy: str):
+    """How a policy shares the decode window (``run.partitions.WindowSharing``): its options over the
+    runtime's defaults; SM partitions only for a rollplex policy that asks for them (``sp=1``)."""
+    from rollplex.pipeline.run.partitions import WindowSharing
+
+    base, options = parse_policy(policy)
+    if not base.startswith("rollplex"):
+        return WindowSharing()
+    return WindowSharing(partitions=bool(options.get("sp", 0)), decode_sms=options.get("sms", cfg.decode_sms),
+                         sm_target=bool(options.get("target", 1)), grad_on_partition=bool(options.get("gp", 0)),
+                         prefill_gate=bool(options.get("pf", 1)), gate_rows=options.get("gate", cfg.gate_rows))
+
+
+def _host(cfg: BenchConfig, actor_engine, ref_engine, decode, policy: str, streams: dict, device: str = "",
+          partitions=None):
     from rollplex.pipeline.run.worker import HostSpec, IterationSettings, WorkerHost
 
     settings = IterationSettings(seed=cfg.seed, samples=cfg.samples, max_new_tokens=cfg.max_new_tokens,
@@ -185,35 +233,48 @@ def _host(cfg: BenchConfig, actor_engine, ref_engine, decode, policy: str, strea
     spec = HostSpec(model_path="", reference_path="", device=device or cfg.device, dtype=cfg.dtype, threads=8,
                     decode_engine="torch-graph", train_engine=cfg.train_engine, score_engine="transformers",
                     decode_options={}, train_options={}, algorithm="grpo", reward="bench_parity",
-                    settings=settings)
+                    settings=settings, window=window_sharing(cfg, policy))
     return WorkerHost(spec, name=f"{device or cfg.device}/{policy}", engines={"actor": actor_engine, "ref": ref_engine},
-                      decode=decode, streams=streams, tokenizer=_Tokenizer())
+                      decode=decode, streams=streams, tokenizer=_Tokenizer(), partitions=partitions)
 
 
-def compile_for(cfg: BenchConfig, policy: str, config):
-    """``disaggregated`` runs serial's graph and ``disaggregated-noshare`` serial-noshare's (the rollout
-    GPU is a placement, not a graph change); ``rollplex-dp2`` runs rollplex's over two ranks, each
-    scoring (and with train fusion training) what its own decode chain finished."""
-    from rollplex.dags.grpo import grpo
-    from rollplex.pipeline.compile.compiler import BatchShape, EngineChoice, ModelDims, compile_iteration
-    from rollplex.pipeline.compile.ranks import distribute, fit_prompts_per_node
-    from rollplex.pipeline.plan.schedule import schedule
+def bench_spec(cfg: BenchConfig, policy: str):
+    """The ``IterationSpec`` of a bench policy: its shape options over the bench's defaults
+    (``policy_shape``), prefix sharing unless ``-noshare``, the rollplex schedule for the rollplex
+    policies and serial's for the rest. ``disaggregated[-noshare]`` is serial's iteration (the
+    rollout GPU is a placement, not a graph change); ``rollplex-dp2`` rollplex's over two ranks,
+    each scoring (and with train fusion training) what its own decode chain finished."""
+    from rollplex.pipeline.compile.compiler import BatchShape, EngineChoice
+    from rollplex.pipeline.compile.ranks import fit_prompts_per_node
+    from rollplex.pipeline.compile.spec import IterationSpec
 
     fields = policy_shape(policy, prompts_per_node=cfg.prompts_per_node, stage_fusion=cfg.stage_fusion,
                           train_fusion=cfg.train_fusion)
-    label, (policy, _) = policy, parse_policy(policy)
-    ranks = 2 if policy == "rollplex-dp2" else 1
+    base, _ = parse_policy(policy)
+    ranks = 2 if base == "rollplex-dp2" else 1
     for name in ("prompts_per_node", "micro_batch_groups"):  # no node or micro-batch spans two ranks
         fields[name] = fit_prompts_per_node(fields[name], cfg.prompts // ranks)
     shape = BatchShape(prompts=cfg.prompts, samples=cfg.samples, max_new_tokens=cfg.max_new_tokens,
                        chunk_tokens=cfg.chunk_tokens, prompt_tokens=cfg.vision_tokens + cfg.text_tokens + 2,
-                       vision_tokens=cfg.vision_tokens, prefix_sharing=not policy.endswith("-noshare"), **fields)
+                       vision_tokens=cfg.vision_tokens, prefix_sharing=not base.endswith("-noshare"), **fields)
     engines = EngineChoice({"decode": "torch-graph", "train": cfg.train_engine, "score": "transformers"})
-    compiled = compile_iteration(grpo, shape, engines, ModelDims.from_hf_config(config, 2))
-    if "train_fusion_off" in compiled.meta:  # a policy named tf=1 that trains after decode would mislabel its row
-        raise RollplexError(f"--policies: {label!r}: train fusion is off: {compiled.meta['train_fusion_off']}")
-    graph = distribute(compiled, ranks)
-    return schedule(graph, "rollplex" if policy.startswith("rollplex") else "serial")
+    return IterationSpec(shape, engines, "rollplex" if base.startswith("rollplex") else "serial", world=ranks)
+
+
+def compile_for(cfg: BenchConfig, policy: str, config):
+    """The scheduled iteration of a bench policy, built as a run builds it (``plan.build``); None for
+    ``plain``, which is no graph (pipeline/bench/plain.py)."""
+    from rollplex.dags.grpo import grpo
+
+    if parse_policy(policy)[0] == "plain":
+        return None
+    from rollplex.pipeline.compile.compiler import ModelDims
+    from rollplex.pipeline.plan.build import build_iteration
+
+    built = build_iteration(grpo, bench_spec(cfg, policy), ModelDims.from_hf_config(config, 2))
+    if "train_fusion_off" in built.compiled.meta:  # a policy named tf=1 that trains after decode would mislabel its row
+        raise RollplexError(f"--policies: {policy!r}: train fusion is off: {built.compiled.meta['train_fusion_off']}")
+    return built.graph
 
 
 def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
@@ -238,6 +299,7 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
         get_reward("bench_parity")
     except RollplexError:
         register_reward("bench_parity", bench_reward)
+    check_bench_memory(cfg)  # before anything is written
     out_dir = Path(cfg.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
@@ -293,6 +355,11 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
         another device than the trainer's (disaggregated) gets its stream there."""
         hosts = []
         base, options = parse_policy(policy)
+        if base == "plain":
+            from rollplex.pipeline.bench.plain import PlainExecutor
+
+            return PlainExecutor(cfg, ranks[0]["actor"], ranks[0]["ref"], ranks[0]["decode"], bench_reward,
+                                 options.get("seq", 0))
         use_steps_per_graph(policy, [engines["decode"] for engines in ranks])
         for rank, engines in enumerate(ranks):
             home = cfg.device if rank == 0 else cfg.second_device
@@ -302,20 +369,15 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
                 priority = -1 if options.get("prio", 0) else 0
                 streams = {"decode": torch.cuda.Stream(getattr(engines["decode"], "device", home), priority=priority),
                            "compute": torch.cuda.Stream(home)}
-            host = _host(cfg, engines["actor"], engines["ref"], engines["decode"], policy, streams, home)
-            if base.startswith("rollplex"):
-                split = None  # sp=0: plain streams
-                if options.get("sp", 0):
-                    key = (home, options.get("sms", cfg.decode_sms))
-                    if cfg.device == "cuda" and key not in partitions:
-                        partitions[key] = sm_partitions(key[1], torch.device(home).index or 0)
-                    split = partitions.get(key)
-                host.sm_target = bool(options.get("target", 1))
-                host.grad_on_partition = bool(options.get("gp", 0))
-                host.prefill_gate = bool(options.get("pf", 1))
-                host.use_partitions(split)
-                host.gate_rows = options.get("gate", cfg.gate_rows)
-            hosts.append(host)
+            window, split = window_sharing(cfg, policy), None
+            if window.partitions and cfg.device == "cuda":
+                # made once per (device, split) and shared by the policies that ask for it: attaching
+                # them captures the decode engine's graphs on every split's stream
+                key = (home, window.decode_sms)
+                if key not in partitions:
+                    partitions[key] = sm_partitions(key[1], torch.device(home).index or 0)
+                split = partitions[key]
+            hosts.append(_host(cfg, engines["actor"], engines["ref"], engines["decode"], policy, streams, home, split))
         return LocalExecutor(hosts)
 
     def recover_from_failed_policy() -> None:
@@ -357,7 +419,8 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
                 torch.cuda.reset_peak_memory_stats(d)
 
     def inputs_for(graph, iteration: int) -> dict[str, Any]:
-        return graph.feed(make_prompts(cfg, config, iteration))
+        prompts = make_prompts(cfg, config, iteration)
+        return graph.feed(prompts) if graph is not None else {f"prompt_p{p}": x for p, x in enumerate(prompts)}
 
     def run_policy(policy: str, graph, extra: bench_multi.Replicas | None):
         """A generator: each ``next`` runs one iteration (the first a warm-up), the one after the last
@@ -407,7 +470,11 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
 
     # Serial first: its recorded rollout is what the others replay right after their timed runs, and
     # its update is what theirs are compared with, once, as each policy ends.
-    graphs = {policy: compile_for(cfg, policy, config) for policy in sorted(cfg.policies, key=lambda p: p != "serial")}
+    policies = list(cfg.policies)
+    one_gpu_named = [p for p in policies if parse_policy(p)[0] not in TWO_GPU_POLICIES]
+    if cfg.aa and one_gpu_named:
+        policies.append(("serial" if "serial" in policies else one_gpu_named[0]) + "#aa")
+    graphs = {policy: compile_for(cfg, policy, config) for policy in sorted(policies, key=lambda p: p != "serial")}
     repeats = same_graph_as(graphs)  # the order they meet each iteration's inputs in
     failed: dict[str, str] = {}  # policy -> why it stopped (out of memory), reported with the rest
     running: dict[str, PolicyResult] = {}  # every started policy's result so far (serial's update is the reference)
@@ -440,8 +507,16 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
     one_gpu = [p for p in graphs if parse_policy(p)[0] not in TWO_GPU_POLICIES]
     if cfg.interleave and len(one_gpu) > 1:
         turns = {policy: run_policy(policy, graphs[policy], None) for policy in one_gpu}
-        while turns:  # serial first in every round: its first iteration's update is the reference
-            for policy in [p for p, runner in turns.items() if advance(p, runner)]:
+        # Serial first in every round: its first update is the reference and its recorded rollout the
+        # one the others replay as they end. The others' order rotates by one each round, so none always
+        # follows the same policy; serial#aa, rotating with them, measures what that order is worth.
+        for round_ in itertools.count():
+            if not turns:
+                break
+            first = [p for p in turns if p == "serial"]
+            rest = [p for p in turns if p != "serial"]
+            shift = round_ % len(rest) if rest else 0
+            for policy in [p for p in first + rest[shift:] + rest[:shift] if advance(p, turns[p])]:
                 del turns[policy]
     else:
         one_gpu = []

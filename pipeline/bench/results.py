@@ -19,7 +19,9 @@ from rollplex.pipeline.bench.multi import SPLIT_ROLES, TWO_GPU_POLICIES
 if TYPE_CHECKING:
     from rollplex.pipeline.bench.bench import BenchConfig
 
-POLICIES = ("serial-noshare", "serial", "rollplex")  # one GPU, the default
+# One GPU, the default. plain: the same GRPO iteration in plain transformers/torch (pipeline/bench/plain.py),
+# the reference every ratio is also printed against.
+POLICIES = ("plain", "serial-noshare", "serial", "rollplex")
 # rollplex-nofusion: the decode window without stage fusion, so each gain shows on its own.
 ALL_POLICIES = POLICIES + ("rollplex-nofusion",) + TWO_GPU_POLICIES  # two-GPU ones: pipeline/bench/multi.py
 # Options of the rollplex policies only: how the decode window is shared.
@@ -43,6 +45,7 @@ VARIANT_KEYS = {"gate": "prefix work waits until decode has at most this many li
                        "thread wants back after each graph launch"}
 # Options of every policy: how the work is batched, so each policy can run at its best settings.
 SHAPE_KEYS = {"ppn": "prompts per vit/prefix/suffix node (batched forwards; default: --prompts-per-node)",
+              "seq": "plain: sequences per forward and backward (default G, one group)",
               "mb": "prompts per micro-batch: one loss and backward each (default 1)",
               "spg": "decode steps per CUDA graph launch (default 1)",
               "cudnn": "1: cuDNN's attention on for the policy's eager forwards during its timed iterations; "
@@ -57,8 +60,9 @@ def file_stem(policy: str) -> str:
 
 def parse_policy(name: str) -> tuple[str, dict[str, int]]:
     """``rollplex:gate=32:sms=64`` -> ("rollplex", {"gate": 32, "sms": 64}): a policy with its own
-    knobs, so variants run side by side in one bench against the same serial run."""
-    base, *options = name.split(":")
+    knobs, so variants run side by side in one bench against the same serial run. ``serial#aa``: the
+    same policy once more under its own name (the A/A run that measures the noise)."""
+    base, *options = name.split("#", 1)[0].split(":")
     if base not in ALL_POLICIES:
         raise RollplexError(f"--policies: {base!r} unknown; choose from {', '.join(ALL_POLICIES)}")
     parsed: dict[str, int] = {}
@@ -70,6 +74,8 @@ def parse_policy(name: str) -> tuple[str, dict[str, int]]:
                                 + ", ".join(f"{k} ({v})" for k, v in known.items()))
         if key in VARIANT_KEYS and not base.startswith("rollplex"):
             raise RollplexError(f"--policies: {name!r}: option {key!r} applies to the rollplex policies only")
+        if key == "seq" and base != "plain":
+            raise RollplexError(f"--policies: {name!r}: option 'seq' applies to the plain policy only")
         parsed[key] = int(value)
     return base, parsed
 
@@ -99,6 +105,7 @@ class PolicyResult:
     hidden: list[float] = field(default_factory=list)  # per iteration: share of prefix work under decode
     read_bytes: list[float] = field(default_factory=list)  # per iteration: weights + KV bytes decode read
     generated: list[float] = field(default_factory=list)  # per iteration: response tokens
+    bounds: list[float] = field(default_factory=list)  # per iteration: the true lower bound (lower_bound)
     peak_bytes: int = 0
     # Serial only: its weights after the first step, on the host, sampled and on its own replayed
     # rollout. Every other policy is compared with these on the device as it ends (update_difference).
@@ -194,6 +201,7 @@ def record_iteration(cfg: BenchConfig, spec, weight_bytes: int, res: PolicyResul
     prompt_len = cfg.vision_tokens + cfg.text_tokens + 2
     kv_reads = sum(prompt_len * len(r["response_token_ids"]) + len(r["response_token_ids"]) ** 2 / 2 for r in rows)
     res.read_bytes.append(decode_steps * weight_bytes + kv_reads * spec.kv_bytes_per_token(2))
+    res.bounds.append(lower_bound(cfg, spec, rows, gpus=2 if parse_policy(policy)[0] in TWO_GPU_POLICIES else 1))
 
 
 def allocator_backend() -> str:
@@ -203,29 +211,64 @@ def allocator_backend() -> str:
     return torch.cuda.get_allocator_backend()
 
 
-def lower_bound(cfg: BenchConfig, spec, res: PolicyResult, decode_bw: float = 4.3e12, peak: float = 788e12,
+def lower_bound(cfg: BenchConfig, spec, rows: list[dict], decode_bw: float = 4.3e12, peak: float = 788e12,
                 gpus: int = 1) -> float:
-    """max(decode at HBM bandwidth, all FLOPs at peak) for the iteration's actual token counts; over
-    ``gpus`` GPUs each reads the weights every step and a share of the KV, and does a share of the FLOPs."""
-    rows, tokens = cfg.prompts * cfg.samples, res.tokens
-    steps = cfg.max_new_tokens  # the longest response bounds the number of decode steps
+    """The iteration's true lower bound from its own responses (``rows``): the longest one's decode
+    steps at HBM bandwidth, each reading the weights and the KV the best algorithm must read (each
+    live group's prompt KV once, shared-prefix attention, and each live row's own tokens), against
+    all its FLOPs at ``peak``: the vision tower once per prompt, five prefill-equivalents per prompt
+    (decode's prefill, the reference, the policy's forward and its backward at twice the forward)
+    and as many per response token (decode, the reference's suffix, the policy's forward and
+    backward). Over ``gpus`` GPUs each reads the weights every step and a share of the KV, and does
+    a share of the FLOPs."""
     prompt = cfg.vision_tokens + cfg.text_tokens + 2
-    weight_bytes = spec.lm_params * 2
     kv = spec.kv_bytes_per_token(2)
-    mean_len = tokens / rows
-    decode_bytes = steps * weight_bytes + rows * (prompt + mean_len / 2) * kv * mean_len / gpus
-    flops = 0.0
-    flops += spec.vit_flops(cfg.vision_tokens * 4, cfg.vision_tokens * 4) * cfg.prompts
-    flops += 2 * spec.prefill_flops(prompt) * cfg.prompts * 3  # ref forward + actor forward and backward (x2)
-    flops += 2 * spec.lm_params * tokens * 4  # decode + ref suffix + actor suffix fwd/bwd
+    groups: dict[str, list[int]] = {}
+    for r in rows:
+        groups.setdefault(r["prompt_id"], []).append(len(r["response_token_ids"]))
+    lengths = [n for g in groups.values() for n in g]
+    steps = max(lengths, default=0)
+    kv_reads = prompt * sum(max(g) for g in groups.values()) + sum(n * (n + 1) / 2 for n in lengths)
+    decode_bytes = steps * spec.lm_params * 2 + kv_reads * kv / gpus
+    tokens = sum(lengths)
+    context = prompt + (tokens / max(len(lengths), 1)) / 2
+    patches = cfg.vision_tokens * spec.spatial_merge ** 2
+    flops = (len(groups) * (spec.vit_flops(patches, patches) + 5 * spec.prefill_flops(prompt))
+             + 5 * spec.lm_flops(tokens, context, tokens))
     return max(decode_bytes / decode_bw, flops / gpus / peak)
+
+
+def median_interval(values: list[float], level: float = 0.95) -> tuple[float, float, float] | None:
+    """(median, low, high): the median with a distribution-free interval from order statistics,
+    [x(k), x(n+1-k)] for the largest k whose coverage is at least ``level``; None when n is too
+    small for one (n ≥ 6 for 95%)."""
+    xs = sorted(values)
+    n = len(xs)
+    if not n:
+        return None
+    below, k = 0.0, 0  # P(Binomial(n, 1/2) < k), the chance the median lies below x(k)
+    while True:
+        nxt = below + math.comb(n, k) / 2 ** n
+        if 2 * nxt > 1 - level or k + 1 > n // 2:
+            break
+        below, k = nxt, k + 1
+    if k == 0:
+        return None
+    return statistics.median(xs), xs[k - 1], xs[n - k]
+
+
+def paired(a: PolicyResult, b: PolicyResult) -> list[float]:
+    """``a``'s speed-up over ``b`` iteration by iteration (b's seconds over a's): the policies took
+    turns, so iteration i of both met the same workload and the same state of the machine."""
+    return [tb / ta for ta, tb in zip(a.seconds, b.seconds) if ta > 0]
 
 
 def report(cfg, spec, results: dict[str, PolicyResult], out_dir: Path, log, failed: dict[str, str] | None = None) -> dict:
     from rollplex.fsio import atomic_write_text
     from rollplex.pipeline.plan.trace import combine_traces
 
-    results = {p: results[p] for p in cfg.policies if p in results}
+    order = [*cfg.policies, *(p for p in results if p not in cfg.policies)]  # an A/A copy after the policies
+    results = {p: results[p] for p in order if p in results}
     base = results.get("serial-noshare")
     rows = []
     log("")
@@ -234,19 +277,23 @@ def report(cfg, spec, results: dict[str, PolicyResult], out_dir: Path, log, fail
         f"{'decode TB/s':>11s}")
     for name, res in results.items():
         gpus = 2 if parse_policy(name)[0] in TWO_GPU_POLICIES else 1
-        bound = lower_bound(cfg, spec, res, gpus=gpus)
+        over_bound = [t / b for t, b in zip(res.seconds, res.bounds) if b > 0]
+        bound = statistics.median(res.bounds) if res.bounds else float("nan")
         speedup = base.median / res.median if base else None  # JSON null, not NaN, without the baseline
         row = {"policy": name, "median_s": res.median, "all_s": res.seconds, "speedup_vs_serial_noshare": speedup,
                "peak_hbm_bytes": res.peak_bytes, "prefix_hidden_share": res.hidden_share,
-               "tokens_per_s": res.tokens / res.median, "lower_bound_s": bound, "ratio_to_bound": res.median / bound,
+               "tokens_per_s": res.tokens / res.median, "lower_bound_s": bound,
+               "ratio_to_bound": statistics.median(over_bound) if over_bound else None,
+               "ratio_to_bound_per_iteration": over_bound,
                "seconds_by_kind": res.by_kind, "seconds_by_kind_per_iteration": res.kinds,
                "decode_seconds": res.decode_seconds,
                "decode_bytes_per_s": res.decode_bandwidth(), "gpus": gpus,
                "ranks_max_weight_difference": res.ranks_disagree, "same_graph_as": res.same_graph_as}
         rows.append(row)
         shown = f"{speedup:9.2f}" if speedup is not None else f"{'-':>9s}"
+        ratio = f"{row['ratio_to_bound']:7.2f}" if over_bound else f"{'-':>7s}"
         log(f"{name:{width}s} {res.median:7.3f} {shown} {res.peak_bytes / 2**30:9.1f} {res.hidden_share:7.0%} "
-            f"{row['tokens_per_s']:8.0f} {row['ratio_to_bound']:7.2f} {res.decode_bandwidth() / 1e12:11.2f}")
+            f"{row['tokens_per_s']:8.0f} {ratio} {res.decode_bandwidth() / 1e12:11.2f}")
     # One Perfetto trace of every policy's last timed iteration, one above the other.
     traces = {name: res.trace for name, res in results.items() if res.trace is not None}
     if traces:
@@ -287,6 +334,8 @@ def same_graph_as(graphs: dict) -> dict[str, str]:
     first: dict[tuple, str] = {}
     out = {}
     for policy, graph in graphs.items():
+        if graph is None:  # plain: no graph
+            continue
         key = tuple(sorted((n.name, n.kind, n.model or "", repr(sorted(n.args.items(), key=str))) for n in graph))
         out.update({policy: first[key]} if key in first else {})
         first.setdefault(key, policy)
@@ -295,17 +344,39 @@ def same_graph_as(graphs: dict) -> dict[str, str]:
 
 def speedups(results: dict[str, PolicyResult]) -> list[str]:
     """The ratios the issue asks for, each a gain on its own: prefix sharing (serial vs noshare), the
-    decode window (rollplex-nofusion vs serial), stage fusion (rollplex vs rollplex-nofusion), and two
-    GPUs as ranks vs split roles."""
+    decode window (rollplex-nofusion vs serial), stage fusion (rollplex vs rollplex-nofusion), two
+    GPUs as ranks vs split roles, and every policy against ``plain``. Each is the median of the
+    per-iteration ratios with its 95% interval; an A/A pair (``serial#aa`` against ``serial``) says
+    how far the same policy moves by itself, and a run whose A/A interval misses 1 does not count."""
     pairs = [("serial", "serial-noshare"), ("rollplex", "serial-noshare"), ("rollplex", "serial"),
              ("rollplex-nofusion", "serial"), ("rollplex", "rollplex-nofusion"),
              ("rollplex-dp2", "rollplex"), ("disaggregated", "serial"), ("disaggregated", "disaggregated-noshare")]
-    pairs += [(v, "serial") for v in results if ":" in v]  # variants: each against serial
+    pairs += [(v, "serial") for v in results if ":" in v and "#" not in v]  # variants: each against serial
     # Two GPUs: every ranks row against every split-roles row, whatever options each was run with.
     split = [b for b in results if parse_policy(b)[0] in SPLIT_ROLES]
     pairs += [(a, b) for a in results if parse_policy(a)[0] == "rollplex-dp2" for b in split]
-    return [f"{a} is {results[b].median / results[a].median:.2f}x {b}" for a, b in pairs
-            if a in results and b in results and results[a].seconds and results[b].seconds]
+    pairs += [(a, "plain") for a in results if a != "plain" and "#" not in a]
+    lines = []
+    for a, b in dict.fromkeys(pairs):
+        if a in results and b in results and results[a].seconds and results[b].seconds:
+            lines.append(f"{a} is {_ratio(paired(results[a], results[b]), b)}")
+    for name in results:
+        if "#" in name and name.split("#", 1)[0] in results:
+            base = name.split("#", 1)[0]
+            ratios = paired(results[name], results[base])
+            stats = median_interval(ratios)
+            verdict = ("too few iterations for an interval: the run does not count" if stats is None else
+                       "contains 1: the run counts" if stats[1] <= 1 <= stats[2] else
+                       "does not contain 1: drift or order moves the numbers more than that; the run does not count")
+            lines.append(f"A/A: {name} is {_ratio(ratios, base)}; the interval {verdict}")
+    return lines
+
+
+def _ratio(ratios: list[float], baseline: str) -> str:
+    stats = median_interval(ratios)
+    if stats is None:
+        return f"{statistics.median(ratios):.2f}x {baseline} (n={len(ratios)}: too few iterations for a 95% interval)"
+    return f"{stats[0]:.2f}x {baseline} (95% {stats[1]:.2f}-{stats[2]:.2f}, n={len(ratios)})"
 
 
 def update_difference(weights: dict[str, torch.Tensor], reference: dict[str, torch.Tensor],

@@ -23,7 +23,9 @@ from rollplex.pipeline.compile.ir import IterationGraph, Node, gc_paused, get_ki
 
 @dataclass(frozen=True)
 class ModelDims:
-    """What byte estimates need from an HF config (text part of a VLM)."""
+    """The byte model of a VLM's language side: what each value of an iteration weighs. The compiler's
+    estimates, the planners' footprint (pipeline/plan/footprint.py) and the run's memory plan all read
+    these methods, so one formula sizes a value wherever it is sized."""
 
     hidden: int
     layers: int
@@ -32,6 +34,7 @@ class ModelDims:
     vocab: int
     params: int  # trainable LM parameters, for gradient/optimizer bytes
     dtype_bytes: int = 4
+    checkpointing: bool = False  # activation checkpointing in training: only each layer's input is kept
 
     @classmethod
     def from_hf_config(cls, config, dtype_bytes: int = 4) -> "ModelDims":
@@ -43,12 +46,34 @@ class ModelDims:
         return cls(text.hidden_size, text.num_hidden_layers, text.num_key_value_heads, head_dim,
                    text.vocab_size, params, dtype_bytes)
 
-    def kv_bytes(self, tokens: int) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * tokens * self.dtype_bytes
+    @classmethod
+    def of(cls, spec, dtype_bytes: int = 2, checkpointing: bool = False) -> "ModelDims":
+        """From a model shape of the planners (engines/modelspec.VLMSpec, read by its fields)."""
+        return cls(spec.hidden, spec.layers, spec.kv_heads, spec.head_dim, spec.vocab, spec.params, dtype_bytes,
+                   checkpointing)
 
-    def activation_bytes(self, tokens: int) -> int:
-        # Kept for backward: roughly 16 hidden-sized tensors per layer per token (attn + MLP).
-        return 16 * self.layers * self.hidden * tokens * self.dtype_bytes
+    def kv_bytes(self, tokens: float) -> int:
+        return int(2 * self.layers * self.kv_heads * self.head_dim * tokens * self.dtype_bytes)
+
+    def activation_bytes(self, tokens: float) -> int:
+        """What a forward keeps for its backward: per token and layer 34·h bytes in 16 bits with flash
+        attention (Korthikanti et al. 2022), 2·h (the layer input) with checkpointing."""
+        per = 2 if self.checkpointing else 34
+        return int(per * self.hidden * self.layers * tokens * self.dtype_bytes / 2)
+
+    def vision_bytes(self, tokens: float) -> int:
+        """A prompt's merged vision-tower output, in the LM's hidden size."""
+        return int(tokens * self.hidden * self.dtype_bytes)
+
+    def prefix_bytes(self, tokens: float, grad: bool = False) -> int:
+        """A prompt's prefix: its KV, the fp32 last-position logits, and with ``grad`` its activations."""
+        return self.kv_bytes(tokens) + self.vocab * 4 + (self.activation_bytes(tokens) if grad else 0)
+
+    def score_bytes(self, response_tokens: float, grad: bool = False, forward_tokens: float | None = None) -> int:
+        """Per-token fp32 scores of responses, and with ``grad`` the activations of the forward that made
+        them (``forward_tokens``, default the responses': a full-sequence forward also runs the prompt)."""
+        held = self.activation_bytes(response_tokens if forward_tokens is None else forward_tokens) if grad else 0
+        return int(response_tokens * 4) + held
 
 
 @dataclass(frozen=True)
@@ -213,7 +238,7 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
     def dev(nbytes, role, **facts):
         return dict(nbytes=int(nbytes), device="device", role=role, **facts)
 
-    logprob_bytes = resp_tokens * 4
+    logprob_bytes = dims.score_bytes(resp_tokens)
     every = tuple(range(P))
 
     for p in range(P):
@@ -222,7 +247,7 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
     for ps in shape.node_groups(grad=False):
         add(f"vit_{span(ps)}", "vit_encode", [f"prompt_p{p}" for p in ps], [f"vis_p{p}" for p in ps], model=vision,
             role=role_of(vision), args={"prompts": list(ps)},
-            **{f"vis_p{p}": dev(shape.vision_tokens * dims.hidden * dims.dtype_bytes, "vision", model=vision,
+            **{f"vis_p{p}": dev(dims.vision_bytes(shape.vision_tokens), "vision", model=vision,
                                 prompts=(p,)) for p in ps})
 
     # Decode: chunk 0 prefills every prompt from its vision embeddings; each chunk advances ≤ K tokens.
@@ -265,7 +290,6 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
     early_models = {s.model for s in alg.scores if {s.as_, f"old_{s.as_}"} & early}
 
     # Scoring: prefix once per prompt (independent of the responses), suffix per prompt group.
-    kv_bytes = dims.kv_bytes(shape.prompt_tokens) + dims.vocab * 4
     grad_nodes: dict[tuple[str, str], list[str]] = {}  # nodes whose graphs a backward will walk
     for s in alg.scores:
         role = role_of(s.model)
@@ -275,9 +299,8 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
             outs, score_info = [], {}
             for p in ps:
                 outs += [f"{s.as_}_p{p}"] + ([f"old_{s.as_}_p{p}"] if s.grad else [])
-                score_info[f"{s.as_}_p{p}"] = dev(logprob_bytes + (dims.activation_bytes(resp_tokens) if s.grad
-                                                                   else 0), "score", model=s.model, prompts=(p,),
-                                                  label=s.as_)
+                score_info[f"{s.as_}_p{p}"] = dev(dims.score_bytes(resp_tokens, s.grad), "score", model=s.model,
+                                                  prompts=(p,), label=s.as_)
                 if s.grad:
                     score_info[f"old_{s.as_}_p{p}"] = host(logprob_bytes, "score", model=s.model, prompts=(p,),
                                                            label=f"old_{s.as_}")
@@ -294,11 +317,11 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
                 continue
             kvs = [f"prefix_{s.model}_p{p}" for p in ps]
             if kvs[0] not in g.values:  # two scores of one model share its prefix
-                held = dims.activation_bytes(shape.prompt_tokens) if s.grad else 0
                 early_arg = {"feeds_advantage": True} if "feeds_advantage" in args else {}
                 add(f"prefix_{s.model}_{span(ps)}", "prefix", [f"prompt_p{p}" for p in ps] + [f"vis_p{p}" for p in ps],
                     kvs, model=s.model, role=role, args={"prompts": list(ps), "grad": s.grad, **early_arg},
-                    **{kv: dev(kv_bytes + held, "kv", model=s.model, prompts=(p,)) for p, kv in zip(ps, kvs)})
+                    **{kv: dev(dims.prefix_bytes(shape.prompt_tokens, s.grad), "kv", model=s.model, prompts=(p,))
+                       for p, kv in zip(ps, kvs)})
             if fused(s):
                 continue  # scored per decode chunk below
             add(f"suffix_{s.as_}_{span(ps)}", "suffix_score", kvs + responses, outs,

@@ -24,6 +24,7 @@ from typing import Any
 from rollplex.errors import ConfigError
 from rollplex.pipeline.compile.ir import PHASES, IterationGraph, Node, Value, format_bytes, registered_kinds
 from rollplex.pipeline.compile.layout import layered_layout
+from rollplex.pipeline.compile.overview import ALL, Overview, node_lines, overview, where
 
 FORMATS = ("dot", "html", "json", "svg")
 JSON_FORMAT = "rollplex.iteration-graph/2"  # 2: a value's facts (role, model, prompts, ...) replace "what"
@@ -60,17 +61,7 @@ def _seconds(node: Node) -> tuple[float, float] | None:
 
 
 def _node_lines(node: Node) -> list[str]:
-    """name / kind[model] / @engine · placement/stream · priority / start–finish, as present."""
-    prio = node.meta.get("priority")
-    lines = [node.name, node.kind + (f"[{node.model}]" if node.model else ""),
-             (f"@{node.engine} · " if node.engine else "") + _where(node)
-             + (f" · prio {prio:g}" if isinstance(prio, (int, float)) else "")]
-    if (times := _seconds(node)) is not None:
-        lines.append(f"{times[0]:.3f}–{times[1]:.3f}s")
-    if node.meta.get("weights"):  # weight_sync: what the sharing plan aliases and rebuilds (its first clause)
-        short = str(node.meta["weights"]).split(";")[0]
-        lines.append(short if len(short) <= 34 else short[:33] + "…")
-    return lines
+    return node_lines(node)
 
 
 def _value_label(graph: IterationGraph, name: str, lifetimes: Mapping[str, tuple[str, str]]) -> str:
@@ -251,44 +242,125 @@ _DEFS = ('<defs>' + "".join(
     for name, colour in (("value", VALUE_EDGE_COLOUR), ("order", ORDER_EDGE_COLOUR))) + '</defs>')
 
 
-def to_svg(graph: IterationGraph, mode: str = "dag", wrap: int = 16, order: Iterable[str] | None = None) -> str:
-    """Standalone SVG. ``mode="dag"``: layered drawing, one ``<g class="node">`` per node.
+def to_svg(graph: IterationGraph, mode: str = "dag", wrap: int = 16, order: Iterable[str] | None = None,
+           expand: Iterable[str] = ALL, edge_labels: bool = False) -> str:
+    """Standalone SVG. ``mode="dag"``: layered drawing, one ``<g class="node">`` per node (``expand``:
+    ``ALL``; else the groups it names are drawn node by node and the rest as one box per kind and model,
+    ``<g class="group">``); ``edge_labels`` writes each edge's values, bytes and lifetime on it.
     ``mode="timeline"``: Gantt rows per placement/stream from ``meta["start"/"finish"]``."""
     if mode == "timeline":
         return _timeline_svg(graph)
     if mode != "dag":
         raise ConfigError(f"unknown SVG mode {mode!r}; choose one of dag, timeline")
+    return _draw(graph, overview(graph, expand, order), wrap, order, edge_labels)
+
+
+def _ports(ov: Overview, boxes) -> dict[tuple[str, str], tuple[float, float]]:
+    """Where each edge leaves its source and enters its target: spread along the box's bottom and
+    top in the order of the far ends, so a node that many edges enter (weight_sync, report) takes
+    them side by side instead of in one point, where they tangled."""
+    out: dict[tuple[str, str], list[float]] = {}
+    for end, near, far in (("out", "src", "dst"), ("in", "dst", "src")):
+        by: dict[str, list] = {}
+        for e in ov.edges:
+            by.setdefault(getattr(e, near), []).append(e)
+        for key, edges in by.items():
+            box = boxes[key]
+            edges.sort(key=lambda e: boxes[getattr(e, far)].cx)
+            for i, e in enumerate(edges):
+                out.setdefault((e.src, e.dst), [0.0, 0.0])[end == "in"] = box.x + box.w * (i + 1) / (len(edges) + 1)
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+_MAX_LABELLED_EDGES = 400  # placing labels is quadratic in the edges; past this the tooltips carry them
+_LABEL_CHAR_W = 6.0  # one 10px monospace character
+
+
+class _LabelPlacer:
+    """Puts each edge label at the first of a few points along its curve (the middle first) where it
+    covers no box and no earlier label; a label with no such point is left to the edge's tooltip."""
+
+    def __init__(self, boxes: list[tuple[float, float, float, float]]) -> None:
+        self.taken = list(boxes)
+
+    def place(self, text: str, *curve: tuple[float, float]) -> tuple[float, float] | None:
+        w, h = len(text) * _LABEL_CHAR_W + 6, 13.0
+        (ax, ay), (bx, by), (cx, cy), (dx, dy) = curve
+        for side in (0.0, 0.5, -0.5, 1.0, -1.0):  # on the curve, else beside it
+            for t in (0.5, 0.38, 0.62, 0.26, 0.74, 0.15, 0.85, 0.08, 0.92):
+                u = 1 - t  # a point of the cubic Bezier the edge is drawn as
+                x = u**3 * ax + 3 * u * u * t * bx + 3 * u * t * t * cx + t**3 * dx + side * (w + 4)
+                y = u**3 * ay + 3 * u * u * t * by + 3 * u * t * t * cy + t**3 * dy
+                rect = (x - w / 2, y - h / 2, w, h)
+                if rect[0] >= 0 and not any(_overlap(rect, r) for r in self.taken):
+                    self.taken.append(rect)
+                    return x, y
+        return None
+
+
+def _overlap(a, b) -> bool:
+    return a[0] < b[0] + b[2] and b[0] < a[0] + a[2] and a[1] < b[1] + b[3] and b[1] < a[1] + a[3]
+
+
+def _draw(graph: IterationGraph, ov: Overview, wrap: int, order, edge_labels: bool) -> str:
     lifetimes = graph.lifetimes(order)
-    lines = {n.name: _node_lines(n) for n in graph}
-    chars = min(36, max((len(s) for ls in lines.values() for s in ls), default=8))
+    lines = {k: list(b.lines) for k, b in ov.boxes.items()}
+    chars = min(44, max((len(s) for ls in lines.values() for s in ls), default=8))
     box_w, box_h = chars * _CHAR_W + 16, max(map(len, lines.values()), default=3) * 14 + 8
     legend, legend_w = _legend(graph, 8)
-    lay = layered_layout(graph.g, list(graph.nodes), box_w=box_w, box_h=box_h, top=48, wrap=wrap)
+    order_of = list(ov.boxes)
+    g = ov.digraph()
+    # Edge labels need room between the layers.
+    lay = layered_layout(g, order_of, box_w=box_w, box_h=box_h, top=48, wrap=wrap, gap_y=64 if edge_labels else 56)
     width = max(lay.width, legend_w)
     shift = (width - lay.width) / 2  # centre the drawing under a wider legend
+    ports = _ports(ov, lay.boxes)
+    placer = (_LabelPlacer([(b.x + shift, b.y, b.w, b.h) for b in lay.boxes.values()])
+              if edge_labels and len(ov.edges) <= _MAX_LABELLED_EDGES else None)
     out = [_SVG_HEAD.format(mode="dag", w=width, h=lay.height), f"<title>{_x(graph.name)}</title>", _DEFS, *legend]
     out.append('<g class="edges" fill="none">')
-    for u, v, vals, reason in _edges(graph):
-        a, b = lay.boxes[u], lay.boxes[v]
-        x1, y1, x2, y2 = a.cx + shift, a.bottom, b.cx + shift, b.y
+    labels = []
+    for e in ov.edges:
+        a, b = lay.boxes[e.src], lay.boxes[e.dst]
+        (px1, px2), y1, y2 = ports[(e.src, e.dst)], a.bottom, b.y
+        x1, x2 = px1 + shift, px2 + shift
         bend = min(60.0, max(20.0, (y2 - y1) / 2))
-        kind, dash = ("value", "") if vals else ("order", ' stroke-dasharray="5,3"')
-        colour = VALUE_EDGE_COLOUR if vals else ORDER_EDGE_COLOUR
-        tip = "\n".join([f"{u} → {v}"] + ([_value_label(graph, n, lifetimes) for n in vals] or [f"order: {reason}"]))
-        out.append(f'<g class="edge" data-src="{_x(u)}" data-dst="{_x(v)}"><title>{_x(tip)}</title>'
+        kind, dash = ("value", "") if e.values else ("order", ' stroke-dasharray="5,3"')
+        colour = VALUE_EDGE_COLOUR if e.values else ORDER_EDGE_COLOUR
+        shown = [_value_label(graph, n, lifetimes) for n in e.values[:12]]
+        shown += [f"+{len(e.values) - 12} more"] if len(e.values) > 12 else []
+        tip = "\n".join([f"{e.src} → {e.dst}: {e.label}"] + (shown or [f"order: {', '.join(e.reasons)}"]))
+        out.append(f'<g class="edge" data-src="{_x(e.src)}" data-dst="{_x(e.dst)}"><title>{_x(tip)}</title>'
                    f'<path d="M{x1:.1f},{y1:.1f} C{x1:.1f},{y1 + bend:.1f} {x2:.1f},{y2 - bend:.1f} {x2:.1f},{y2:.1f}" '
                    f'stroke="{colour}"{dash} marker-end="url(#rp-arrow-{kind})"/></g>')
-    out.append('</g><g class="nodes">')
-    for node in graph:
-        box = lay.boxes[node.name]
-        extra = [f"{k}={v!r}"[:100] for k, v in sorted(node.meta.items()) if k not in _SHOWN_META]
-        tip = "\n".join(graph.format_node(node, lifetimes).split(" = ", 1) + extra)
+        spot = placer.place(e.label, (x1, y1), (x1, y1 + bend), (x2, y2 - bend), (x2, y2)) if placer else None
+        if spot is not None:  # over a white halo, so crossing lines don't hide it
+            labels.append(f'<text class="edge-label" data-src="{_x(e.src)}" data-dst="{_x(e.dst)}" '
+                          f'x="{spot[0]:.1f}" y="{spot[1] + 3.5:.1f}" text-anchor="middle" font-size="10" '
+                          f'fill="{colour}" stroke="#fff" stroke-width="3" paint-order="stroke">{_x(e.label)}</text>')
+    out.append("</g>")
+    if labels:
+        out += ['<g class="edge-labels">', *labels, "</g>"]
+    out.append('<g class="nodes">')
+    for key, box_info in ov.boxes.items():
+        box = lay.boxes[key]
+        if box_info.is_group:
+            names = box_info.members
+            tip = "\n".join([f"{len(names)} {box_info.lines[0].rsplit(' ×', 1)[0]} nodes (double-click to expand):",
+                             *names[:20], *([f"… {len(names) - 20} more"] if len(names) > 20 else [])])
+            attrs = f'class="group" data-box="{_x(key)}"'
+        else:
+            node = graph.nodes[key]
+            extra = [f"{k}={v!r}"[:100] for k, v in sorted(node.meta.items()) if k not in _SHOWN_META]
+            tip = "\n".join(graph.format_node(node, lifetimes).split(" = ", 1) + extra)
+            attrs = f'class="node" data-node="{_x(key)}" data-box="{_x(key)}"'
         texts = "".join(
             f'<text x="8" y="{15 + 14 * i}"{_BOLD if i == 0 else ""}>{_x(_fit(s, chars))}</text>'
-            for i, s in enumerate(lines[node.name]))
-        out.append(f'<g class="node" data-node="{_x(node.name)}" '
-                   f'transform="translate({box.x + shift:.1f},{box.y:.1f})"><title>{_x(tip)}</title>'
-                   f'<rect width="{box.w:.1f}" height="{box.h:.1f}" rx="6" fill="{kind_colour(node.kind)}" '
+            for i, s in enumerate(lines[key]))
+        stack = (f'<rect x="4" y="4" width="{box.w:.1f}" height="{box.h:.1f}" rx="6" fill="{kind_colour(box_info.kind)}" '
+                 f'stroke="#444"/>' if box_info.is_group else "")  # a group: a second card behind it
+        out.append(f'<g {attrs} transform="translate({box.x + shift:.1f},{box.y:.1f})"><title>{_x(tip)}</title>'
+                   f'{stack}<rect width="{box.w:.1f}" height="{box.h:.1f}" rx="6" fill="{kind_colour(box_info.kind)}" '
                    f'stroke="#444"/>{texts}</g>')
     out.append("</g></svg>")
     return "\n".join(out) + "\n"
@@ -336,34 +408,53 @@ def _timeline_svg(graph: IterationGraph, px: float = 1200) -> str:
 
 # -- HTML ----------------------------------------------------------------------------------------
 _CSS = """
-body{font:13px system-ui,sans-serif;margin:0;display:grid;grid-template-columns:1fr 380px;height:100vh}
-header{grid-column:1/3;padding:6px 10px;border-bottom:1px solid #ccc;display:flex;gap:12px;align-items:center}
-main{overflow:auto;padding:8px} aside{overflow:auto;border-left:1px solid #ccc;padding:8px;background:#fafafa}
-body.fit main svg{width:100%;height:auto} [data-node]{cursor:pointer} pre{font-size:12px}
-body.focus .node,body.focus .edge,body.focus .bar{opacity:.2}
+body{font:13px system-ui,sans-serif;margin:0;display:grid;grid-template-columns:1fr 360px;
+  grid-template-rows:auto 1fr;height:100vh}
+header{grid-column:1/3;padding:6px 10px;border-bottom:1px solid #ccc;display:flex;gap:10px;align-items:center;
+  flex-wrap:wrap}
+main{overflow:auto;padding:8px;min-width:0} aside{overflow:auto;border-left:1px solid #ccc;padding:8px;background:#fafafa}
+.view svg{display:block;margin:0 auto} [data-box],[data-node]{cursor:pointer} pre{font-size:12px}
+body.focus .node,body.focus .group,body.focus .edge,body.focus .edge-label,body.focus .bar{opacity:.2}
 body.focus .hl-self,body.focus .hl-in,body.focus .hl-out{opacity:1}
-.hl-self rect{stroke:#000;stroke-width:3} .edge.hl-in path,.node.hl-in rect{stroke:#1f77b4;stroke-width:2.5}
-.edge.hl-out path,.node.hl-out rect{stroke:#d62728;stroke-width:2.5}
+.hl-self>rect{stroke:#000;stroke-width:3} .edge.hl-in path,.hl-in>rect{stroke:#1f77b4;stroke-width:2.5}
+.edge.hl-out path,.hl-out>rect{stroke:#d62728;stroke-width:2.5}
 pre .hl-self{background:#ffe58a} pre .hl-in{background:#d6e9f8} pre .hl-out{background:#f8d6d6}
 aside table{border-collapse:collapse;font-size:12px}
 aside td,aside th{padding:1px 6px 1px 0;text-align:left;vertical-align:top}
-.in{color:#1f77b4} .out{color:#d62728}
+.in{color:#1f77b4} .out{color:#d62728} #rp-view{font-weight:bold}
 """
 
-# Plain DOM calls (textContent, never innerHTML) so names and meta can't inject markup.
+# Plain DOM calls (textContent, never innerHTML) so names and meta can't inject markup. One view is
+# shown at a time: the groups, one group expanded, or every node; each is laid out beforehand.
 _JS = """
 (() => {
 const data = JSON.parse(document.getElementById("rp-data").textContent);
 const nodes = Object.fromEntries(data.nodes.map(n => [n.name, n]));
 const values = Object.fromEntries(data.values.map(v => [v.name, v]));
-const panel = document.getElementById("rp-details");
+const groups = data.groups;
+const panel = document.getElementById("rp-details"), main = document.querySelector("main");
+const views = Object.fromEntries([...document.querySelectorAll(".view")].map(v => [v.dataset.view, v]));
+let view = "groups", pinned = null, actual = false;
 const all = sel => document.querySelectorAll(sel);
-const at = name => all(`[data-node="${CSS.escape(name)}"]`);
-let pinned = null;
+const here = sel => views[view].querySelectorAll(sel);
+const box = key => here(`[data-box="${CSS.escape(key)}"]`);
 function fmt(n) { const u = ["B", "KiB", "MiB", "GiB", "TiB"]; let i = 0;
   while (Math.abs(n) >= 1024 && i < 4) { n /= 1024; i++; } return i ? n.toFixed(1) + u[i] : n + "B"; }
 function add(parent, tag, text, cls) { const e = document.createElement(tag);
   if (text !== undefined) e.textContent = text; if (cls) e.className = cls; parent.appendChild(e); return e; }
+function fit() {  // the whole view in the window, never enlarged past 1.25 nor shrunk past 0.75 (text stays readable)
+  const svg = views[view].querySelector("svg"), w = +svg.getAttribute("width"), h = +svg.getAttribute("height");
+  const s = actual ? 1 : Math.max(0.75, Math.min(1.25, (main.clientWidth - 20) / w, (main.clientHeight - 20) / h));
+  svg.style.width = (w * s) + "px"; svg.style.height = (h * s) + "px";
+  document.getElementById("rp-fit").textContent = actual ? "fit to window" : "actual size";
+}
+function show(v) {
+  view = views[v] ? v : "groups"; pinned = null;
+  for (const [k, e] of Object.entries(views)) e.hidden = k !== view;
+  document.getElementById("rp-view").textContent = view === "groups" ? "grouped" : view === "all" ? "every node"
+    : groups[view].title + " expanded";
+  fit(); details(null);
+}
 function valueRows(title, cls, names, other) {
   if (!names.length) return;
   add(panel, "h4", title, cls); const t = add(panel, "table");
@@ -372,60 +463,112 @@ function valueRows(title, cls, names, other) {
     for (const s of cells) add(r, "td", s); }
 }
 function mark(cls, edges, end) {
-  edges.forEach(e => { e.classList.add(cls); at(e.dataset[end]).forEach(x => x.classList.add(cls)); }); }
+  edges.forEach(e => { e.classList.add(cls); box(e.dataset[end]).forEach(x => x.classList.add(cls)); }); }
 function clear() { all(".hl-self,.hl-in,.hl-out").forEach(e => e.classList.remove("hl-self", "hl-in", "hl-out"));
   document.body.classList.remove("focus"); }
-function show(name) {
+function highlight(key, members) {
+  document.body.classList.add("focus"); box(key).forEach(e => e.classList.add("hl-self"));
+  members.forEach(m => all(`pre [data-node="${CSS.escape(m)}"]`).forEach(e => e.classList.add("hl-self")));
+  const q = CSS.escape(key);
+  mark("hl-in", here(`.edge[data-dst="${q}"],.edge-label[data-dst="${q}"]`), "src");
+  mark("hl-out", here(`.edge[data-src="${q}"],.edge-label[data-src="${q}"]`), "dst");
+}
+function facts(rows) { const t = add(panel, "table");
+  for (const [k, v] of rows) if (v !== null && v !== undefined) { const r = add(t, "tr"); add(r, "th", k); add(r, "td", v); } }
+function details(key) {
   clear(); panel.replaceChildren();
-  if (!name || !nodes[name]) return void add(panel, "p", "Hover or click a node; click again or Esc to unpin.");
-  const n = nodes[name], q = CSS.escape(name);
-  document.body.classList.add("focus"); at(name).forEach(e => e.classList.add("hl-self"));
-  mark("hl-in", all(`.edge[data-dst="${q}"]`), "src"); mark("hl-out", all(`.edge[data-src="${q}"]`), "dst");
+  if (key && groups[key]) {
+    const g = groups[key]; highlight(key, g.members);
+    add(panel, "h3", g.title + (pinned ? " (pinned)" : ""));
+    const b = add(panel, "button", "expand: one box per node"); b.onclick = () => show(key);
+    facts([["kind", g.kind + " (" + g.phase + ")"], ["model", g.model], ["runs on", g.where.join(", ")],
+           ["reads", fmt(g.bytes_in)], ["writes", fmt(g.bytes_out)]]);
+    if (g.folded.length) add(panel, "p", "also ordered: " + g.folded.join("; "));
+    add(panel, "h4", g.members.length + " nodes"); const ul = add(panel, "ul");
+    for (const m of g.members) add(ul, "li", "%" + m);
+    return;
+  }
+  if (!key || !nodes[key]) return void add(panel, "p",
+    "Hover or click a box; double-click a group to expand it; Esc unpins.");
+  const n = nodes[key]; highlight(key, [key]);
   add(panel, "h3", "%" + n.name + (pinned ? " (pinned)" : ""));
-  const facts = add(panel, "table");
-  const rows = [["kind", n.kind + " (" + n.phase + ")"], ["model", n.model], ["engine", n.engine],
-    ["stream", n.stream], ["placement", n.placement], ["args", JSON.stringify(n.args)],
+  facts([["kind", n.kind + " (" + n.phase + ")"], ["model", n.model], ["engine", n.engine],
+    ["stream", n.stream], ["placement", n.placement || "rank0"], ["args", JSON.stringify(n.args)],
     ...Object.entries(n.meta).filter(([k]) => k !== "stream" && k !== "placement")
-      .map(([k, v]) => [k, JSON.stringify(v)])];
-  for (const [k, v] of rows) if (v !== null && v !== undefined) {
-    const r = add(facts, "tr"); add(r, "th", k); add(r, "td", v); }
+      .map(([k, v]) => [k, JSON.stringify(v)])]);
   valueRows("inputs", "in", n.inputs, v => "from " + (v.producer ? "%" + v.producer : "graph input"));
   valueRows("outputs", "out", n.outputs, v => "to " + (v.consumers.map(c => "%" + c).join(", ") || "nobody"));
 }
-all("[data-node]").forEach(e => {
-  e.addEventListener("mouseenter", () => { if (!pinned) show(e.dataset.node); });
-  e.addEventListener("mouseleave", () => { if (!pinned) show(null); });
-  e.addEventListener("click", () => { pinned = pinned === e.dataset.node ? null : e.dataset.node; show(pinned); });
+all("[data-box],pre [data-node]").forEach(e => {
+  const key = () => e.dataset.box || e.dataset.node;
+  e.addEventListener("mouseenter", () => { if (!pinned) details(key()); });
+  e.addEventListener("mouseleave", () => { if (!pinned) details(null); });
+  e.addEventListener("click", () => { pinned = pinned === key() ? null : key(); details(pinned); });
+  e.addEventListener("dblclick", () => { if (groups[key()]) show(key()); });
 });
-document.addEventListener("keydown", ev => { if (ev.key === "Escape") { pinned = null; show(null); } });
-document.getElementById("rp-fit").addEventListener("click", () => document.body.classList.toggle("fit"));
+document.addEventListener("keydown", ev => { if (ev.key === "Escape") { pinned = null; details(null); } });
+document.getElementById("rp-fit").addEventListener("click", () => { actual = !actual; fit(); });
+document.getElementById("rp-groups").addEventListener("click", () => show("groups"));
+document.getElementById("rp-all").addEventListener("click", () => show("all"));
+window.addEventListener("resize", fit);
 document.getElementById("rp-find").addEventListener("input", ev => {
-  pinned = null; show(null); const q = ev.target.value.trim(); if (!q) return;
+  pinned = null; details(null); const q = ev.target.value.trim(); if (!q) return;
   document.body.classList.add("focus");
-  all(".node,.bar").forEach(e => { if (e.dataset.node.includes(q)) e.classList.add("hl-self"); });
+  here(".node,.group").forEach(e => { const g = groups[e.dataset.box];
+    if ((g ? g.members : [e.dataset.box]).some(m => m.includes(q))) e.classList.add("hl-self"); });
 });
-show(null);
+show("groups");
 })();
 """
 
 
+def _group_facts(graph: IterationGraph, ov: Overview) -> dict[str, dict[str, Any]]:
+    """What the page's side panel says of each group box."""
+    out = {}
+    for key, box in ov.boxes.items():
+        if not box.is_group:
+            continue
+        first = graph.nodes[box.members[0]]
+        inside = set(box.members)
+        reads = {v for m in box.members for v in graph.nodes[m].inputs if graph.values[v].producer not in inside}
+        writes = {v for m in box.members for v in graph.nodes[m].outputs}
+        folded = [f"{e.reasons[0] if e.reasons else 'order'} from {ov.boxes[e.src].lines[0]}"
+                  for e in ov.folded if e.dst == key] + [
+                  f"{e.reasons[0] if e.reasons else 'order'} before {ov.boxes[e.dst].lines[0]}"
+                  for e in ov.folded if e.src == key]
+        out[key] = {"title": box.lines[0], "kind": first.kind, "model": first.model, "phase": first.kind_info.phase,
+                    "members": list(box.members), "where": list(dict.fromkeys(where(graph.nodes[m]) for m in box.members)),
+                    "bytes_in": sum(graph.values[v].nbytes for v in reads),
+                    "bytes_out": sum(graph.values[v].nbytes for v in writes), "folded": folded}
+    return out
+
+
 def to_html(graph: IterationGraph, order: Iterable[str] | None = None, wrap: int = 16) -> str:
-    """One self-contained page: the SVG, the timeline when timed, the table, and a details panel."""
+    """One self-contained page that opens on the grouped iteration, fitted to the window: one box per
+    kind and model with its count, each edge labelled with its values' bytes and lifetime. A group
+    expands in place (a second view, laid out beforehand); "every node" shows the full graph; then the
+    timeline when timed, the one-line-per-node table, and a details panel."""
     # Inline SVG needs no xmlns in HTML5; dropping it keeps the file free of any URL.
     strip = lambda svg: svg.replace(' xmlns="http://www.w3.org/2000/svg"', "", 1)  # noqa: E731
-    parts = [strip(to_svg(graph, wrap=wrap, order=order))]
+    grouped = overview(graph, (), order)
+    views = [("groups", ())] + [(key, (key,)) for key, box in grouped.boxes.items() if box.is_group] + [("all", ALL)]
+    parts = [f'<div class="view" data-view="{_x(name)}"{" hidden" if name != "groups" else ""}>'
+             + strip(_draw(graph, overview(graph, expand, order), wrap, order, edge_labels=True)) + "</div>"
+             for name, expand in views]
     if any(_seconds(n) is not None for n in graph):
         parts += ["<h2>timeline</h2>", strip(_timeline_svg(graph))]
     header, *rows = str(graph).splitlines()
     # Rows follow str(graph), i.e. topological order; tag each with its node for highlighting.
     table = [_x(header)] + [f'<span data-node="{_x(name)}">{_x(row)}</span>'
                             for name, row in zip(graph.topological_order(), rows)]
-    data = json.dumps(to_json(graph, order), ensure_ascii=False).replace("<", "\\u003c")  # can't close <script>
+    data = dict(to_json(graph, order), groups=_group_facts(graph, grouped))
+    data = json.dumps(data, ensure_ascii=False).replace("<", "\\u003c")  # can't close <script>
     return "\n".join([
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
         f"<title>{_x(graph.name)} — rollplex iteration graph</title><style>{_CSS}</style></head><body>",
-        f"<header><b>{_x(graph.name)}</b> {len(graph)} nodes, {len(graph.values)} values"
-        '<input id="rp-find" placeholder="find node…"><button id="rp-fit">fit width</button>'
+        f"<header><b>{_x(graph.name)}</b> {len(graph)} nodes, {len(graph.values)} values · "
+        '<span id="rp-view"></span><button id="rp-groups">grouped</button><button id="rp-all">every node</button>'
+        '<button id="rp-fit">actual size</button><input id="rp-find" placeholder="find node…">'
         '<span class="in">■ inputs</span><span class="out">■ outputs</span></header>',
         "<main>", *parts, "<h2>table</h2>", '<pre id="rp-table">' + "\n".join(table) + "</pre>", "</main>",
         '<aside id="rp-details"></aside>',

@@ -28,6 +28,7 @@ import numpy as np
 
 from rollplex.errors import ConfigError
 from rollplex.pipeline.plan.hardware import Cluster, Layout
+from rollplex.pipeline.compile.compiler import ModelDims
 from rollplex.pipeline.compile.ir import Node
 from rollplex.engines.modelspec import PRESETS, VLMSpec, vision_patches
 
@@ -144,7 +145,7 @@ def measured_efficiency(peak: float = 788e12, copy_bw: float = 4.3e12) -> Effici
     slope, overhead = np.polyfit(xs, ys, 1)
     return Efficiency(vit=round(vit, 3), forward=round(forward, 3), train=round(train, 3),
                       decode_bw=round(float(1 / slope), 3), decode_step_overhead=round(float(overhead), 5),
-                      source="derived from the measured H200 iteration (ROLLPLEX.md)")
+                      source="derived from one measured H200 iteration (MEASURED_H200, pipeline/plan/costs.py)")
 
 
 @dataclass(frozen=True)
@@ -349,6 +350,11 @@ class CostModel:
         return DecodeProfile(lengths, replicas, cap, seconds.tolist(), batch.tolist(), finish, by_sample)
 
     # -- per node -------------------------------------------------------------------------------
+    @property
+    def dims(self) -> ModelDims:
+        """The byte model of this model in bf16, activations kept as the workload trains."""
+        return ModelDims.of(self.m, 2, self.w.checkpointing)
+
     def __call__(self, node: Node, gang: int) -> NodeCost:
         if "handoff_chunk" in node.args:
             return self._handed_on(node, gang)

@@ -1,15 +1,13 @@
 """What occupies a GPU during an iteration, in bytes, from the model, the workload and the layout.
 
-- ``annotate``: a copy of the compiled graph whose device values carry bf16 bytes from the model
-  spec and the sampled response lengths (the compiler's estimates are sized for the tiny fp32
-  model), and whose nodes carry ``meta["workspace"]``, the transient bytes per GPU while they run.
+- ``annotate``: a copy of the compiled graph whose scores weigh what the sampled response lengths
+  make them (the compiler sizes them at the length cap), through the one byte model
+  (``compiler.ModelDims``), and whose nodes carry ``meta["workspace"]``, the transient bytes per GPU
+  while they run.
 - ``residents``: the tensors outside the graph, each with the nodes that use it: actor weights,
   gradients, fp32 master weights and Adam moments (sharded by TP and, per ZeRO stage, by DP),
   frozen reference weights, the rollout engine's weights in its own TP layout, and its KV pool.
 - ``breakdown``: the bytes live at one moment, grouped into the terms people reason with.
-
-Activation bytes per token and layer (bf16, Korthikanti et al. 2022 with flash attention): 34·h
-without checkpointing, 2·h (the layer input) with it.
 """
 from __future__ import annotations
 
@@ -23,16 +21,11 @@ from rollplex.pipeline.plan.schedule import copy_graph, rebuild
 GiB = 1024**3
 
 
-def activation_bytes(cm: CostModel, tokens: float) -> float:
-    per = 2 if cm.w.checkpointing else 34
-    return per * cm.m.hidden * cm.m.layers * tokens
-
-
 def annotate(graph: IterationGraph, cm: CostModel) -> IterationGraph:
     """bf16 value bytes, ``workspace`` per node, and in ``actor_forward="recompute"`` mode actor
     forwards that score without grad, re-run by the loss: the suffix always, the prefix too when
     ``cm.recompute_prefix`` (barrier policies: verl computes old log-probs in a separate pass)."""
-    m, w = cm.m, cm.w
+    w, dims = cm.w, cm.dims
     L = w.prefix_tokens
     recompute = w.actor_forward == "recompute"
     nodes, infos = [], {}
@@ -51,12 +44,11 @@ def annotate(graph: IterationGraph, cm: CostModel) -> IterationGraph:
             p = v.prompts[0] if len(v.prompts) == 1 else None
             nbytes = v.nbytes
             if node.kind == "vit_encode":
-                nbytes = w.vision_total * m.hidden * 2
+                nbytes = dims.vision_bytes(w.vision_total)
             elif node.kind == "prefix":
-                nbytes = L * m.kv_bytes_per_token() + m.vocab * 4 + (activation_bytes(cm, L) if grad else 0)
-            elif node.kind == "suffix_score" and p is not None:
-                tokens = cm.tokens(p, full)
-                nbytes = sum(cm.profile.lengths[p]) * 4 + (activation_bytes(cm, tokens) if grad else 0)
+                nbytes = dims.prefix_bytes(L, grad)
+            elif node.kind == "suffix_score" and p is not None:  # the sampled lengths, not the cap
+                nbytes = dims.score_bytes(sum(cm.profile.lengths[p]), grad, cm.tokens(p, full))
             infos[out] = replace(v, nbytes=int(nbytes))
         meta = dict(node.meta)
         meta["workspace"] = int(_workspace(cm, node.kind, prompts, full))
@@ -174,7 +166,7 @@ def copy_with_cache_hits(graph: IterationGraph, cm: CostModel, hit) -> Iteration
     policy = graph.meta.get("rollout_model", "actor")
     responses = {v.prompts[0]: v.name for v in graph.of_role("responses") if len(v.prompts) == 1}
     nodes = []
-    kv = cm.w.prefix_tokens * cm.m.kv_bytes_per_token() + cm.m.vocab * 4
+    kv = cm.dims.prefix_bytes(cm.w.prefix_tokens)
     for node in graph:
         prompts = list(node.args.get("prompts", []))
         if node.kind == "prefix" and node.model != policy and prompts and all(hit(p) for p in prompts):

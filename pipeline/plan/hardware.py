@@ -176,7 +176,7 @@ H800 = Cluster(
     hbm_bytes=80 * GiB, hbm_bw=3.35e12 * 4.3 / 4.8, peak_flops=788e12,
     intra_bw=160e9,  # NVLink 400 GB/s bidirectional on H800 → 200 one way at ~80%
     inter_bw=40e9, pcie_bw=50e9, host_bytes_per_node=2048 * GiB,
-    sources=(("hbm_bytes", "issue 3 / paper: 80 GiB"),
+    sources=(("hbm_bytes", "vendor H800 SXM: 80 GiB"),
              ("hbm_bw", "vendor 3.35 TB/s × the measured H200 copy/vendor ratio 4.3/4.8 → 3.0 TB/s (assumed)"),
              ("intra_bw", "vendor H800 NVLink 400 GB/s bidirectional → 200 one way, assumed 80% → 160"),
              *_COMMON_SOURCES),

@@ -18,9 +18,9 @@ every node on a GPU gang and a lane and predicts its start and finish, under thr
 - ``disaggregated``: rollout GPUs apart from training GPUs (same total), phase barriers, weights
   shipped over the network after each step, vision output and responses shipped to the trainers.
 - ``rollplex``: colocated, no barriers. Prefix and vision work run beside decode on SM partitions,
-  but only while decode is light enough to leave compute idle (the long tail); groups whose
-  responses are done are handed on at the end of their decode chunk, so their suffix scoring runs
-  while the rest still decode (stage fusion).
+  but only while decode is light enough to leave compute idle (the long tail); a graph compiled
+  with stage fusion scores (and with train fusion trains) what each decode chunk finished while
+  the rest still decode.
 
 Priorities are critical-path lengths in predicted seconds. Ties are broken by a structural
 signature of each node (kind, model, args, cost, and those of its ancestors and descendants), never
@@ -37,7 +37,6 @@ from dataclasses import dataclass, field, replace
 import networkx as nx
 
 from rollplex.errors import GraphError
-from rollplex.pipeline.compile.compiler import scoring_tail
 from rollplex.pipeline.plan.hardware import Cluster, Layout
 from rollplex.pipeline.compile.ir import IterationGraph, Node, gc_paused
 from rollplex.pipeline.plan.timing import Job, Problem, Timing, dispatch, lane_orders, replay
@@ -130,14 +129,13 @@ class PolicySpec:
     barriers: bool  # serial phase barriers
     colocated: bool  # every GPU rolls out and trains
     gate: bool  # keep compute work out of decode too heavy to hide it
-    stage_fusion: bool  # hand finished groups on before the last decode chunk
     partitioned: bool  # SM partitions for work beside decode (else plain streams)
 
 
 POLICY_SPECS = {
-    "serial": PolicySpec("serial", barriers=True, colocated=True, gate=False, stage_fusion=False, partitioned=False),
-    "disaggregated": PolicySpec("disaggregated", True, False, False, False, False),
-    "rollplex": PolicySpec("rollplex", False, True, True, True, True),
+    "serial": PolicySpec("serial", barriers=True, colocated=True, gate=False, partitioned=False),
+    "disaggregated": PolicySpec("disaggregated", True, False, False, False),
+    "rollplex": PolicySpec("rollplex", False, True, True, True),
 }
 
 
@@ -174,7 +172,9 @@ def placement(node: Node, layout: Layout, cluster: Cluster) -> tuple[str, tuple[
         return cluster.lane("decode"), (layout.gpus,)
     if stream == "decode":
         return cluster.lane("decode"), (layout.rollout,)
-    if kind in ("loss", "optimizer_step"):
+    if kind in ("loss", "optimizer_step") or "handoff_chunk" in node.args:
+        # SPMD over the trainers: a stage-fused node scores (or trains) what one decode chunk handed
+        # on, every data-parallel rank its own share of it, as the rank split runs it
         return cluster.lane("compute"), (layout.train,)
     if stream == "host":
         return "host", layout.gangs(layout.train, 1)
@@ -342,22 +342,18 @@ class Plan:
         return "\n".join([head, *lines])
 
 
-def plan(graph: IterationGraph, cluster: Cluster, costs, policy: str = "rollplex", layout: Layout | None = None,
-         *, release: Mapping[int, int] | None = None,
-         release_samples: Mapping[int, list[int]] | None = None, window_chunks: int = 0) -> Plan:
+def plan(graph: IterationGraph, cluster: Cluster, costs, policy: str = "rollplex", layout: Layout | None = None) -> Plan:
     """Place and time every node of ``graph`` under ``policy``. Pure: the input is not modified.
 
-    ``costs`` is ``(node, gang size) -> NodeCost | seconds`` or a mapping node name → seconds.
-    ``release`` (prompt → decode chunk in which its group finishes) enables stage fusion;
-    ``release_samples`` (prompt → each sample's finish chunk) has frozen models score single samples
-    as their chunks end (``release_finished_samples``), as the runtime does; from chunk
-    ``window_chunks`` on (when > 0) in one node after the last chunk (``BatchShape.window_chunks``).
+    ``costs`` is ``(node, gang size) -> NodeCost | seconds`` or a mapping node name → seconds. Stage
+    fusion is the graph's own: a graph compiled with it hands each decode chunk's finished samples
+    or groups on (``compiler.compile_iteration``), and the cost model prices what each chunk handed.
     """
     with gc_paused():
-        return _plan(graph, cluster, costs, policy, layout, release, release_samples, window_chunks)
+        return _plan(graph, cluster, costs, policy, layout)
 
 
-def _plan(graph, cluster, costs, policy, layout, release, release_samples=None, window_chunks=0) -> Plan:
+def _plan(graph, cluster, costs, policy, layout) -> Plan:
     spec = policy_spec(policy)
     if layout is None:
         layout = Layout.colocate(cluster) if spec.colocated else Layout.split(cluster, max(1, cluster.gpus // 2))
@@ -366,10 +362,6 @@ def _plan(graph, cluster, costs, policy, layout, release, release_samples=None, 
         raise GraphError(f"policy {policy} needs a {'colocated' if spec.colocated else 'split'} layout; got rollout "
                          f"GPUs {layout.rollout} and training GPUs {layout.train}")
     planned = copy_graph(graph)
-    if spec.stage_fusion and release:
-        planned = release_finished_groups(planned, release)
-    if spec.stage_fusion and release_samples:
-        planned = release_finished_samples(planned, release_samples, window_chunks)
     if not nx.is_directed_acyclic_graph(planned.g):
         planned.lint()  # names the cycle of the input
     if spec.barriers:
@@ -441,93 +433,3 @@ def rebuild(graph: IterationGraph, nodes: list[Node], infos: Mapping[str, dict] 
         if not data["values"] and u in new.nodes and v in new.nodes:
             new.add_order(u, v, data["reason"])
     return new
-
-
-def release_finished_groups(graph: IterationGraph, finish_chunk: Mapping[int, int]) -> IterationGraph:
-    """Stage fusion: prompt p's responses leave the decode chunk in which its group finished
-    (``finish_chunk[p]``) instead of the last one, so its scoring can start while others decode.
-    Edits ``graph`` (a copy the caller owns) in place and returns it.
-
-    The real decode task hands responses on at the last chunk only; this is what the plan and the
-    simulator assume once it hands on finished groups (see issue 3's report)."""
-    chunks = {n.args["chunk"]: n for n in graph.of_kind("decode_chunk")}
-    if not chunks:
-        return graph
-    last = chunks[max(chunks)]
-    moved: dict[str, str] = {}  # value → new producer
-    responses = {v.prompts[0]: v for v in graph.of_role("responses") if len(v.prompts) == 1}
-    for p, c in finish_chunk.items():
-        v = responses.get(p)
-        if v is not None and v.producer == last.name and c in chunks and chunks[c] is not last:
-            moved[v.name] = chunks[c].name
-    if not moved:
-        return graph
-    for c, node in chunks.items():
-        outs = tuple(o for o in node.outputs if moved.get(o, node.name) == node.name) + tuple(
-            v for v, prod in moved.items() if prod == node.name and v not in node.outputs)
-        if outs != node.outputs:
-            graph.replace_node(Node(node.name, node.kind, node.inputs, outs, node.model, node.engine,
-                                    node.args, dict(node.meta)))
-    for value, producer in moved.items():
-        graph.replace_value(replace(graph.values[value], producer=producer))
-    for u, v, data in list(graph.g.out_edges(last.name, data=True)):
-        gone = tuple(x for x in data["values"] if x in moved)
-        if not gone:
-            continue
-        keep = tuple(x for x in data["values"] if x not in moved)
-        if keep:
-            graph.add_edge(last.name, v, keep, data["reason"])
-        elif not graph.g.has_edge(last.name, v) or data["reason"] == "value":
-            graph.remove_edge(last.name, v)
-        for x in gone:
-            src = moved[x]
-            edge = graph.g.get_edge_data(src, v)
-            graph.add_edge(src, v, (edge["values"] if edge else ()) + (x,), "value")
-    return graph
-
-
-def release_finished_samples(graph: IterationGraph, sample_chunks: Mapping[int, list[int]],
-                             window_chunks: int = 0) -> IterationGraph:
-    """Stage fusion per sample, as the runtime runs it: a frozen model's suffix node splits into one
-    node per decode chunk in which some of its samples finished (``sample_chunks[p][g]``), each
-    scoring those samples (``args["samples"]``, which the cost model reads) on a value that chunk
-    hands on; a join gives the original outputs back, so their consumers are unchanged. Samples of
-    chunk ``window_chunks`` and later (when 0 < it < the last chunk) go to one node the last chunk
-    hands on. Nodes whose samples all finish in one chunk stay as they are. Returns a new graph."""
-    decodes = {n.args["chunk"]: n for n in graph.of_kind("decode_chunk")}
-    last = max(decodes)
-    tail = scoring_tail(window_chunks, last + 1)
-    handed: dict[int, list[str]] = {c: [] for c in decodes}
-    nodes, infos = [], {}
-    for node in graph:
-        responses = [v for v in node.inputs if graph.values[v].role == "responses"]
-        prompts = list(node.args.get("prompts", []))
-        split = (node.kind == "suffix_score" and not node.args.get("grad") and not node.args.get("full_sequence")
-                 and responses and all(p in sample_chunks for p in prompts))
-        by_chunk: dict[int, dict[int, list[int]]] = {}
-        for p in prompts if split else []:
-            for g, c in enumerate(sample_chunks[p]):
-                by_chunk.setdefault(min(c, tail), {}).setdefault(p, []).append(g)
-        if len(by_chunk) <= 1:
-            nodes.append(node)
-            continue
-        kvs = tuple(v for v in node.inputs if v not in responses)
-        total = sum(graph.values[o].nbytes for o in node.outputs)
-        scored = graph.values[node.outputs[0]]  # what the parts score, per chunk
-        parts = []
-        for c, samples in sorted(by_chunk.items()):
-            ready, out = f"finished_{node.name}_c{c}", f"{node.name}_c{c}"
-            handed[last if c == tail else c].append(ready)
-            share = sum(map(len, samples.values())) / sum(len(sample_chunks[p]) for p in prompts)
-            covers = tuple(sorted(samples))
-            infos[ready] = dict(nbytes=64, device="host", role="finished", model=decodes[last].model, prompts=covers,
-                                chunk=c, rank=scored.rank)
-            infos[out] = dict(nbytes=int(total * share), device="device", role="score", model=node.model,
-                              prompts=covers, chunk=c, rank=scored.rank, label=scored.label)
-            nodes.append(Node(out, "suffix_score", kvs + (ready,), (out,), node.model, node.engine,
-                              {**node.args, "samples": samples}, dict(node.meta)))
-            parts.append(out)
-        nodes.append(Node(f"join_{node.name}", "join", tuple(parts), node.outputs, args={"prompts": prompts}))
-    nodes = [replace(n, outputs=n.outputs + tuple(handed[n.args["chunk"]])) if n.kind == "decode_chunk" else n
-             for n in nodes]
-    return rebuild(graph, nodes, infos)

@@ -13,7 +13,9 @@ from dataclasses import dataclass, field, replace
 from rollplex.errors import MemoryPlanError
 from rollplex.pipeline.plan import footprint
 from rollplex.pipeline.plan import memory
-from rollplex.pipeline.compile.compiler import BatchShape, EngineChoice, ModelDims, compile_iteration
+from rollplex.pipeline.compile.compiler import BatchShape, EngineChoice, ModelDims
+from rollplex.pipeline.compile.spec import IterationSpec
+from rollplex.pipeline.plan.build import build_iteration
 from rollplex.pipeline.plan.costs import Calibration, CostModel, Efficiency, Workload
 from rollplex.pipeline.plan.hardware import Cluster, Layout
 from rollplex.pipeline.compile.authoring import Algorithm
@@ -76,19 +78,28 @@ class Result:
         return exposed_phases(self.plan)
 
 
-def compile_for(scn: Scenario, layout: Layout, prefix_sharing: bool, rollplex: bool = False) -> IterationGraph:
-    w, m = scn.workload, scn.model
-    # Train fusion compiles the runtime's graph: per decode chunk, the reference scores the groups it
-    # finished and ``train_c`` trains them (costs.CostModel._handed_on). Stage fusion without it is
-    # the unfused graph, split per finished sample by the plan (schedule.release_finished_samples).
-    fused = rollplex and scn.train_fusion and scn.stage_fusion and prefix_sharing
+def spec_for(scn: Scenario, layout: Layout, prefix_sharing: bool, rollplex: bool = False) -> IterationSpec:
+    """The ``IterationSpec`` of one simulated variant: the workload's batch with the layout's
+    data-parallel micro-batches. Under rollplex it fuses stages as the runtime compiles them: the
+    reference scores each decode chunk's finished samples (or, with train fusion, ``train_c``
+    trains its finished groups); the cost model prices each such node from the sampled lengths
+    (``costs.CostModel._handed_on``)."""
+    w = scn.workload
+    fused = scn.stage_fusion and prefix_sharing
     shape = BatchShape(prompts=w.prompts, samples=w.samples, max_new_tokens=w.max_new_tokens,
                        chunk_tokens=w.chunk_tokens, micro_batch_groups=w.micro_batch_groups or layout.train_dp,
                        prompt_tokens=w.prefix_tokens, vision_tokens=w.vision_total, prefix_sharing=prefix_sharing,
                        prompts_per_node=w.prompts_per_node, grad_prefix_lookahead=scn.grad_prefix_lookahead,
-                       stage_fusion=fused, train_fusion=fused)
-    dims = ModelDims(m.hidden, m.layers, m.kv_heads, m.head_dim, m.vocab, m.params, 2)
-    return compile_iteration(scn.algorithm, shape, ENGINES, dims, name=f"{scn.algorithm.name}-{m.name}")
+                       stage_fusion=fused, train_fusion=fused and scn.train_fusion, window_chunks=scn.window_chunks)
+    return IterationSpec(shape, ENGINES, "rollplex" if rollplex else "serial")
+
+
+def compile_for(scn: Scenario, layout: Layout, prefix_sharing: bool, rollplex: bool = False) -> IterationGraph:
+    """The variant's iteration, expanded as a run builds it (``plan.build``); the simulator then
+    places it on the cluster itself (``schedule.plan``)."""
+    dims = ModelDims.of(scn.model, 2, scn.workload.checkpointing)  # the byte model the footprint reads too
+    built = build_iteration(scn.algorithm, spec_for(scn, layout, prefix_sharing, rollplex), dims, until="distribute")
+    return built.compiled
 
 
 def layout_for(scn: Scenario, policy: str, rollout_gpus: int | None = None) -> Layout:
@@ -128,12 +139,7 @@ def run_variant(scn: Scenario, name: str, rollout_gpus: int | None = None) -> Re
     if rollplex and scn.workload.ref_cache_hit > 0:
         h = scn.workload.ref_cache_hit
         graph = footprint.copy_with_cache_hits(graph, cm, lambda p: (p * 0.6180339887) % 1.0 < h)
-    # A train-fused graph defers its normaliser and trains per chunk as compiled (compile_for); the plan
-    # only releases the unfused graph's groups and samples with their decode chunks.
-    fused = graph.meta["shape"].train_fusion
-    first = plan(graph, scn.cluster, cm, policy, layout, release=cm.profile.finish_chunk if scn.stage_fusion else None,
-                 release_samples=cm.profile.sample_chunks if scn.stage_fusion else None,
-                 window_chunks=0 if fused else scn.window_chunks)
+    first = plan(graph, scn.cluster, cm, policy, layout)
     rs = footprint.residents(first.graph, cm)
     measured = memory.plan_memory(first, rs, scn.budget, enabled=False)
     g = max(measured.naive_peak, key=lambda k: (measured.naive_peak[k], -k))

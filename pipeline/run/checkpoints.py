@@ -46,9 +46,30 @@ class CheckpointState:
     metrics_sha256: str | None = None  # of metrics.jsonl as it stood: the rows a resume keeps
 
 
+WARMUP = -1  # the iteration number of the checkpoint written after the supervised warm-up
+WARMUP_NAME = "after_warmup"
+
+
 def name_of(iteration: int) -> str:
-    """iter_000042; the post-warm-up checkpoint is iteration -1, "iter_-00001", which sorts first."""
-    return f"iter_{iteration:06d}"
+    """iter_000042; the checkpoint after the warm-up, before RL iteration 0, is "after_warmup"."""
+    return WARMUP_NAME if iteration == WARMUP else f"iter_{iteration:06d}"
+
+
+def iteration_of(name: str) -> int | None:
+    """The iteration a checkpoint directory's name stands for (None: not a checkpoint's name).
+    Run directories written before the warm-up checkpoint had its name call it "iter_-00001"."""
+    if name == WARMUP_NAME:
+        return WARMUP
+    try:
+        return int(name.removeprefix("iter_")) if name.startswith("iter_") else None
+    except ValueError:
+        return None
+
+
+def final_dirs(root: Path) -> list[Path]:
+    """Directories under a checkpoint's final name (complete or not), by iteration."""
+    found = [p for p in Path(root).glob("*") if p.is_dir() and iteration_of(p.name) is not None]
+    return sorted(found, key=lambda p: iteration_of(p.name))
 
 
 def due(iteration: int, cfg) -> bool:
@@ -151,13 +172,7 @@ def clean_stale(run_dir: Path) -> list[Path]:
 
 def _complete(root: Path) -> list[Path]:
     """Renamed-into-place checkpoints, oldest first (by iteration: names stop sorting at 10^6)."""
-    def iteration(p: Path) -> int:
-        try:
-            return int(p.name.removeprefix("iter_"))
-        except ValueError:
-            return -(2**62)
-
-    return sorted((p for p in root.glob("iter_*") if (p / "manifest.json").exists()), key=iteration)
+    return [p for p in final_dirs(root) if (p / "manifest.json").exists()]
 
 
 def retain(run_dir: Path, keep_last: int) -> None:

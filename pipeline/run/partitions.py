@@ -20,6 +20,23 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+@dataclass(frozen=True)
+class WindowSharing:
+    """How work beside decode shares the GPU with it, as the worker host reads it. A run's config sets
+    ``partitions`` (``cluster.sm_partitions``, under the rollplex schedule); a bench policy's options
+    set any field, so variants compare under one runtime rather than through knobs of their own."""
+
+    partitions: bool = False  # SM partitions (green contexts) while both GPU streams are busy
+    decode_sms: int = 0  # decode's SMs then; 0: re-chosen per chunk from the live batch
+    sm_target: bool = True  # a partition's matmuls target its SMs (sm_target)
+    grad_on_partition: bool = False  # forwards kept for a backward may take a partition (on_stream)
+    prefill_gate: bool = True  # prefix and scoring work wait out decode's prefill (wait_for_prefill)
+    # Prefix work joins the decode window only once decode is light (at most this many live rows):
+    # heavy decode leaves little idle compute, and sharing SMs then slows it more than the hidden
+    # prefix saves. 0 disables the gate.
+    gate_rows: int = 0
+
+
 # (live decode rows at most, SMs decode keeps); the last row (None) covers any batch.
 AUTO_SPLITS: tuple[tuple[int | None, int], ...] = ((8, 32), (32, 64), (None, 96))
 

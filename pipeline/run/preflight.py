@@ -99,3 +99,24 @@ def check_memory_budget(budget_gib: float | None, terms: dict[str, float]) -> No
         raise MemoryPlanError(f"cluster.memory_budget_gib: the engines need about {need / GiB:.3g} GiB per device "
                               f"({parts}) but the budget is {budget_gib:g} GiB; raise it, use model.dtype=bfloat16, "
                               "or shrink the decode batch (rollout.prompts_per_iteration × samples_per_prompt)")
+
+
+def check_fits(terms: dict[str, float], available: float, where: str, hint: str) -> None:
+    """Refuse, before anything is built, work whose engines alone hold more than ``available`` bytes
+    (an out-of-memory kill minutes later says nothing); ``terms`` as ``memory_terms`` gives them."""
+    need = sum(terms.values())
+    if need > available:
+        parts = ", ".join(f"{k} {v / GiB:.3g}" for k, v in terms.items() if v)
+        raise MemoryPlanError(f"{where}: needs at least {need / GiB:.3g} GiB ({parts}) but {available / GiB:.3g} GiB "
+                              f"are available; {hint}")
+
+
+def available_memory(device: str) -> float:
+    """Bytes free for new work: the host's available memory, or the current CUDA device's free memory."""
+    if device == "cuda":
+        import torch
+
+        return float(torch.cuda.mem_get_info()[0])
+    import psutil
+
+    return float(psutil.virtual_memory().available)

@@ -6,7 +6,10 @@ Run directory layout:
     rollouts/iter_NNNNNN.jsonl  one object per response
     traces/iter_NNNNNN.json     Chrome trace events, one track per worker and stream (Perfetto)
     checkpoints/iter_NNNNNN/    the actor in HF format + optimizer, RNG and data-loader state
+    checkpoints/after_warmup/   the same after the warm-up, before RL iteration 0 (when there is one)
+    reference/                  the warmed-up policy, the reference (after a warm-up; else model.path)
     errors.log                  the traceback of each error in the user's code (the console has one line)
+Every model folder holds the processor files too, so it loads alone in transformers.
 Every file is written atomically (temp file + rename); ``--resume`` continues from the last
 complete checkpoint and truncates later metric rows, so the sequence has no gaps or duplicates.
 A lost Dask worker rolls the run back to its last checkpoint and replays from there, and
@@ -22,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rollplex.config import MAY_CHANGE_ON_RESUME, RunConfig, config_changes, run_config_text
+from rollplex.config import MAY_CHANGE_ON_RESUME, RunConfig, config_changes, resolve_task_defaults, run_config_text
 from rollplex.errors import (CheckpointError, ConfigError, Interrupted, NodeFailure, NonFiniteError, RollplexError,
                              UserCodeError, WorkerLost)
 from rollplex.pipeline.run import checkpoints
@@ -62,6 +65,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = 
     from rollplex.pipeline.run.cluster import connect, install_engines, uninstall_engines
     from rollplex.pipeline.run.recovery import StopSignals, children_ignore_sigint, quiet_task_errors
 
+    cfg = resolve_task_defaults(cfg)  # warm-up and reward stop: the embedded task's, unless asked for
     runtime.configure(threads=cfg.cluster.threads, device=resolve_device(cfg))
     run_dir = Path(run_dir)
     check_run_dir(run_dir)
@@ -232,7 +236,7 @@ def _start_from(cfg: RunConfig, session: Session, executor, watch, state, metric
         session.loader.load_state_dict({**session.loader.state_dict(), "epoch": 0, "position": 0})
         if cfg.warmup.steps:
             _run_warmup(cfg, session, executor, metrics_path, log, stop)
-            session.checkpoint(executor, -1, reward=None, pids=set(watch.known.values()))
+            session.checkpoint(executor, checkpoints.WARMUP, reward=None, pids=set(watch.known.values()))
         return 0, []
     session.loader.load_state_dict(state.loader)
     checkpoints.restore_rng(state.rng)
@@ -276,7 +280,7 @@ def _train_loop(cfg: RunConfig, session: Session, client, state, metrics_path: P
     executor = DaskExecutor(client, ranks, cfg.cluster.lowering, installed=session.graphs)
     watch = WorkerWatch(client)
     log(f"engines ready in {time.time() - t0:.1f}s")
-    bar = tqdm(disable=not progress, desc=session.algorithm.name, unit="it", total=cfg.iterations)
+    bar = None
     iteration_seconds: list[float] = []
     iteration, recovering, where = None, False, "warm-up"
     while True:
@@ -286,8 +290,11 @@ def _train_loop(cfg: RunConfig, session: Session, client, state, metrics_path: P
                                                 recovering)
                 rewards = [float(row["reward_mean"]) for row in logged]
                 timed = [(row.get("schedule", cfg.schedule), row["iter_seconds"]) for row in logged]
-                bar.n = iteration
-                bar.refresh()
+                if bar is not None:
+                    bar.close()
+                # Started only now, so that its rate counts RL iterations, not start-up and warm-up.
+                bar = tqdm(disable=not progress, desc=session.algorithm.name, unit="it", total=cfg.iterations,
+                           initial=iteration)
             while iteration < cfg.iterations:
                 if stop.requested:
                     raise _interrupted(stop, run_dir, iteration - 1)
@@ -429,6 +436,7 @@ def _run_warmup(cfg: RunConfig, session: Session, executor, metrics_path: Path, 
     staging = session.run_dir / ".reference-tmp"
     shutil.rmtree(staging, ignore_errors=True)
     executor.call(_adopt_reference, str(staging))
+    session.processor.save_pretrained(str(staging))  # so that reference/ loads alone, like a checkpoint
     checkpoints.write_manifest(staging)  # a resume verifies the reference before its frozen models load it
     shutil.rmtree(target, ignore_errors=True)
     os.replace(staging, target)

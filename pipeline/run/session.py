@@ -6,7 +6,6 @@ stage fusion, the memory plan when asked) and schedules it. ``pipeline/run/runne
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from pathlib import Path
 
@@ -150,49 +149,36 @@ def auto_prompts_per_node(dims, prompt_tokens: int, prompts: int, device: str) -
     return max(1, min(prompts, math.ceil(MIN_NODE_FLOPS.get(device, 2e12) / per_prompt)))
 
 
-def batch_shape(cfg: RunConfig, dims, prompt_tokens: int, vision_tokens: int, device: str):
-    """The iteration's ``BatchShape`` under ``cfg``, for prompts of ``prompt_tokens`` (``vision_tokens``
-    of them vision) on ``device``: what every run compiles."""
+def iteration_spec(cfg: RunConfig, dims, prompt_tokens: int, vision_tokens: int, device: str, engines,
+                   policy: str = "rollplex"):
+    """The ``IterationSpec`` a run of ``cfg`` builds, for prompts of ``prompt_tokens`` (``vision_tokens``
+    of them vision) on ``device`` with ``engines`` (compiler.EngineChoice), under ``policy``."""
     from rollplex.pipeline.compile.compiler import BatchShape
     from rollplex.pipeline.compile.ranks import fit_prompts_per_node
+    from rollplex.pipeline.compile.spec import IterationSpec
 
     prompts, world = cfg.rollout.prompts_per_iteration, cfg.cluster.workers
+    per_node = cfg.train.prompts_per_node or auto_prompts_per_node(dims, prompt_tokens, prompts, device)
+    if world > 1 and prompts % world == 0:  # each rank's nodes cover its own prompts only
+        per_node = fit_prompts_per_node(per_node, prompts // world)
     shape = BatchShape(
         prompts=prompts,
         samples=cfg.rollout.samples_per_prompt,
         max_new_tokens=cfg.rollout.max_new_tokens,
         chunk_tokens=cfg.rollout.chunk_tokens,
         micro_batch_groups=min(cfg.train.micro_batch_groups, prompts),
-        prompts_per_node=cfg.train.prompts_per_node or auto_prompts_per_node(dims, prompt_tokens, prompts, device),
+        prompts_per_node=per_node,
         prompt_tokens=prompt_tokens,
         vision_tokens=vision_tokens,
         prefix_sharing=cfg.train.prefix_sharing,
-        # Set per schedule (build_iteration): serial scores after the rollout by definition; with
-        # data-parallel ranks, each rank scores its own decode chain's samples (pipeline/compile/ranks.py).
+        # Under rollplex only (IterationSpec.compiled_shape); with data-parallel ranks, each rank scores
+        # its own decode chain's samples (pipeline/compile/ranks.py).
         stage_fusion=cfg.train.stage_fusion,
         train_fusion=cfg.train.train_fusion,
         window_chunks=cfg.train.window_chunks,
         grad_prefix_lookahead=cfg.train.grad_prefix_lookahead,
     )
-    if world > 1 and prompts % world == 0:  # each rank's nodes cover its own prompts only
-        shape = dataclasses.replace(shape, prompts_per_node=fit_prompts_per_node(shape.prompts_per_node,
-                                                                                 prompts // world))
-    return shape
-
-
-def build_iteration(algorithm, shape, choice, dims, schedule_name: str, world: int = 1, tp_rollout: int = 1,
-                    plan_memory=None):
-    """(compiled, memory plan or None, scheduled) graphs of one schedule: compile (stage fusion only
-    under rollplex), split over ``world`` data-parallel ranks, ``plan_memory(graph, schedule_name)``
-    when given, schedule. The runner, ``rollplex graph`` and benchmarks/build_scale.py all build so."""
-    from rollplex.pipeline.compile.compiler import compile_iteration
-    from rollplex.pipeline.compile.ranks import distribute
-    from rollplex.pipeline.plan.schedule import schedule
-
-    fused = dataclasses.replace(shape, stage_fusion=shape.stage_fusion and schedule_name == "rollplex")
-    compiled = distribute(compile_iteration(algorithm, fused, choice, dims), world, tp_rollout)
-    plan = plan_memory(compiled, schedule_name) if plan_memory is not None else None
-    return compiled, plan, schedule(plan.graph if plan else compiled, schedule_name)
+    return IterationSpec(shape, engines, policy, world, cfg.cluster.tp_rollout)
 
 
 class Session:
@@ -236,7 +222,10 @@ class Session:
                 self.decode_engine, cfg.engines.overrides.get("decode_chunk")):
             raise EngineError(f"data.path: {cfg.data.path} has video prompts, which the vllm decode engine does "
                               "not take yet; set engines.decode: hf")
-        shape = batch_shape(cfg, dims, prompt_tokens, vision_tokens, self.device)
+        choice = EngineChoice({"decode": self.decode_engine, "train": self.train_engine, "score": self.score_engine},
+                              dict(cfg.engines.overrides))
+        spec = iteration_spec(cfg, dims, prompt_tokens, vision_tokens, self.device, choice)
+        shape = spec.shape
         self.max_positions = check_sequence_length(cfg, hf_config, prompt_tokens)
         if cfg.train.train_fusion and self.train_engine != "torch":
             raise ConfigError(f"train.train_fusion: the {self.train_engine} train engine cannot rescale its "
@@ -249,8 +238,6 @@ class Session:
                             cfg.train.zero_stage, self.decode_engine,
                             processes=self.worker_processes,
                             tp_rollout=cfg.cluster.tp_rollout)
-        choice = EngineChoice({"decode": self.decode_engine, "train": self.train_engine, "score": self.score_engine},
-                              dict(cfg.engines.overrides))
         self.shape = shape
         self.dims = dims
         # After a warm-up the reference is the warmed-up policy, saved once in the run directory.
@@ -261,13 +248,15 @@ class Session:
         self.graphs, self.memory_plans, compiled_graphs = {}, {}, {}
         self.train_fusion_off: str | None = None  # asked for, but the rollplex graph trains after decode: why
         try:
+            from rollplex.pipeline.plan.build import build_iteration
+
             for name in self.schedules:
-                compiled, plan, self.graphs[name] = build_iteration(
-                    self.algorithm, shape, choice, dims, name, self.world, cfg.cluster.tp_rollout,
-                    self.plan_memory if cfg.cluster.memory_plan else None)
+                built = build_iteration(self.algorithm, spec.under(name), dims,
+                                        self.plan_memory if cfg.cluster.memory_plan else None)
                 if name == "rollplex":
-                    self.train_fusion_off = compiled.meta.get("train_fusion_off")
-                compiled_graphs[name], self.memory_plans[name] = compiled, plan
+                    self.train_fusion_off = built.compiled.meta.get("train_fusion_off")
+                compiled_graphs[name], self.memory_plans[name] = built.compiled, built.memory_plan
+                self.graphs[name] = built.graph
         except GraphError as exc:  # a user DAG file's cycle or dangling value: name the file too
             if not cfg.algorithm.endswith(".py") or cfg.algorithm in str(exc):
                 raise
@@ -287,7 +276,8 @@ class Session:
         engines hold the run's state; a replacement worker refuses to save its fresh weights."""
         def write(directory: str) -> None:
             executor.call(_save, directory, pids)
-            self.processor.save_pretrained(directory)
+            for model in ("", *self.algorithm.model_losses):  # the policy's folder, a critic's subfolder
+                self.processor.save_pretrained(str(Path(directory) / model))
 
         return checkpoints.save(self.run_dir, iteration, write, loader=self.loader.state_dict(),
                                 keep_last=self.cfg.checkpoint.keep_last, reward=reward, config=self.cfg.to_dict())
@@ -323,6 +313,7 @@ class Session:
         return [batch[i] for i in balance(costs, self.world)]
 
     def host_spec(self):
+        from rollplex.pipeline.run.partitions import WindowSharing
         from rollplex.pipeline.run.worker import HostSpec, IterationSettings
 
         tok = self.tokenizer
@@ -356,7 +347,7 @@ class Session:
             tp_rollout=cfg.cluster.tp_rollout,
             weight_sharing=cfg.engines.weight_sharing,
             # Partitions serve work beside decode, which only the rollplex schedule runs.
-            sm_partitions=cfg.cluster.sm_partitions and "rollplex" in self.schedules,
+            window=WindowSharing(partitions=cfg.cluster.sm_partitions and "rollplex" in self.schedules),
             task=self.task, graphs=self.graphs)
 
     @property

@@ -23,6 +23,7 @@ import torch
 
 from rollplex.errors import NodeFailure, RollplexError, UserCodeError
 from rollplex.pipeline.compile.ir import Node, Value
+from rollplex.pipeline.run.partitions import WindowSharing
 from rollplex.pipeline.run.usercode import node_error, user_files
 
 STREAMS = ("decode", "compute", "host")  # a worker's streams; Dask resources of the same names
@@ -82,7 +83,7 @@ class HostSpec:
     world_size: int = 1  # data-parallel ranks; >1: engines are built by cluster.form_ranks, not the plugin
     tp_rollout: int = 1  # ranks per tensor-parallel decode engine (consecutive ranks; pipeline/compile/ranks.py)
     weight_sharing: str = "off"  # auto: the decode engine runs on the policy trainer's storage (engines/sharing.py)
-    sm_partitions: bool = False  # green-context SM partitions on CUDA (pipeline/run/partitions.py)
+    window: WindowSharing = field(default_factory=WindowSharing)  # how work beside decode shares the GPU
     # The run's prompt source (pickled as its recipe: a file dataset is re-read here), so that the
     # driver sends item indices and this worker builds the pixels it reads (tasks.data.PromptStore).
     task: Any = None
@@ -92,11 +93,11 @@ class HostSpec:
 
 
 class WorkerHost:
-    """``engines``/``decode``/``streams`` may be given ready-made (benchmarks build them once and run
-    several policies on them); otherwise they are built from the spec."""
+    """``engines``/``decode``/``streams``/``partitions`` may be given ready-made (benchmarks build them
+    once and run several policies on them); otherwise they are built from the spec."""
 
     def __init__(self, spec: HostSpec, name: str = "worker", engines: dict | None = None, decode=None,
-                 streams: dict | None = None, tokenizer=None) -> None:
+                 streams: dict | None = None, tokenizer=None, partitions=None) -> None:
         from rollplex.engines.attention_kernels import eager_attention_without_cudnn
         from rollplex.engines.base import EngineContext, get_engine
         from rollplex.pipeline.run.algorithms import load_algorithm
@@ -170,23 +171,20 @@ class WorkerHost:
         # decode chunk. A GPU stream runs on its partition while the other GPU stream is busy, and on
         # the whole GPU alone.
         self.partitions = None
-        self.sm_target = True  # a partition's matmuls target its SMs (partitions.sm_target)
-        self.grad_on_partition = False  # forwards kept for a backward may take a partition (on_stream)
-        self.prefill_gate = True  # prefix and scoring work wait out decode's prefill (wait_for_prefill)
+        self.window = spec.window
         self._decode_iteration: int | None = None  # the iteration whose decode last started
         capture = getattr(self.decode, "capture_graphs", None)
         if capture is not None and self.streams.get("decode") is not None:
             capture(self.streams["decode"], top_p=self.nucleus)  # every batch size now, not mid-rollout
-        if spec.sm_partitions and self.device.type == "cuda" and self.streams:
+        if partitions is not None:
+            self.use_partitions(partitions)
+        elif spec.window.partitions and self.device.type == "cuda" and self.streams:
             from rollplex.pipeline.run.partitions import make
 
-            self.use_partitions(make(self.device.index or 0))
+            sms = spec.window.decode_sms
+            self.use_partitions(make(self.device.index or 0, [sms] if sms else None))
         self._busy = {"decode": 0, "compute": 0}
         self._stream_wait = threading.local()  # per stream thread: its last node's wait for the device
-        # Prefix work joins the decode window only once decode is light (at most this many live
-        # rows): heavy decode leaves little idle compute, and sharing SMs then slows it more than
-        # the hidden prefix saves. 0 disables the gate.
-        self.gate_rows = 0
         self.events: list[dict] = []
         self._lock = threading.Lock()
         self._remaining: dict[tuple[int, str], int] = {}
@@ -304,7 +302,7 @@ class WorkerHost:
         live = getattr(self.decode, "live_rows", None)
         if live is None:
             return
-        while self._busy.get("decode") and live() > self.gate_rows:
+        while self._busy.get("decode") and live() > self.window.gate_rows:
             time.sleep(poll)
 
     def use_partitions(self, partitions) -> None:
@@ -319,7 +317,7 @@ class WorkerHost:
             return
         timed = getattr(self.decode, "step_seconds_on", None)
         for stream, sms in partitions.decode_streams():
-            with sm_target(sms if self.sm_target else None, partitions.total_sms):
+            with sm_target(sms if self.window.sm_target else None, partitions.total_sms):
                 capture(stream, top_p=self.nucleus)
             steps = timed(stream) if timed is not None else {}
             if steps:  # the split is then chosen from these timings
@@ -348,7 +346,7 @@ class WorkerHost:
     def on_stream(self, stream: str, keeps_graph: bool = False):
         """Run the body on the stream (its thread's CUDA stream); yields the SMs of the partition it
         got, or None for the whole GPU (or no GPU). A body that ``keeps_graph`` for a later backward
-        stays off the partitions unless ``grad_on_partition``: autograd runs each backward kernel on
+        stays off the partitions unless ``window.grad_on_partition``: autograd runs each backward kernel on
         its forward's stream, so a prefix forwarded on a 36-SM partition in the decode window would
         also be back-propagated on 36 SMs, long after decode has ended."""
         s = self.streams.get(stream)
@@ -362,7 +360,7 @@ class WorkerHost:
                 if stream == "decode":
                     live = getattr(self.decode, "live_rows", None)
                     self.partitions.choose(live() if live else None)
-                if self._busy.get(other) and (self.grad_on_partition or not keeps_graph):
+                if self._busy.get(other) and (self.window.grad_on_partition or not keeps_graph):
                     s = self.partitions.stream(stream)
                     sms = self.partitions.sms_of(stream)
             self._busy[stream] = self._busy.get(stream, 0) + 1
@@ -371,7 +369,7 @@ class WorkerHost:
         total = self.partitions.total_sms if self.partitions is not None else 0
         try:
             # Decode replays graphs captured with their own target; compute's eager matmuls need one.
-            with torch.cuda.stream(s), sm_target(sms if stream == "compute" and self.sm_target else None, total):
+            with torch.cuda.stream(s), sm_target(sms if stream == "compute" and self.window.sm_target else None, total):
                 yield sms
             waited = time.time()
             s.synchronize()  # consumers on the other stream may read these outputs next
@@ -485,9 +483,9 @@ def execute_node(host: WorkerHost, node: Node, iteration: int, inputs: dict[str,
 
     if node.stream == "decode":
         host._decode_iteration = iteration
-    elif node.kind in ("prefix", "suffix_score") and host.prefill_gate:  # vision feeds decode: never held
+    elif node.kind in ("prefix", "suffix_score") and host.window.prefill_gate:  # vision feeds decode: never held
         host.wait_for_prefill(iteration)
-    if node.kind == "prefix" and host.gate_rows:
+    if node.kind == "prefix" and host.window.gate_rows:
         host.wait_for_light_decode()
     start = time.time()
     try:
