@@ -80,8 +80,8 @@ def _corrupt(rel: str, how: str):
 
 
 def _damage(rel: str | None, how: str = "flip"):
-    """A copy of the finished run with ``rel`` (a path in it) flipped in one byte, removed or edited
-    (None: a plain copy)."""
+    """A copy of the finished run with ``rel`` (a path in it) flipped in one byte, removed, added (a
+    pickle) or edited (None: a plain copy)."""
     def prepare(cwd: Path, finished: Path) -> None:
         shutil.copytree(finished, cwd / "run")
         target = cwd / "run" / (rel or "")
@@ -89,6 +89,8 @@ def _damage(rel: str | None, how: str = "flip"):
             return
         if how == "remove":
             target.unlink()
+        elif how == "add":
+            target.write_bytes(EVIL_PICKLE)
         elif how == "lr":  # an edit a person might make; YAML still parses
             target.write_text(target.read_text().replace("lr: 0.001", "lr: 0.002"))
         else:
@@ -150,6 +152,13 @@ CASES = {
                                              {"run": _corrupt("rng.pt", "pickle")}),
     "checkpoint without its manifest": Case(RESUME, ("iter_000005 has no manifest.json", "resume from iter_000004"),
                                             {"run": _damage("checkpoints/iter_000005/manifest.json", "remove")}),
+    "warm-up checkpoint without its manifest": Case(RESUME, ("after_warmup has no manifest.json",
+                                                             "resume from iter_000005"),
+                                                    {"run": _damage("checkpoints/after_warmup/manifest.json", "remove")}),
+    "a file its manifest does not list": Case(RESUME, ("iter_000005: extra.pt is not in manifest.json",),
+                                              {"run": _damage("checkpoints/iter_000005/extra.pt", "add")}),
+    "a file the reference's manifest does not list": Case(
+        RESUME, ("reference model", "extra.pt is not in manifest.json"), {"run": _damage("reference/extra.pt", "add")}),
     "corrupt reference": Case(RESUME, ("reference model", "model.safetensors fails its checksum"),
                               {"run": _damage("reference/model.safetensors")}),
     "reference without its manifest": Case(RESUME, ("reference model", "has no manifest.json"),
@@ -243,9 +252,10 @@ def cli():
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory) -> Path:
-    """A complete tiny run whose last checkpoint the checkpoint cases damage (in a copy)."""
+    """A complete tiny run whose checkpoints (all kept, the warm-up's included) the checkpoint cases
+    damage (in a copy)."""
     run_dir = tmp_path_factory.mktemp("finished") / "run"
-    run_to_end(run_dir, HF_TORCH)
+    run_to_end(run_dir, [*HF_TORCH, "--set", "checkpoint.keep_last=10"])
     return run_dir
 
 
@@ -323,9 +333,11 @@ def test_an_error_in_user_code_is_one_line_naming_node_file_and_line(case, cli, 
 
 def read_on_resume(run: Path) -> list[str]:
     """Every file of a run directory that `rollplex train --resume` reads: the newest checkpoint's,
-    the state.json (and manifest) of the older ones (retention), the reference, config.yaml and the
-    metrics it keeps. Rollouts, traces and graph.txt are written, never read."""
-    *older, newest = sorted((run / "checkpoints").glob("iter_*"))
+    the state.json (and manifest) of the older ones, the warm-up's included (retention), the reference,
+    config.yaml and the metrics it keeps. Rollouts, traces and graph.txt are written, never read."""
+    from rollplex.pipeline.run.checkpoints import final_dirs
+
+    *older, newest = final_dirs(run / "checkpoints")
     files = [p for p in newest.rglob("*") if p.is_file()] + [p for p in (run / "reference").rglob("*") if p.is_file()]
     files += [d / name for d in older for name in ("state.json", "manifest.json")]
     return sorted(p.relative_to(run).as_posix() for p in files + [run / "config.yaml", run / "metrics.jsonl"])
@@ -333,7 +345,7 @@ def read_on_resume(run: Path) -> list[str]:
 
 def test_a_flipped_byte_in_any_file_a_resume_reads_is_refused_naming_it(cli, finished_run, tmp_path):
     files = read_on_resume(finished_run)
-    assert len(files) >= 20 and "reference/model.safetensors" in files, files
+    assert len(files) >= 20 and {"reference/model.safetensors", "checkpoints/after_warmup/state.json"} <= set(files)
     wrong = []
     for i, rel in enumerate(files):
         cwd = tmp_path / f"case{i}"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -190,6 +191,28 @@ def test_a_corrupt_newest_checkpoint_is_refused_naming_the_fallback(tmp_path):
     newest = _save(tmp_path, 1, None)
     (newest / "model.bin").write_bytes(b"x" * 64)
     with pytest.raises(CheckpointError, match=r"model.bin fails its checksum.*resume from iter_000000 instead"):
+        checkpoints.latest(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["after_warmup", "iter_000001"])
+def test_a_checkpoint_of_any_name_without_its_manifest_is_reported(tmp_path, name):
+    """The warm-up's checkpoint as much as an iteration's: one that lost its manifest is named, not
+    skipped (which would resume from an older state, or from the start, in silence)."""
+    for iteration in (checkpoints.WARMUP, 0, 1):
+        _save(tmp_path, iteration, None, keep_last=5)
+    (tmp_path / "checkpoints" / name / "manifest.json").unlink()
+    fallback = "iter_000001" if name == "after_warmup" else "iter_000000"
+    with pytest.raises(CheckpointError, match=rf"{name} has no manifest.json.*resume from {fallback}$"):
+        checkpoints.latest(tmp_path)
+
+
+@pytest.mark.parametrize("added", ["extra.bin", "deepspeed/state/zero_pp_rank_1_mp_rank_00_optim_states.pt"])
+def test_a_file_the_manifest_does_not_list_is_refused(tmp_path, added):
+    """DeepSpeed loads its partitions by a glob, so a file added beside the verified ones would be read."""
+    newest = _save(tmp_path, 0, None)
+    (newest / added).parent.mkdir(parents=True, exist_ok=True)
+    (newest / added).write_bytes(b"cos\nsystem\n(S'touch pwned'\ntR.")
+    with pytest.raises(CheckpointError, match=rf"iter_000000: {re.escape(added)} is not in manifest.json"):
         checkpoints.latest(tmp_path)
 
 

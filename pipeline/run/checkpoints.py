@@ -4,7 +4,7 @@ A checkpoint is written into a hidden temporary directory (model + optimizer fro
 then ``state.json``, ``rng.pt`` and a ``manifest.json`` of sha256 checksums), fsynced, and renamed
 into place. A kill at any moment leaves either the previous checkpoints or the new complete one;
 ``latest`` ignores temporaries and verifies checksums before trusting a directory (one under its final
-name without a manifest is reported, never skipped). Directories leave the same way they arrive:
+name without a manifest is reported, never skipped; a file its manifest does not list is refused). Directories leave the same way they arrive:
 renamed out of sight first (``.trash-*``), then deleted, so a kill during retention never leaves a
 half-deleted directory that still looks complete. ``clean_stale`` removes what killed writers left
 behind.
@@ -237,6 +237,13 @@ def verify(directory: Path, required: tuple[str, ...] = ("state.json", "rng.pt")
                                   f"({p.stat().st_size} of {info['bytes']} bytes)")
         if _sha256(p) != info["sha256"]:
             raise CheckpointError(f"{what} {directory}: {rel} fails its checksum (corrupt)")
+    # A loader may read what the manifest does not list (DeepSpeed globs its partitions): refused too.
+    unlisted = sorted(rel for p in directory.rglob("*")
+                      if p.is_file() and (rel := p.relative_to(directory).as_posix()) not in files
+                      and rel != "manifest.json")
+    if unlisted:
+        raise CheckpointError(f"{what} {directory}: {unlisted[0]} is not in manifest.json (added after it was "
+                              "written, so it cannot be verified); remove it")
     return manifest
 
 
@@ -283,9 +290,9 @@ def latest(run_dir: Path) -> CheckpointState | None:
     root = Path(run_dir) / "checkpoints"
     done = _complete(root)
     # Only a complete checkpoint is renamed into place, so one without its manifest lost it afterwards.
-    bare = sorted(p.name for p in root.glob("iter_*") if p.is_dir() and p not in done) if root.is_dir() else []
+    bare = [p for p in final_dirs(root) if p not in done]  # after_warmup too
     if bare:
-        raise CheckpointError(f"checkpoint {root / bare[0]} has no manifest.json, so nothing in it can be verified; "
+        raise CheckpointError(f"checkpoint {bare[0]} has no manifest.json, so nothing in it can be verified; "
                               f"remove it to resume from {done[-1].name if done else 'the beginning'}")
     if not done:
         return None
