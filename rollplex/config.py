@@ -290,7 +290,8 @@ def _check_type(path: str, value: Any, annotation: Any) -> Any:
             try:
                 return _check_type(path, value, option)
             except ConfigError:
-                pass
+                if isinstance(value, option) and not isinstance(value, bool):
+                    raise  # of the right type, but not a value it takes (nan, an empty string)
         names = " or ".join(getattr(o, "__name__", str(o)) for o in inner)
         raise ConfigError(f"{path}: expected {names}, got {type(value).__name__} {value!r}")
     if annotation is bool:
@@ -310,6 +311,8 @@ def _check_type(path: str, value: Any, annotation: Any) -> Any:
             return number
     elif annotation is str:
         if isinstance(value, str):
+            if not value.strip():  # else `model.path: ""` ran the embedded model, as if null were meant
+                raise ConfigError(f"{path}: is empty; give a value (or null where the field takes one)")
             return value
     elif annotation is list:
         if isinstance(value, (list, tuple)):

@@ -281,6 +281,7 @@ def test_dump_load_round_trip(tmp_path):
 
 FIELD_NAMES = sorted({part for path, *_ in describe_fields() for part in path.split(".")})
 SAFE_FLOATS = st.floats(allow_nan=False)
+NAMES = st.text().filter(str.strip)  # a string field takes any text but a blank one
 PARAM_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**63), 2**63) | SAFE_FLOATS | st.text(max_size=10),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
@@ -290,8 +291,7 @@ PARAM_VALUES = st.recursive(
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), temperature=st.floats(0.0, 10.0), top_p=st.floats(0.0, 1.0, exclude_min=True),
        lr=st.floats(0.0, 1.0), kinds=st.lists(st.sampled_from(["colour", "shape", "count"]), min_size=1),
-       reward=st.text(), path=st.none() | st.text(), params=st.dictionaries(st.text(max_size=8), PARAM_VALUES,
-                                                                            max_size=4),
+       reward=NAMES, path=st.none() | NAMES, params=st.dictionaries(st.text(max_size=8), PARAM_VALUES, max_size=4),
        stop=st.none() | st.floats(0.0, 1.0), schedule=st.sampled_from(["serial", "rollplex"]))
 def test_any_valid_config_round_trips(seed, temperature, top_p, lr, kinds, reward, path, params, stop, schedule):
     cfg = RunConfig(seed=seed, schedule=schedule, params=params, stop_at_reward=stop)
@@ -415,6 +415,35 @@ def test_every_number_refuses_what_lies_outside_its_bounds_by_name(path, meta, i
                 load_config(None, [f"{path}={value}"])
             except ConfigError as exc:
                 assert "the minimum" not in str(exc) and "the maximum" not in str(exc), str(exc)
+
+
+def _string_fields(cls=RunConfig, prefix=""):
+    import typing
+
+    for fl in dataclasses.fields(cls):
+        hint = typing.get_type_hints(cls)[fl.name]
+        if dataclasses.is_dataclass(hint):
+            yield from _string_fields(hint, f"{prefix}{fl.name}.")
+        elif str in (typing.get_args(hint) or (hint,)):
+            yield f"{prefix}{fl.name}"
+
+
+STRINGS = list(_string_fields())
+
+
+@pytest.mark.parametrize("path", STRINGS)
+def test_every_string_refuses_an_empty_one_by_name(path):
+    """An empty path is not null: `model.path: ""` used to run the embedded model instead."""
+    assert len(STRINGS) > 20
+    for value in ("", "'  '"):
+        with pytest.raises(ConfigError) as err:
+            load_config(None, [f"{path}={value}"])
+        assert assert_one_line(err) == f"{path}: is empty; give a value (or null where the field takes one)"
+
+
+def test_a_value_of_the_right_type_that_a_union_refuses_is_named_for_what_it_is():
+    with pytest.raises(ConfigError, match=r"^stop_at_reward: expected a number, got nan$"):
+        load_config(None, ["stop_at_reward=.nan"])
 
 
 @pytest.mark.parametrize("text, says", [
