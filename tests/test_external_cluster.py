@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from reliability_harness import worker_start_environment
+from socket_watch import SocketWatch, sockets_of
 
 BIN = Path(sys.executable).parent
 
@@ -49,7 +50,7 @@ def stock_cluster(tmp_path):
         with Client(address, timeout="30s") as client:
             while not client.scheduler_info()["workers"] and time.time() < deadline:
                 time.sleep(0.2)
-        yield address
+        yield address, (scheduler.pid, worker.pid)
     finally:
         for proc in (worker, scheduler):
             proc.terminate()
@@ -58,17 +59,26 @@ def stock_cluster(tmp_path):
 
 
 def test_train_on_a_stock_dask_cluster(stock_cluster, tmp_path):
+    """The default engines (vLLM, DeepSpeed) train on the stock worker, and every socket the run opens
+    there (DeepSpeed's process group, vLLM's) or in the driver stays on loopback, as the scheduler is."""
+    address, cluster_pids = stock_cluster
     out = tmp_path / "run"
-    result = subprocess.run(
-        [str(BIN / "rollplex"), "train", "--scheduler", stock_cluster, "--iterations", "2", "--out", str(out),
+    driver = subprocess.Popen(
+        [str(BIN / "rollplex"), "train", "--scheduler", address, "--iterations", "2", "--out", str(out),
          "--no-progress", "--set", "warmup.steps=1", "--set", "stop_at_reward=null"],
-        capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    watch = SocketWatch(driver.pid, *cluster_pids, before=sockets_of(*cluster_pids))
+    _, stderr = driver.communicate(timeout=300)
+    assert driver.returncode == 0, stderr[-3000:]
+    watch.thread.join(5)
+    opened_by_worker = [k for k in watch.listening() if k[0] not in (driver.pid, cluster_pids[0])]
+    assert opened_by_worker, watch.seen  # the watch saw the worker's process group store at least
+    assert watch.off_loopback() == [], watch.off_loopback()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows if r["phase"] == "rl"] == [0, 1]
     from distributed import Client
 
-    with Client(stock_cluster, timeout="30s") as client:
+    with Client(address, timeout="30s") as client:
         env = worker_start_environment(client)
         def threads_and_resources(dask_worker=None):  # nested: pickled by value, tests/ is not importable there
             return dask_worker.state.nthreads, dict(dask_worker.state.total_resources)

@@ -6,51 +6,11 @@ few milliseconds: Dask's comms and HTTP servers, torch's TCPStore, gloo's pairs,
 """
 from __future__ import annotations
 
-import threading
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 from reliability_harness import Launch
-
-from rollplex.runtime import is_loopback
-
-
-class SocketWatch:
-    """The (pid, kind, local, remote) of every inet socket the process tree under ``pid`` holds,
-    sampled until it exits."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.seen: dict[tuple, str] = {}
-        self.thread = threading.Thread(target=self._poll, daemon=True)
-        self.thread.start()
-
-    def _poll(self) -> None:
-        while psutil.pid_exists(self.pid):
-            try:
-                root = psutil.Process(self.pid)
-                procs = [root, *root.children(recursive=True)]
-            except psutil.Error:
-                return
-            for proc in procs:
-                try:
-                    conns = proc.net_connections(kind="inet")
-                    name = " ".join(proc.cmdline()[:3])
-                except psutil.Error:
-                    continue
-                for c in conns:
-                    remote = (c.raddr.ip, c.raddr.port) if c.raddr else None
-                    self.seen.setdefault((proc.pid, c.status, (c.laddr.ip, c.laddr.port), remote), name)
-            time.sleep(0.02)
-
-    def listening(self) -> list[tuple]:
-        return [k for k in self.seen if k[1] == psutil.CONN_LISTEN]
-
-    def off_loopback(self) -> list[str]:
-        return [f"{name}: {status} {local} -> {remote}" for (pid, status, local, remote), name in self.seen.items()
-                if not is_loopback(local[0]) or (remote is not None and not is_loopback(remote[0]))]
+from socket_watch import SocketWatch
 
 
 RUNS = {"in-process": [], "worker-process": ["--set", "cluster.processes=true"],
