@@ -531,14 +531,14 @@ def run_config_text(cfg: RunConfig) -> str:
     return f"{_checksum_header(body)}\n{body}"
 
 
-# Fields a resume may change: how long a run goes on, how often it checkpoints, and how it reaches its
-# cluster; none enters what an iteration computes. Every other field defines the run, and a resume
-# refuses a change to it by name (a new learning rate would be recorded while the optimizer kept the
-# old one; a new batch size would change the batch mid-run).
+# Fields a resume may change: how long a run goes on, how often it checkpoints, how it reaches its
+# cluster and how its device memory is held; none enters what an iteration computes. Every other field
+# defines the run, and a resume refuses a change to it by name (a new learning rate would be recorded
+# while the optimizer kept the old one; a new batch size would change the batch mid-run).
 MAY_CHANGE_ON_RESUME = frozenset({
     "iterations", "stop_at_reward", "checkpoint.every", "checkpoint.keep_last", "cluster.scheduler",
     "cluster.dashboard", "cluster.tls_ca_file", "cluster.tls_cert", "cluster.tls_key", "cluster.processes",
-    "cluster.cuda_allocator", "cluster.memory_budget_gib",
+    "cluster.cuda_allocator", "cluster.memory_budget_gib", "cluster.memory_plan",
 })
 
 

@@ -79,6 +79,48 @@ def test_a_resume_may_run_longer_and_the_change_is_recorded_where_it_took_effect
     assert load_config(run_dir / "config.yaml", checksummed=True).iterations == 8
 
 
+def _resume_from(config: dict):
+    from rollplex.pipeline.run.checkpoints import CheckpointState
+
+    return CheckpointState(4, Path("run/checkpoints/iter_000004"), {}, {}, None, config)
+
+
+def test_a_resume_refuses_a_change_to_any_field_but_those_that_may_change_naming_each():
+    """Nested keys of the dict fields are fields too: a new hyperparameter or engine option is named."""
+    from rollplex.config import MAY_CHANGE_ON_RESUME, RunConfig, load_config
+    from rollplex.pipeline.run.runner import resume_changes
+
+    before = RunConfig().to_dict()
+    said: list[str] = []
+    changed = resume_changes(load_config(None, ["iterations=9", "checkpoint.every=2", "cluster.memory_plan=true"]),
+                             _resume_from(before), said.append)
+    assert changed == {"checkpoint.every": (25, 2), "cluster.memory_plan": (False, True), "iterations": (300, 9)}
+    assert said[-1] == "--resume: iterations 300 → 9 from iteration 5 (recorded in metrics.jsonl)"
+    for overrides, named in [(["train.lr=0.1"], "train.lr (0.001 → 0.1)"),
+                             (["params={kl_coef: 0.5}"], "params.kl_coef (None → 0.5)"),
+                             (["engines.decode_options={max_num_seqs: 4}", "iterations=9"],
+                              "engines.decode_options.max_num_seqs (None → 4) would change"),
+                             (["cluster.threads=2", "seed=1"], "cluster.threads (1 → 2), seed (0 → 1) would change")]:
+        with pytest.raises(ConfigError, match=r"^--resume: " + re.escape(named)):
+            resume_changes(load_config(None, overrides), _resume_from(before), said.append)
+    leaves = set(_leaf_fields(before))
+    assert MAY_CHANGE_ON_RESUME <= leaves, MAY_CHANGE_ON_RESUME - leaves  # each names a field
+    assert len(leaves) > 3 * len(MAY_CHANGE_ON_RESUME)
+
+
+def _leaf_fields(data: dict, prefix: str = "") -> list[str]:
+    return [name for key, value in data.items() for name in
+            (_leaf_fields(value, f"{prefix}{key}.") if isinstance(value, dict) and value else [f"{prefix}{key}"])]
+
+
+def test_a_resume_of_a_checkpoint_that_records_no_config_is_refused():
+    from rollplex.config import RunConfig
+    from rollplex.pipeline.run.runner import resume_changes
+
+    with pytest.raises(CheckpointError, match="iter_000004 records no config"):
+        resume_changes(RunConfig(), _resume_from(None), print)
+
+
 # -- security defaults ---------------------------------------------------------------------------
 def test_the_local_cluster_listens_on_loopback_only():
     from rollplex.pipeline.run.cluster import connect
