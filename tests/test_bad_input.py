@@ -283,6 +283,24 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(case, cli, tmp_path, r
     assert not (cwd / "pwned").exists()
 
 
+def test_an_out_on_a_read_only_mount_is_refused(tmp_path):
+    """The table's read-only case stands in for what os.access says of one; this one mounts a read-only
+    tmpfs, in a user and mount namespace of its own so that it needs no privilege and leaves no mount."""
+    import subprocess
+    import sys
+
+    probe = subprocess.run(["unshare", "-rm", "true"], capture_output=True)  # user namespaces, unshare(1)
+    if probe.returncode != 0:
+        pytest.skip(f"no unprivileged mount namespace here: {probe.stderr.decode().strip()}")
+    (tmp_path / "ro").mkdir()
+    result = subprocess.run(["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o ro,size=1m tmpfs ro && exec "$0" "$@"',
+                             sys.executable, "-m", "rollplex.cli", "train", "--out", "ro/run"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert (result.returncode, result.stderr) == (
+        2, "rollplex: error: --out ro/run: ro is not writable (a read-only file system, or no permission)\n")
+    assert [p.name for p in tmp_path.rglob("*")] == ["ro"]
+
+
 USER_LOSS = '''\
 from rollplex import Algorithm
 
