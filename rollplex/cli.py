@@ -127,8 +127,16 @@ def cmd_engines(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """A bad argument is one line and exit 2, like every other bad input; --help prints the usage.
+    Subcommands' parsers are of this class too (argparse makes them with the parent's class)."""
+
+    def error(self, message: str):
+        self.exit(2, f"rollplex: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rollplex", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="rollplex", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     def common(p):

@@ -185,6 +185,11 @@ CASES = {
                                                 ("rollout.prompts_per_iteration (8)", "cluster.workers (3)")),
     "unservable architecture": Case((*TRAIN, "--set", "model.path=model", *HF_TORCH),
                                     ("LlamaForCausalLM", "Qwen2.5-VL"), {"model": _model(_llama)}),
+    # -- command-line arguments: argparse's errors are one line too
+    "a flag of the wrong type": Case((*TRAIN, "--iterations", "abc"),
+                                     ("argument --iterations: invalid int value: 'abc'", "rollplex train --help")),
+    "an unknown flag": Case((*TRAIN, "--iteratons", "3"), ("unrecognized arguments: --iteratons",)),
+    "an unknown command": Case(("trian",), ("invalid choice: 'trian'", "rollplex --help")),
     # -- addresses and paths: the wrong kind of thing
     "scheduler that is not an address": Case((*TRAIN, "--scheduler", "notaurl"),
                                              ("cluster.scheduler", "'notaurl' is not a Dask address")),
