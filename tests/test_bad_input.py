@@ -226,6 +226,15 @@ CASES = {
                                           ("engines.decode_options.max_num_seqs: expected int",)),
     "unknown vLLM engine argument": Case((*TRAIN, "--set", "engines.decode_options={vllm_kwargs: {blok_size: 32}}"),
                                          ("engines.decode_options.vllm_kwargs", "'blok_size'")),
+    "vLLM engine argument of a wrong type": Case(
+        (*TRAIN, "--set", "engines.decode_options={vllm_kwargs: {block_size: abc}}"),
+        ("engines.decode_options.vllm_kwargs: block_size", "'abc'")),
+    "vLLM engine argument out of vLLM's range": Case(
+        (*TRAIN, "--set", "engines.decode_options={vllm_kwargs: {gpu_memory_utilization: 5}}"),
+        ("vllm_kwargs: gpu_memory_utilization: vLLM's CacheConfig refuses 5",)),
+    "vLLM engine argument that Rollplex sets": Case(
+        (*TRAIN, "--set", "engines.decode_options={vllm_kwargs: {logprobs_mode: raw_logprobs}}"),
+        ("vllm_kwargs: logprobs_mode: Rollplex sets it",)),
     "max_model_len shorter than a sequence": Case((*TRAIN, "--set", "engines.decode_options={max_model_len: 10}"),
                                                   ("engines.decode_options.max_model_len: 10 is shorter",)),
     "responses past the model's positions": Case((*TRAIN, "--set", "rollout.max_new_tokens=60000",
@@ -327,7 +336,8 @@ USER_CODE = {
     "a loss of the wrong shape": (USER_LOSS.format(loss="-(logprobs.sum(-1) * advantages)"), [],
                                   ("policy_loss() at user.py:13 returned a torch.float32 tensor of shape [2]",
                                    "shaped like mask [2, 2]")),
-    "a loss that is not a tensor": (USER_LOSS.format(loss="0.5"), [], ("policy_loss() at user.py:13 returned float 0.5",)),
+    "a loss that is not a tensor": (USER_LOSS.format(loss="0.5"), [],
+                                    ("policy_loss() at user.py:13 returned float 0.5",)),
     "a loss that raises": (USER_LOSS.format(loss="-(logprobs * advantages[1000])"), [],
                            ("user.py:15 in policy_loss() raised IndexError: index 1000 is out of bounds",)),
     "a reward that returns None": ("def bad(text, answer):\n    return None\n", ["--set", "task.reward=user.py:bad"],
