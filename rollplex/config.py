@@ -66,7 +66,8 @@ class DataConfig:
     on_bad_row: str = f("reject", choices=("skip", "reject"),
                         doc="a row with a missing/unreadable image, empty prompt or no answer: reject (exit 2, "
                         "naming file and row) or skip (logged, counted in metrics)")
-    max_prompt_tokens: int = f(0, lo=0, hi=2**20, doc="longer prompts are bad rows; 0: the longest of the first 32 rows")
+    max_prompt_tokens: int = f(0, lo=0, hi=2**20,
+                               doc="longer prompts are bad rows; 0: the longest of the first 32 rows")
 
 
 @dataclass
@@ -98,8 +99,8 @@ class TrainConfig:
                            "in the decode window, micro_batch_groups at a time, its gradient normalised at "
                            "the step (needs engines.train: "
                            "torch and a per-group algorithm; otherwise the graph trains after decode)")
-    window_chunks: int = f(0, lo=0, hi=65536, doc="with stage fusion and no train fusion, the decode chunks from this one "
-                           "on are scored by one node after the last chunk (one forward instead of one per "
+    window_chunks: int = f(0, lo=0, hi=65536, doc="with stage fusion and no train fusion, the decode chunks from this "
+                           "one on are scored by one node after the last chunk (one forward instead of one per "
                            "chunk, for the chunks that end after the decode window); 0 = one node per chunk")
     grad_prefix_lookahead: int = f(0, lo=0, hi=65536, doc="the policy's prefix forward of micro-batch m waits for the "
                                    "loss of micro-batch m - N, so at most N micro-batches of its graphs are "

@@ -152,9 +152,9 @@ CASES = {
                                              {"run": _corrupt("rng.pt", "pickle")}),
     "checkpoint without its manifest": Case(RESUME, ("iter_000005 has no manifest.json", "resume from iter_000004"),
                                             {"run": _damage("checkpoints/iter_000005/manifest.json", "remove")}),
-    "warm-up checkpoint without its manifest": Case(RESUME, ("after_warmup has no manifest.json",
-                                                             "resume from iter_000005"),
-                                                    {"run": _damage("checkpoints/after_warmup/manifest.json", "remove")}),
+    "warm-up checkpoint without its manifest": Case(
+        RESUME, ("after_warmup has no manifest.json", "resume from iter_000005"),
+        {"run": _damage("checkpoints/after_warmup/manifest.json", "remove")}),
     "a file its manifest does not list": Case(RESUME, ("iter_000005: extra.pt is not in manifest.json",),
                                               {"run": _damage("checkpoints/iter_000005/extra.pt", "add")}),
     "a file the reference's manifest does not list": Case(
@@ -250,8 +250,8 @@ CASES = {
     "a warm-up batch too large to build": Case((*TRAIN, "--set", "warmup.batch_size=100000000000"),
                                                ("warmup.batch_size", "maximum")),
     # -- YAML that could mean two things
-    "a key twice": Case(("train", "c.yaml", "--out", "run"), ("c.yaml: ambiguous YAML at line 2", "'seed' appears twice"),
-                        {"c.yaml": "seed: 1\nseed: 2\n"}),
+    "a key twice": Case(("train", "c.yaml", "--out", "run"),
+                        ("c.yaml: ambiguous YAML at line 2", "'seed' appears twice"), {"c.yaml": "seed: 1\nseed: 2\n"}),
     "yes for a bool": Case(("train", "c.yaml", "--out", "run"), ("c.yaml: ambiguous YAML", "yes is true in YAML 1.1"),
                            {"c.yaml": "cluster:\n  processes: yes\n"}),
     "a leading-zero number": Case(("train", "c.yaml", "--out", "run"), ("010 is 8 in YAML 1.1 and 10 in YAML 1.2",),

@@ -100,7 +100,8 @@ def test_a_resume_refuses_a_change_to_any_field_but_those_that_may_change_naming
                              (["params={kl_coef: 0.5}"], "params.kl_coef (None → 0.5)"),
                              (["engines.decode_options={max_num_seqs: 4}", "iterations=9"],
                               "engines.decode_options.max_num_seqs (None → 4) would change"),
-                             (["cluster.threads=2", "seed=1"], "cluster.threads (1 → 2), seed (0 → 1) would change")]:
+                             (["cluster.threads=2", "seed=1"],
+                              "cluster.threads (1 → 2), seed (0 → 1) would change")]:
         with pytest.raises(ConfigError, match=r"^--resume: " + re.escape(named)):
             resume_changes(load_config(None, overrides), _resume_from(before), said.append)
     leaves = set(_leaf_fields(before))

@@ -4,10 +4,10 @@ A checkpoint is written into a hidden temporary directory (model + optimizer fro
 then ``state.json``, ``rng.pt`` and a ``manifest.json`` of sha256 checksums), fsynced, and renamed
 into place. A kill at any moment leaves either the previous checkpoints or the new complete one;
 ``latest`` ignores temporaries and verifies checksums before trusting a directory (one under its final
-name without a manifest is reported, never skipped; a file its manifest does not list is refused). Directories leave the same way they arrive:
-renamed out of sight first (``.trash-*``), then deleted, so a kill during retention never leaves a
-half-deleted directory that still looks complete. ``clean_stale`` removes what killed writers left
-behind.
+name without a manifest is reported, never skipped; a file its manifest does not list is refused).
+Directories leave the same way they arrive: renamed out of sight first (``.trash-*``), then deleted,
+so a kill during retention never leaves a half-deleted directory that still looks complete.
+``clean_stale`` removes what killed writers left behind.
 
 Everything else a resume reads is checked too: the warmed-up reference has a manifest of its own
 (``verify_reference``), state.json records the config the run had and the digest of metrics.jsonl as
