@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from rollplex.errors import ConfigError
+from rollplex.yamlio import AmbiguousYAML, Dumper, Loader
 
 
 def _range(lo: float | None = None, hi: float | None = None, choices: tuple | None = None, doc: str = "",
@@ -199,80 +200,6 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
-# ------------------------------------------------------------------------------------------------
-class _Loader(yaml.SafeLoader):
-    """YAML 1.1 reads ``1e-4`` (no dot) as a string; here it is a float, as in YAML 1.2 and Python."""
-
-
-class _Dumper(yaml.SafeDumper):
-    """Quotes strings such as ``"1e-4"`` so that they load back as strings."""
-
-
-_EXP_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9]+$")
-for _cls in (_Loader, _Dumper):
-    _cls.add_implicit_resolver("tag:yaml.org,2002:float", _EXP_FLOAT, list("-+0123456789."))
-
-# Plain scalars that YAML 1.1 (PyYAML) and YAML 1.2 read as different values: yes/no/on/off (a bool or
-# a string), 010 (8 or 10), 0o10 (a string or 8), 0b10 (2 or a string), 1:30 (90 or a string).
-_AMBIGUOUS = re.compile(r"""^(?:yes|Yes|YES|no|No|NO|on|On|ON|off|Off|OFF
-    |[-+]?0[0-7_]+|[-+]?0o[0-7_]+|[-+]?0b[01_]+|[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?)$""", re.X)
-_AMBIGUOUS_TAG = "tag:rollplex,2026:ambiguous"
-
-
-class AmbiguousYAML(yaml.MarkedYAMLError):
-    """A YAML text that two readers (or YAML 1.1 and 1.2) would take to mean different things."""
-
-
-def _resolve(self, kind, value, implicit):
-    if kind is yaml.ScalarNode and implicit[0] and _AMBIGUOUS.match(value):
-        return _AMBIGUOUS_TAG
-    return yaml.SafeLoader.resolve(self, kind, value, implicit)
-
-
-def _refuse_ambiguous(loader, node):
-    value = node.value
-    v11 = yaml.load(value, Loader=yaml.SafeLoader)
-    digits = value.replace("_", "")
-    if re.fullmatch(r"[-+]?0[0-7]+", digits):
-        v12 = int(digits, 10)
-    elif re.fullmatch(r"[-+]?0o[0-7]+", digits):
-        v12 = int(digits.replace("0o", ""), 8)
-    else:
-        v12 = value
-    if v11 == v12:  # e.g. 00: zero either way
-        return v11
-
-    def shown(v):
-        return f"the string {v!r}" if isinstance(v, str) else str(v).lower()
-    raise AmbiguousYAML(None, None, f"{value} is {shown(v11)} in YAML 1.1 and {shown(v12)} in YAML 1.2; write "
-                        "the one you mean (a string in quotes)", node.start_mark)
-
-
-def _construct_mapping(self, node, deep=False):
-    """A key twice in one mapping: YAML keeps the last silently, so one of the two is not what runs."""
-    if isinstance(node, yaml.MappingNode):
-        seen: dict = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue
-            key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
-            try:
-                first = seen.get(key)
-            except TypeError:  # an unhashable key: SafeConstructor names it
-                continue
-            if first is not None:
-                raise AmbiguousYAML(None, None, f"key {key!r} appears twice in one mapping (lines {first} and "
-                                    f"{line}); YAML would keep the last silently", key_node.start_mark)
-            seen[key] = line
-    return yaml.SafeLoader.construct_mapping(self, node, deep)
-
-
-_Loader.resolve = _resolve
-_Dumper.add_implicit_resolver(_AMBIGUOUS_TAG, _AMBIGUOUS, list("-+0123456789yYnNoO"))  # such strings go quoted
-_Loader.construct_mapping = _construct_mapping
-_Loader.add_constructor(_AMBIGUOUS_TAG, _refuse_ambiguous)
-
-
 def _suggest(name: str, known: list[str]) -> str:
     close = difflib.get_close_matches(name, known, n=1)
     return f"; did you mean {close[0]!r}?" if close else f"; known fields: {', '.join(known)}"
@@ -369,7 +296,7 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
     if not key.strip():
         raise ConfigError(f"--set {item!r}: empty key")
     try:
-        value = yaml.load(raw, Loader=_Loader) if raw.strip() else ""
+        value = yaml.load(raw, Loader=Loader) if raw.strip() else ""
     except AmbiguousYAML as exc:
         raise ConfigError(f"--set {item!r}: {exc.problem}") from None
     except (yaml.YAMLError, ValueError, RecursionError):  # ValueError: e.g. 2001-13-01 looks like a date
@@ -408,7 +335,7 @@ def read_yaml(path: str | Path, checksummed: bool = False) -> dict:
             raise ConfigError(f"{p} fails its checksum: it was edited or damaged since the run wrote it; restore "
                               "it, or give the run's config file as the first argument")
     try:
-        data = yaml.load(text, Loader=_Loader)
+        data = yaml.load(text, Loader=Loader)
     except (ValueError, RecursionError) as exc:  # a constructor failed, e.g. the date 2001-13-01
         raise ConfigError(f"{p}: malformed YAML: {exc or type(exc).__name__}") from None
     except yaml.YAMLError as exc:
@@ -516,7 +443,7 @@ def _validate_tls(c: ClusterConfig) -> None:
 
 
 def dump_config(cfg: RunConfig) -> str:
-    return yaml.dump(cfg.to_dict(), Dumper=_Dumper, sort_keys=False)
+    return yaml.dump(cfg.to_dict(), Dumper=Dumper, sort_keys=False)
 
 
 def _checksum_header(body: str) -> str:
@@ -575,7 +502,7 @@ def describe_fields(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, 
             rows += describe_fields(hint, f"{prefix}{fl.name}.")
             continue
         default = fl.default if fl.default is not dataclasses.MISSING else fl.default_factory()
-        shown = yaml.dump(default, Dumper=_Dumper, default_flow_style=True, width=10**6).strip().removesuffix("...")
+        shown = yaml.dump(default, Dumper=Dumper, default_flow_style=True, width=10**6).strip().removesuffix("...")
         kind = _type_name(hint)
         if fl.metadata.get("choices"):
             kind = " | ".join(str(c).lower() if isinstance(c, bool) else str(c) for c in fl.metadata["choices"])
