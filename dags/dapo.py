@@ -41,7 +41,7 @@ def dynamic_sampling(rewards, mask, train_groups: int = 0):
     return [torch.full((len(r),), scale if i in kept else 0.0) for i, r in enumerate(rewards)]
 
 
-@dapo.advantage(scope="group")
+@dapo.advantage(scope="group", min_samples=2)  # the std of one reward is NaN
 def advantages(shaped_rewards, eps: float = 1e-6):
     return (shaped_rewards - shaped_rewards.mean()) / (shaped_rewards.std() + eps)
 

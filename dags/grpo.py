@@ -17,7 +17,7 @@ grpo.score("ref", as_="ref_logprobs")  # its prefix runs inside the decode windo
 grpo.score("actor", as_="logprobs", grad=True)  # also yields old_logprobs (detached)
 
 
-@grpo.advantage(scope="group")
+@grpo.advantage(scope="group", min_samples=2)  # the std of one reward is NaN
 def advantages(rewards, eps: float = 1e-6):
     """Â_i = (r_i − mean(r)) / (std(r) + ε) over the G responses of one prompt."""
     return (rewards - rewards.mean()) / (rewards.std() + eps)

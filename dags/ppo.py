@@ -4,7 +4,9 @@ A critic V (the actor's architecture with a scalar value head, trained on its ow
 optimizer) scores each response token's state. The per-token reward is the verifiable reward on
 the last token minus β·KL(π_old‖π_ref) on every token; generalised advantage estimation turns it
 into advantages  Â_t = Σ_l (γλ)^l δ_{t+l},  δ_t = r_t + γ·V_{t+1} − V_t,  and returns R_t = Â_t + V_t.
-The actor takes the clipped surrogate; the critic the clipped value loss
+The actor's advantages are then whitened over every response token of the batch (masked mean and
+unbiased std, as verl's ``masked_whiten``, TRL and OpenRLHF do; ``whiten_advantages``), while the
+critic regresses on the unwhitened returns. The actor takes the clipped surrogate; the critic the clipped value loss
 ½·max((V − R)², (V_old + clip(V − V_old, ±ε_v) − R)²). The critic's prefix, like the reference's,
 runs inside the decode window. One update per batch, so both clips are the formulas, not yet binding.
 """
@@ -33,13 +35,28 @@ def gae(token_rewards, values, mask, gamma: float, lam: float):
     return advantages * mask
 
 
-@ppo.advantage(scope="group")
-def advantages(rewards, old_values, old_logprobs, ref_logprobs, mask,
-               gamma: float = 1.0, lam: float = 0.95, kl_coef: float = 0.02):
+def masked_whiten(x, mask, eps: float = 1e-8):
+    """(x − mean) / sqrt(var + eps) over the entries where ``mask`` is 1 (unbiased var); 0 elsewhere."""
+    n = mask.sum()
+    mean = (x * mask).sum() / n.clamp(min=1)
+    var = ((x - mean) ** 2 * mask).sum() / (n - 1).clamp(min=1)
+    return (x - mean) * torch.rsqrt(var + eps) * mask
+
+
+@ppo.node(writes="returns")
+def gae_returns(rewards, old_values, old_logprobs, ref_logprobs, mask,
+                gamma: float = 1.0, lam: float = 0.95, kl_coef: float = 0.02):
+    """R_t = Â_t + V_t [G, R] of one group, from GAE on the per-token reward."""
     token_rewards = -kl_coef * (old_logprobs - ref_logprobs) * mask
     last = (mask.sum(-1).long() - 1).clamp(min=0)
     token_rewards[torch.arange(len(rewards)), last] += rewards
-    return gae(token_rewards, old_values, mask, gamma, lam)
+    return gae(token_rewards, old_values, mask, gamma, lam) + old_values * mask
+
+
+@ppo.advantage(scope="batch")  # [P, G, R]: whitening spans the whole batch
+def advantages(returns, old_values, mask, whiten_advantages: bool = True):
+    adv = (returns - old_values) * mask
+    return masked_whiten(adv, mask) if whiten_advantages else adv
 
 
 @ppo.loss(agg="token-mean")
@@ -50,8 +67,7 @@ def policy_loss(logprobs, old_logprobs, ref_logprobs, advantages, clip_eps: floa
 
 
 @ppo.loss(model="critic", agg="token-mean")
-def value_loss(values, old_values, advantages, clip_value: float = 0.2):
-    returns = advantages + old_values
+def value_loss(values, old_values, returns, clip_value: float = 0.2):
     clipped = old_values + (values - old_values).clamp(-clip_value, clip_value)
     loss = 0.5 * torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
     return loss, {"value_loss": loss.detach(), "value_mean": values.detach()}

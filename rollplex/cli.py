@@ -45,6 +45,8 @@ def cmd_train(args) -> int:
 
         print(format_fields(), end="")
         return 0
+    args.out = _resume_dir(args.resume, args.out)
+    args.resume = bool(args.resume)
     cfg = _config_from(args)
     out = Path(args.out or f"runs/{cfg.algorithm.replace('/', '_').removesuffix('.py')}-seed{cfg.seed}")
     saved = out / "config.yaml"
@@ -74,6 +76,18 @@ def _output_file(path: str, flag: str) -> None:
         raise ConfigError(f"{flag} {path}: {p.parent} is not a directory")
     if not os.access(p.parent, os.W_OK | os.X_OK):
         raise ConfigError(f"{flag} {path}: {p.parent} is not writable (a read-only file system, or no permission)")
+
+
+def _resume_dir(resume: bool | str | None, out: str | None) -> str | None:
+    """The run directory of ``--resume RUN_DIR`` or ``--resume --out RUN_DIR`` (both: the same one)."""
+    if not isinstance(resume, str):
+        return out
+    if Path(resume).is_file():  # `--resume my.yaml`: argparse took the config for the run directory
+        raise ConfigError(f"--resume {resume}: a file, not a run directory; give the config first "
+                          f"(rollplex train {resume} --resume RUN_DIR)")
+    if out is not None and Path(out).resolve() != Path(resume).resolve():
+        raise ConfigError(f"--resume {resume} and --out {out} name two run directories; give one of them")
+    return resume
 
 
 def cmd_graph(args) -> int:
@@ -158,7 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="data-parallel ranks, one Dask worker each (LocalCluster starts N; with --scheduler, "
                         "the cluster must have N workers); docs/distributed.md")
     t.add_argument("--dashboard", action="store_true", help="serve the Dask dashboard and print its address")
-    t.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    t.add_argument("--resume", nargs="?", const=True, default=False, metavar="RUN_DIR",
+                   help="continue the run in RUN_DIR (or --out) from its last checkpoint")
     t.add_argument("--no-progress", action="store_true", help="plain log lines, no progress bar")
     common(t)
     t.set_defaults(fn=cmd_train)

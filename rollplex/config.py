@@ -69,6 +69,8 @@ class DataConfig:
                         "naming file and row) or skip (logged, counted in metrics)")
     max_prompt_tokens: int = f(0, lo=0, hi=2**20,
                                doc="longer prompts are bad rows; 0: the longest of the first 32 rows")
+    val_path: str | None = f(None, doc="validation prompts (eval.every), a file or folder like data.path in the same "
+                             "columns; null: on the embedded task, held-out items it never trains on")
 
 
 @dataclass
@@ -117,6 +119,29 @@ class WarmupConfig:
                           "task (README), 0 on data.path")
     batch_size: int = f(32, lo=1, hi=65536, doc="warm-up examples per step")
     lr: float = f(2e-3, lo=0.0, hi=1.0, doc="warm-up learning rate")
+
+
+@dataclass
+class EvalConfig:
+    every: int = f(0, lo=0, hi=10**9, doc="validate after every N-th RL iteration and after the last (0: never): decode "
+                   "and reward only, on the current policy, no update")
+    before_train: bool = f(False, doc="also validate the policy RL starts from (after any warm-up)")
+    prompts: int = f(32, lo=0, hi=2**24, doc="validation prompts: the first N rows of data.val_path (0: all of them), or "
+                     "N held-out items of the embedded task (items task.size.. the training loader never visits)")
+    samples: int = f(1, lo=1, hi=1024, doc="responses per validation prompt; pass@k is logged for k = 1 and k = "
+                     "this (the unbiased estimator)")
+    temperature: float = f(0.0, lo=0.0, hi=10.0, doc="validation sampling temperature (0 = greedy; above 0 it "
+                           "samples with rollout.top_p)")
+    pass_reward: float = f(1.0, lo=-1e9, hi=1e9,
+                           doc="a response passes (for pass@k) when its reward is at least this")
+
+
+@dataclass
+class LoggingConfig:
+    backends: list = f(["jsonl"], doc="where metrics go: jsonl (metrics.jsonl, always on: the record), "
+                       "tensorboard (event files in RUN_DIR/tensorboard), wandb (when installed; honours "
+                       "WANDB_MODE, WANDB_DIR, WANDB_ENTITY)")
+    wandb_project: str = f("rollplex", doc="the W&B project a run logs to")
 
 
 @dataclass
@@ -192,6 +217,8 @@ class RunConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
     engines: EnginesConfig = field(default_factory=EnginesConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -386,6 +413,7 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"cluster.lowering: 'iteration' runs a whole iteration on one worker; with "
                           f"cluster.workers {cfg.cluster.workers} the ranks exchange values mid-iteration "
                           f"(use nodes or auto)")
+    _validate_eval(cfg)
     if cfg.rollout.chunk_tokens > cfg.rollout.max_new_tokens:
         raise ConfigError(f"rollout.chunk_tokens: {cfg.rollout.chunk_tokens} exceeds rollout.max_new_tokens "
                           f"({cfg.rollout.max_new_tokens})")
@@ -420,6 +448,34 @@ def resolve_task_defaults(cfg: RunConfig) -> RunConfig:
     if stop == "auto":
         stop = EMBEDDED_STOP_AT_REWARD if embedded else None
     return dataclasses.replace(cfg, warmup=dataclasses.replace(cfg.warmup, steps=steps), stop_at_reward=stop)
+
+
+LOGGING_BACKENDS = ("jsonl", "tensorboard", "wandb")
+
+
+def _validate_eval(cfg: RunConfig) -> None:
+    for name in cfg.logging.backends:
+        if name not in LOGGING_BACKENDS:
+            raise ConfigError(f"logging.backends: {name!r} is not one of {', '.join(LOGGING_BACKENDS)}")
+    e = cfg.eval
+    if e.samples > 1 and e.temperature == 0:
+        raise ConfigError(f"eval.samples: {e.samples} greedy responses (eval.temperature 0) are one response "
+                          "repeated; set eval.temperature above 0 or eval.samples: 1")
+    batch = cfg.rollout.prompts_per_iteration * cfg.rollout.samples_per_prompt
+    if e.samples > batch:  # the decode engine is sized for one rollout batch of sequences
+        raise ConfigError(f"eval.samples: {e.samples} exceeds the {batch} sequences of a rollout batch "
+                          "(rollout.prompts_per_iteration × rollout.samples_per_prompt) the decode engine holds")
+    if (e.every or e.before_train) and cfg.cluster.memory_plan:
+        raise ConfigError("eval.every: validation runs between iterations, which cluster.memory_plan does not "
+                          "plan for (it may free the KV pool and offload weights across them); turn one off")
+    if (e.every or e.before_train) and cfg.data.val_path is None:
+        if cfg.data.path is not None:
+            asked = "eval.every" if e.every else "eval.before_train"
+            raise ConfigError(f"{asked}: validation on data.path needs data.val_path (a held-out file; only the "
+                              "embedded task holds out items of its own)")
+        if e.prompts == 0:
+            raise ConfigError("eval.prompts: 0 (all rows) needs data.val_path; on the embedded task give the "
+                              "number of held-out items")
 
 
 def _validate_tls(c: ClusterConfig) -> None:
@@ -460,13 +516,15 @@ def run_config_text(cfg: RunConfig) -> str:
 
 
 # Fields a resume may change: how long a run goes on, how often it checkpoints, how it reaches its
-# cluster and how its device memory is held; none enters what an iteration computes. Every other field
+# cluster, how its device memory is held and where its metrics are sent besides metrics.jsonl; none
+# enters what an iteration computes (validation may: it samples from the engines' generators). Every other field
 # defines the run, and a resume refuses a change to it by name (a new learning rate would be recorded
 # while the optimizer kept the old one; a new batch size would change the batch mid-run).
 MAY_CHANGE_ON_RESUME = frozenset({
     "iterations", "stop_at_reward", "checkpoint.every", "checkpoint.keep_last", "cluster.scheduler",
     "cluster.dashboard", "cluster.tls_ca_file", "cluster.tls_cert", "cluster.tls_key", "cluster.processes",
-    "cluster.cuda_allocator", "cluster.memory_budget_gib", "cluster.memory_plan",
+    "cluster.cuda_allocator", "cluster.memory_budget_gib", "cluster.memory_plan", "logging.backends",
+    "logging.wandb_project",
 })
 
 

@@ -235,6 +235,28 @@ class PromptBuilder:
         )
 
 
+@dataclass(frozen=True)
+class HeldOut:
+    """``count`` items of the synthetic task that its training loader never visits: item ``i`` here
+    is item ``start + i`` of the same task drawn larger (``start`` = the training ``task.size``, and
+    an item is a pure function of its seed and index, so the training items stay as they are)."""
+
+    base: SyntheticVisualTask  # the training task's settings with size start + count
+    start: int
+
+    def __len__(self) -> int:
+        return self.base.size - self.start
+
+    def prompt_id(self, index: int) -> str:
+        return self.base.prompt_id(self.start + index)
+
+    def build(self, builder: PromptBuilder, index: int) -> PromptInputs:
+        return build_item(self.base, builder, self.start + index)
+
+    def identity(self) -> dict:
+        return {"held_out": asdict(self.base), "start": self.start}
+
+
 def build_item(task, builder: PromptBuilder, index: int) -> PromptInputs:
     """Item ``index`` of the synthetic task or of a file dataset (``tasks.dataset.FileDataset``)."""
     if not isinstance(task, SyntheticVisualTask):

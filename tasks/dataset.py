@@ -393,6 +393,24 @@ def make_task(cfg):
                                seed=cfg.seed, reward=cfg.task.reward)
 
 
+def make_eval_task(cfg, task, max_prompt_tokens: int):
+    """The validation prompts (``eval.*``): ``data.val_path`` read like ``data.path``, its prompts held
+    to the training prompts' ``max_prompt_tokens`` (they size the decode engine), else the embedded
+    task's held-out items."""
+    from dataclasses import replace
+
+    from rollplex.tasks.data import HeldOut
+
+    d = cfg.data
+    if not d.val_path:
+        return HeldOut(replace(task, size=task.size + cfg.eval.prompts), task.size)
+    try:
+        return FileDataset(d.val_path, d.format, d.prompt_key, d.image_key, d.video_key, d.answer_key,
+                           d.on_bad_row, cfg.task.reward, max_prompt_tokens, d.split)
+    except (ConfigError, DataError) as exc:  # its messages name the field they read from
+        raise type(exc)(str(exc).replace("data.path", "data.val_path")) from None
+
+
 def probe_shape(task, builder: PromptBuilder, vision_token_ids: tuple[int, ...]) -> tuple[int, int]:
     """(prompt tokens, vision tokens) to size the iteration graph and the decode engine: item 0 of the
     synthetic task (all its items have one shape), the longest of the first PROBE_ROWS rows of a file.

@@ -70,7 +70,28 @@ def by_prompt(ctx, names, role: str, **facts) -> dict[int, str]:
     return {ctx.values[n].prompts[0]: n for n in with_role(ctx, names, role, **facts)}
 
 
-def _sample_key(seq: FinishedSequence) -> tuple[str, int]:
+def prompt_request(request_id: str, prompt, vis, settings, *, seed: int, n: int, temperature: float,
+                   top_p: float) -> DecodeRequest:
+    """A request for ``n`` samples of one prompt, its vision embeddings attached, capped and stopped
+    as the run's ``settings`` say; sample g draws with ``seed + g``."""
+    return DecodeRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt.input_ids.tolist(),
+        image_embeds=vis.image,
+        image_grid_thw=prompt.image_grid_thw,
+        max_tokens=settings.max_new_tokens,
+        seed=seed,
+        temperature=temperature,
+        top_p=top_p,
+        stop_token_ids=tuple(settings.stop_token_ids),
+        n=n,
+        video_embeds=vis.video,
+        video_grid_thw=prompt.video_grid_thw,
+        second_per_grid_ts=prompt.second_per_grid_ts,
+    )
+
+
+def sample_key(seq: FinishedSequence) -> tuple[str, int]:
     """(prompt's request id, sample) for a group request (n samples) or a per-sample one (id/g)."""
     parent, _, sample = seq.request_id.partition("/")
     return (parent, int(sample)) if sample else (parent, seq.index)
@@ -118,21 +139,9 @@ def decode_chunk(ctx, node, inputs):
         # single-rank run's (a replayed or recorded rollout is keyed by them).
         global_index = node.args.get("prompts", range(len(prompts)))
         for p, (prompt, vis) in enumerate(zip(prompts, visions)):
-            base = DecodeRequest(
-                request_id=request_id(ctx.iteration, global_index[p]),
-                prompt_token_ids=prompt.input_ids.tolist(),
-                image_embeds=vis.image,
-                image_grid_thw=prompt.image_grid_thw,
-                max_tokens=s.max_new_tokens,
-                seed=sample_seed(s.seed, ctx.iteration, prompt.prompt_id),
-                temperature=s.temperature,
-                top_p=s.top_p,
-                stop_token_ids=tuple(s.stop_token_ids),
-                n=s.samples,
-                video_embeds=vis.video,
-                video_grid_thw=prompt.video_grid_thw,
-                second_per_grid_ts=prompt.second_per_grid_ts,
-            )
+            base = prompt_request(request_id(ctx.iteration, global_index[p]), prompt, vis, s,
+                                  seed=sample_seed(s.seed, ctx.iteration, prompt.prompt_id), n=s.samples,
+                                  temperature=s.temperature, top_p=s.top_p)
             caps = prompt.meta.get("max_tokens")
             if caps is None:
                 requests.append(base)
@@ -150,7 +159,7 @@ def decode_chunk(ctx, node, inputs):
         handed = previous.get("handed", frozenset())
         handed_samples = previous.get("handed_samples", frozenset())
     for seq in engine.step(node.args["tokens"]):
-        finished[_sample_key(seq)] = seq
+        finished[sample_key(seq)] = seq
     num_prompts = expected // s.samples
     # A rank's decode (pipeline/compile/ranks.py) holds a slice of the batch: outputs by position, and the
     # prompts' global indices from args.
@@ -193,7 +202,7 @@ def decode_chunk(ctx, node, inputs):
         return out
     while len(finished) < expected and engine.has_unfinished():  # max_tokens bounds this loop
         for seq in engine.step(node.args["tokens"]):
-            finished[_sample_key(seq)] = seq
+            finished[sample_key(seq)] = seq
     if len(finished) != expected:
         raise RuntimeError(f"decode finished {len(finished)} of {expected} sequences")
     responses = {p: group(p) for p in kept}

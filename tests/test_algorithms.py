@@ -42,17 +42,37 @@ def test_gae_with_lambda_one_and_zero_values_is_the_return():
 def test_ppo_token_rewards_carry_the_kl_penalty_and_the_final_reward():
     """kl_coef .1, old − ref = [.1,.2,.3] → r = [−.01, −.02, −.03 + 1]; V = 0, γ = λ = 1 → returns
     [.94, .95, .97]. Row 1 has 1 token and reward 0: −.1·.5 = −.05."""
-    adv = ppo.advantages(rewards=T([1.0, 0.0]), old_values=torch.zeros(2, 3),
-                         old_logprobs=T([[-1.0, -1.0, -1.0], [-2.0, 0.0, 0.0]]),
-                         ref_logprobs=T([[-1.1, -1.2, -1.3], [-2.5, 0.0, 0.0]]),
-                         mask=T([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]]), gamma=1.0, lam=1.0, kl_coef=0.1)
-    close(adv, [[0.94, 0.95, 0.97], [-0.05, 0.0, 0.0]])
+    returns = ppo.gae_returns(rewards=T([1.0, 0.0]), old_values=torch.zeros(2, 3),
+                              old_logprobs=T([[-1.0, -1.0, -1.0], [-2.0, 0.0, 0.0]]),
+                              ref_logprobs=T([[-1.1, -1.2, -1.3], [-2.5, 0.0, 0.0]]),
+                              mask=T([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]]), gamma=1.0, lam=1.0, kl_coef=0.1)
+    close(returns, [[0.94, 0.95, 0.97], [-0.05, 0.0, 0.0]])
+
+
+def test_ppo_returns_are_the_gae_advantages_plus_the_values():
+    """The first row of the GAE case by hand (γ=.9, λ=.5, V=[.5,.6,.7], reward 1, no KL): Â =
+    [.11425, .165, .3], so R = Â + V = [.61425, .765, 1.0]."""
+    returns = ppo.gae_returns(rewards=T([1.0]), old_values=T([[0.5, 0.6, 0.7]]), old_logprobs=torch.zeros(1, 3),
+                              ref_logprobs=torch.zeros(1, 3), mask=torch.ones(1, 3), gamma=0.9, lam=0.5, kl_coef=0.0)
+    close(returns, [[0.61425, 0.765, 1.0]])
+
+
+def test_ppo_advantages_are_whitened_over_the_batchs_response_tokens():
+    """Two groups of one response ([P, G, R] = [2, 1, 2]); the second's last slot is padding (its
+    return 9 must not count). Â = R − V = [1, 3 | 5]: mean 3, unbiased var (4 + 0 + 4)/2 = 4, std
+    2, so whitened [−1, 0 | 1] and 0 on the padding. Unwhitened: R − V, padding 0."""
+    returns, mask = T([[[1.5, 3.5]], [[5.5, 9.0]]]), T([[[1.0, 1.0]], [[1.0, 0.0]]])
+    values = torch.full((2, 1, 2), 0.5)
+    close(ppo.advantages(returns=returns, old_values=values, mask=mask), [[[-1.0, 0.0]], [[1.0, 0.0]]])
+    close(ppo.advantages(returns=returns, old_values=values, mask=mask, whiten_advantages=False),
+          [[[1.0, 3.0]], [[5.0, 0.0]]])
+    assert load_algorithm("ppo").hyperparameters()["whiten_advantages"] is True  # on by default
 
 
 def test_ppo_value_loss_is_clipped_around_the_old_values():
-    """V = [1, 0], V_old = [.5, .5], Â = [.5, −1] → returns R = [1, −.5]; clip .2 → [.7, .3].
+    """V = [1, 0], V_old = [.5, .5], returns R = [1, −.5]; clip .2 → [.7, .3].
     unclipped (V − R)² = [0, .25]; clipped = [.09, .64]; ½·max = [.045, .32]."""
-    loss, metrics = ppo.value_loss(values=T([1.0, 0.0]), old_values=T([0.5, 0.5]), advantages=T([0.5, -1.0]),
+    loss, metrics = ppo.value_loss(values=T([1.0, 0.0]), old_values=T([0.5, 0.5]), returns=T([1.0, -0.5]),
                                    clip_value=0.2)
     close(loss, [0.045, 0.32])
     close(metrics["value_loss"], [0.045, 0.32])
@@ -300,7 +320,11 @@ def test_ppo_value_loss_falls_as_the_critic_learns(tmp_path, warmed_model):
     """The same 4 prompts every iteration, fresh samples each time, λ = 1 and no KL: the returns are
     the rewards. The critic (zero at first) first learns the mean reward, then each prompt's; its loss
     falls well below where it stood while it knew only the mean (measured: ~.11 → ~.04 by iteration 30)."""
-    session, host, executor = _host(tmp_path, "ppo", "params.kl_coef=0.0", "params.lam=1.0", model_path=warmed_model)
+    # The actor's advantages unwhitened, as when this curve was measured: the critic's loss drops late
+    # (iterations ~25-30) and whitening moves which responses it sees; whitened it fell to .063 by
+    # iteration 30, two iterations behind, with the same rewards (.44-.5 from iteration 12 on in both).
+    session, host, executor = _host(tmp_path, "ppo", "params.kl_coef=0.0", "params.lam=1.0",
+                                    "params.whiten_advantages=false", model_path=warmed_model)
     try:
         batch = session.loader.next_batch()
         losses = []
@@ -310,3 +334,20 @@ def test_ppo_value_loss_falls_as_the_critic_learns(tmp_path, warmed_model):
         assert sum(losses[-3:]) / 3 < 0.6 * sum(losses[1:6]) / 5, losses
     finally:
         host.close()
+
+
+def test_group_normalised_advantages_refuse_one_sample_and_the_others_take_it():
+    """GRPO's and DAPO's advantage divides by the group's std, NaN for G = 1 (the run would stop at
+    its first step, exit 3); RLOO (zero baseline), PPO (GAE) and REINFORCE++ (batch-normalised) are
+    defined there, and GRPO with G = 2 is fine."""
+    from rollplex.errors import ConfigError
+    from rollplex.pipeline.run.session import check_group_size
+
+    assert torch.isnan(grpo.advantages(T([1.0]))).all()  # what the refusal spares the run
+    for name in ("grpo", "dapo"):
+        with pytest.raises(ConfigError, match=rf"rollout.samples_per_prompt: 1 is too few for {name}"):
+            check_group_size(load_algorithm(name), 1)
+        check_group_size(load_algorithm(name), 2)
+    for name in ("rloo", "ppo", "reinforce_pp"):
+        check_group_size(load_algorithm(name), 1)
+    close(rloo.advantages(T([0.7])), [0.7])

@@ -293,3 +293,10 @@ def test_a_hyperparameter_named_like_a_value_is_refused_at_validate():
     alg.loss(policy_loss)
     assert (f"{here(policy_loss)} parameter 'kl_coef' has a default, so it is a hyperparameter, but 'kl_coef' "
             f"is also a value (node {here(kl)} writes it)") in refused(alg.validate)
+
+
+@pytest.mark.parametrize("min_samples", [0, 1.5, "2"])
+def test_an_advantage_min_samples_must_be_a_positive_integer(min_samples):
+    alg = Algorithm("g")
+    with pytest.raises(GraphError, match=r"advantage min_samples=.*expected an integer of at least 1"):
+        alg.advantage(lambda rewards: rewards, min_samples=min_samples)

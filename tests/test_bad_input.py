@@ -46,6 +46,13 @@ _item = data.SyntheticVisualTask.item
 data.SyntheticVisualTask.item = lambda self, i: dataclasses.replace(_item(self, i), image={image})
 '''
 
+# W&B as it is where it was never installed.
+NO_WANDB = '''
+import importlib.util
+_find = importlib.util.find_spec
+importlib.util.find_spec = lambda name, *a: None if name == "wandb" else _find(name, *a)
+'''
+
 # A pickle that would run code if anything unpickled it with full pickle.
 EVIL_PICKLE = b"cos\nsystem\n(S'touch pwned'\ntR."
 
@@ -183,6 +190,33 @@ CASES = {
                                                       ("train.micro_batch_groups (3)", "prompts per rank (4)")),
     "prompts not split evenly over ranks": Case((*TRAIN, "--workers", "3"),
                                                 ("rollout.prompts_per_iteration (8)", "cluster.workers (3)")),
+    "one sample per prompt under grpo": Case((*TRAIN, "--set", "rollout.samples_per_prompt=1"),
+                                              ("rollout.samples_per_prompt: 1", "grpo", "advantages()",
+                                               "at least 2 samples")),
+    "one sample per prompt under dapo": Case((*TRAIN, "--set", "algorithm=dapo", "--set",
+                                              "rollout.samples_per_prompt=1"),
+                                             ("rollout.samples_per_prompt: 1", "dapo", "at least 2 samples")),
+    "resume and out naming two run directories": Case(("train", "--resume", "run", "--out", "other"),
+                                                      ("--resume run and --out other", "two run directories")),
+    "resume given a config file": Case(("train", "--resume", "my.yaml", "--out", "run"),
+                                       ("--resume my.yaml: a file, not a run directory",
+                                        "rollplex train my.yaml --resume RUN_DIR"), {"my.yaml": "seed: 1\n"}),
+    "validation on a file without a val file": Case((*TRAIN, "--set", "data.path=train.jsonl", "--set", "eval.every=5"),
+                                                    ("eval.every", "data.val_path"),
+                                                    {"train.jsonl": '{"prompt": "hi", "answer": "a"}\n'}),
+    "greedy validation with several samples": Case((*TRAIN, "--set", "eval.every=1", "--set", "eval.samples=4"),
+                                                   ("eval.samples: 4 greedy responses", "eval.temperature")),
+    "a val file that does not exist": Case((*TRAIN, "--set", "eval.every=1", "--set", "data.val_path=val.jsonl"),
+                                           ("data.val_path", "val.jsonl does not exist")),
+    "a val row longer than the training prompts": Case(
+        (*TRAIN, *HF_TORCH, "--set", "eval.every=1", "--set", "data.val_path=val.jsonl"),
+        ("val.jsonl line 1", "more than data.max_prompt_tokens"),
+        {"val.jsonl": json.dumps({"prompt": "What colour " * 40, "answer": "red"}) + "\n"}),
+    "an unknown logging backend": Case((*TRAIN, "--set", "logging.backends=[jsonl, mlflow]"),
+                                       ("logging.backends", "'mlflow'", "tensorboard, wandb")),
+    "a logging backend not installed": Case((*TRAIN, "--set", "logging.backends=[wandb]"),
+                                            ("logging.backends: wandb needs the wandb package", "pip install wandb"),
+                                            setup=NO_WANDB),
     "unservable architecture": Case((*TRAIN, "--set", "model.path=model", *HF_TORCH),
                                     ("LlamaForCausalLM", "Qwen2.5-VL"), {"model": _model(_llama)}),
     # -- command-line arguments: argparse's errors are one line too

@@ -71,3 +71,15 @@ def test_bench_refuses_a_model_the_memory_cannot_hold_before_building_it(tmp_pat
     err = capsys.readouterr().err
     assert "rollplex bench --model qwen2.5-vl-3b on cpu: needs at least" in err and "8 GiB are available" in err
     assert "--layers" in err and not out.exists()
+
+
+def test_resume_takes_the_run_directory_itself_or_through_out(tmp_path):
+    from rollplex.cli import _resume_dir
+
+    run = str(tmp_path / "run")
+    for argv, expected in ((["--resume", run], run), (["--resume", "--out", run], run),
+                           (["--resume", run, "--out", str(tmp_path / "." / "run")], run),
+                           (["--out", run], run), ([], None)):
+        args = _subparser("train").parse_args(argv)
+        assert _resume_dir(args.resume, args.out) == expected, argv
+        assert bool(args.resume) == ("--resume" in argv), argv

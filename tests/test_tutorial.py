@@ -59,5 +59,11 @@ def test_every_command_of_the_tutorial_runs(tmp_path):
     decode_lines = [line for line in (run / "graph.txt").read_text().splitlines() if "= decode_chunk" in line]
     assert decode_lines and all("@hf(" in line for line in decode_lines)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["iteration"] for r in rows] == [0, 1, 2, 3] and all(r["data_skipped_rows"] == 0 for r in rows)
+    rl = [r for r in rows if r["phase"] == "rl"]
+    assert [r["iteration"] for r in rl] == [0, 1, 2, 3] and all(r["data_skipped_rows"] == 0 for r in rl)
+    evals = [r for r in rows if r["phase"] == "eval"]
+    assert [r["iteration"] for r in evals] == [2, 4] and all("val/pass@2" in r for r in evals)
+    assert "iter_000002.jsonl" in log and "iter_000004.jsonl" in log  # `ls` showed eval/
+    assert len((run / "eval" / "iter_000004.jsonl").read_text().splitlines()) == 8 * 2
+    assert any((run / "tensorboard").glob("events.out.tfevents.*"))
     assert {p.name for p in (run / "plots").iterdir()} == {"curves.png", "time_by_kind.png", "gantt_iter_000003.png"}

@@ -207,14 +207,17 @@ class Algorithm:
         self.reward_fn = decl
         return fn
 
-    def advantage(self, fn: Callable[..., Any] | None = None, *, scope: str = "group"):
+    def advantage(self, fn: Callable[..., Any] | None = None, *, scope: str = "group", min_samples: int = 1):
         """Advantages from rewards. scope="group": ``rewards`` is one prompt's [G] tensor;
-        scope="batch": ``rewards`` is the whole batch's [P, G] tensor."""
+        scope="batch": ``rewards`` is the whole batch's [P, G] tensor. ``min_samples``: the fewest
+        samples per prompt it is defined for (2 for a group's std); a run with fewer is refused."""
         if scope not in ADVANTAGE_SCOPES:
             raise GraphError(f"advantage scope {scope!r} is not one of {ADVANTAGE_SCOPES}")
+        if not isinstance(min_samples, int) or min_samples < 1:
+            raise GraphError(f"advantage min_samples={min_samples!r}: expected an integer of at least 1")
 
         def register(f: Callable[..., Any]) -> Callable[..., Any]:
-            decl = FunctionDecl.of(f, scope=scope)
+            decl = FunctionDecl.of(f, scope=scope, min_samples=min_samples)
             if self.advantage_fn is not None:
                 raise GraphError(f"{self._where}: two advantage functions, {_site(self.advantage_fn.fn)} and "
                                  f"{_site(f)}; an algorithm has one: keep one, or compute a value the other "

@@ -310,19 +310,22 @@ def latest_name(run_dir: Path) -> str | None:
     return done[-1].name if done else None
 
 
-def rl_rows(path: Path) -> list[dict]:
-    """The metrics.jsonl rows of the RL iterations logged so far (a torn last line left out)."""
+def metric_rows(path: Path) -> list[dict]:
+    """Every metrics.jsonl row logged so far (a torn last line left out)."""
     if not path.exists():
         return []
     rows = []
     for line in path.read_text().splitlines():
         try:
-            row = json.loads(line)
+            rows.append(json.loads(line))
         except json.JSONDecodeError:
             continue
-        if row.get("phase") == "rl":
-            rows.append(row)
     return rows
+
+
+def rl_rows(path: Path) -> list[dict]:
+    """The metrics.jsonl rows of the RL iterations logged so far (a torn last line left out)."""
+    return [row for row in metric_rows(path) if row.get("phase") == "rl"]
 
 
 def rl_rewards(path: Path) -> list[float]:
@@ -331,22 +334,28 @@ def rl_rewards(path: Path) -> list[float]:
 
 
 def kept_metrics(path: Path, iteration: int, sha256: str | None = None, checkpoint: str = "") -> str:
-    """The metrics.jsonl a resume from ``iteration`` keeps: warm-up rows and RL rows up to it, later
-    rows and a torn last line dropped. With the ``sha256`` its checkpoint recorded, refused unless
-    they are the rows that checkpoint saw."""
-    kept = []
+    """The metrics.jsonl a resume from ``iteration`` keeps: warm-up rows, RL rows up to it and
+    validation rows up to ``iteration + 1`` (the one after iteration N validates checkpoint N's
+    policy); later rows and a torn last line dropped. With the ``sha256`` its checkpoint recorded,
+    refused unless they are the rows that checkpoint saw. The validation of its own policy is written
+    after it, so it is kept outside that digest (a resume runs it again when its row is missing)."""
+    kept, seen = [], []
     for line in (path.read_text(encoding="utf-8", errors="replace") if path.exists() else "").splitlines():
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if isinstance(row, dict) and (row.get("phase") == "warmup" or row.get("iteration", -1) <= iteration):
+        if not isinstance(row, dict):
+            continue
+        after = row.get("phase") == "eval" and row.get("iteration") == iteration + 1
+        if after or row.get("phase") == "warmup" or row.get("iteration", -1) <= iteration:
             kept.append(line)
-    text = "".join(line + "\n" for line in kept)
-    if sha256 is not None and hashlib.sha256(text.encode()).hexdigest() != sha256:
+            if not after:
+                seen.append(line)
+    if sha256 is not None and hashlib.sha256("".join(f"{line}\n" for line in seen).encode()).hexdigest() != sha256:
         raise CheckpointError(f"{path}: its rows up to {checkpoint or name_of(iteration)} are not the ones that "
                               "checkpoint recorded (edited, damaged or missing); a resume reads them back")
-    return text
+    return "".join(line + "\n" for line in kept)
 
 
 def truncate_metrics(path: Path, iteration: int, sha256: str | None = None, checkpoint: str = "") -> None:

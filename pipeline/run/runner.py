@@ -2,8 +2,10 @@
 
 Run directory layout:
     config.yaml                 the resolved config
-    metrics.jsonl               one JSON object per iteration (warm-up rows carry "phase": "warmup")
+    metrics.jsonl               one JSON object per iteration ("phase": "warmup", "rl" or "eval")
     rollouts/iter_NNNNNN.jsonl  one object per response
+    eval/iter_NNNNNN.jsonl      validation responses of the policy that samples iteration N (eval.*)
+    tensorboard/, wandb_id      the loggers' own files (logging.backends)
     traces/iter_NNNNNN.json     Chrome trace events, one track per worker and stream (Perfetto)
     checkpoints/iter_NNNNNN/    the actor in HF format + optimizer, RNG and data-loader state
     checkpoints/after_warmup/   the same after the warm-up, before RL iteration 0 (when there is one)
@@ -31,7 +33,9 @@ from rollplex.errors import (CheckpointError, ConfigError, Interrupted, NodeFail
 from rollplex.pipeline.run import checkpoints
 from rollplex.pipeline.run.faults import point
 from rollplex.fsio import append_line, atomic_write_text
+from rollplex.pipeline.run import evaluation
 from rollplex.pipeline.run.hostops import _adopt_reference, _end_warmup, _restore, _sync_decode, _warmup
+from rollplex.pipeline.run.loggers import Loggers, check_installed
 from rollplex.pipeline.run.session import Session, resolve_device
 from rollplex.pipeline.plan.trace import chrome_trace, seconds_by_kind
 
@@ -66,6 +70,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = 
     from rollplex.pipeline.run.recovery import StopSignals, children_ignore_sigint, quiet_task_errors
 
     cfg = resolve_task_defaults(cfg)  # warm-up and reward stop: the embedded task's, unless asked for
+    check_installed(cfg.logging.backends)
     runtime.configure(threads=cfg.cluster.threads, device=resolve_device(cfg))
     run_dir = Path(run_dir)
     check_run_dir(run_dir)
@@ -261,7 +266,7 @@ def _failure(exc: BaseException, where: str, run_dir: Path) -> BaseException:
         done = checkpoints.latest_name(run_dir)
         kept = f"the last good checkpoint, {done}, is intact" if done else "no checkpoint was written yet"
         return NonFiniteError(f"{where} stopped before its update: {exc}; nothing of it was applied or written; "
-                              f"{kept} (rollplex train --resume --out {run_dir} continues from it)")
+                              f"{kept} (rollplex train --resume {run_dir} continues from it)")
     return exc
 
 
@@ -269,17 +274,42 @@ def _train_loop(cfg: RunConfig, session: Session, client, state, metrics_path: P
                 t0: float, stop, ranks: list[str] | None = None, changed: dict | None = None) -> RunSummary:
     """``changed``: fields this resume changed ({field: (before, after)}), recorded in the row of the
     first iteration run under them."""
-    from tqdm import tqdm
-
-    from rollplex.pipeline.run import faults
-    from rollplex.pipeline.run.executor import DaskExecutor, task_key
-    from rollplex.pipeline.run.recovery import WorkerWatch, drop_tracebacks, quiet_task_errors
+    from rollplex.pipeline.run.executor import DaskExecutor
+    from rollplex.pipeline.run.recovery import WorkerWatch
 
     run_dir = session.run_dir
-    changed_at = state.iteration + 1 if state else 0  # a rollback below may move ``state`` on
     executor = DaskExecutor(client, ranks, cfg.cluster.lowering, installed=session.graphs)
     watch = WorkerWatch(client)
     log(f"engines ready in {time.time() - t0:.1f}s")
+    loggers = Loggers(cfg, run_dir, fresh=state is None, logged=checkpoints.metric_rows(metrics_path))
+    failed = True
+    try:
+        summary = _iterate(cfg, session, executor, watch, loggers, state, metrics_path, progress, log, stop,
+                           changed or {})
+        failed = False
+        return summary
+    finally:
+        loggers.close(failed)
+
+
+def _iterate(cfg: RunConfig, session: Session, executor, watch, loggers, state, metrics_path: Path, progress: bool,
+             log, stop, changed: dict) -> RunSummary:
+    from tqdm import tqdm
+
+    from rollplex.pipeline.run import faults
+    from rollplex.pipeline.run.executor import task_key
+    from rollplex.pipeline.run.recovery import drop_tracebacks, quiet_task_errors
+
+    run_dir, client = session.run_dir, executor.client
+    changed_at = state.iteration + 1 if state else 0  # a rollback below may move ``state`` on
+    validation = evaluation.Validation(cfg, session.eval_task, run_dir) if session.eval_task is not None else None
+
+    def validate(policy: int) -> None:  # the policy that samples RL iteration `policy`
+        row = validation.run(executor, policy, set(watch.known.values()))
+        append_line(metrics_path, json.dumps(row, sort_keys=True))
+        loggers.log(row)
+        bar.write(validation.describe(row)) if progress else log(validation.describe(row))
+
     bar = None
     iteration_seconds: list[float] = []
     iteration, recovering, where = None, False, "warm-up"
@@ -295,6 +325,11 @@ def _train_loop(cfg: RunConfig, session: Session, client, state, metrics_path: P
                 # Started only now, so that its rate counts RL iterations, not start-up and warm-up.
                 bar = tqdm(disable=not progress, desc=session.algorithm.name, unit="it", total=cfg.iterations,
                            initial=iteration)
+                kept = checkpoints.metric_rows(metrics_path)
+                loggers.restart(iteration if state is not None else min((r["iteration"] for r in kept), default=0),
+                                kept)
+                if validation is not None and evaluation.pending(cfg, iteration, kept):
+                    validate(iteration)
             while iteration < cfg.iterations:
                 if stop.requested:
                     raise _interrupted(stop, run_dir, iteration - 1)
@@ -314,6 +349,7 @@ def _train_loop(cfg: RunConfig, session: Session, client, state, metrics_path: P
                 if changed and iteration == changed_at:
                     metrics["config_changed"] = {k: list(v) for k, v in changed.items()}
                 append_line(metrics_path, json.dumps(metrics, sort_keys=True))
+                loggers.log(metrics)
                 point("iteration:written")
                 rewards.append(metrics["reward_mean"])
                 timed.append((choice.schedule, metrics["iter_seconds"]))
@@ -333,6 +369,9 @@ def _train_loop(cfg: RunConfig, session: Session, client, state, metrics_path: P
                 if checkpoints.due(iteration, cfg) or done or stop.requested:
                     session.checkpoint(executor, iteration, reward=metrics["reward_mean"],
                                        pids=set(watch.known.values()))
+                last = done or iteration == cfg.iterations - 1
+                if validation is not None and not stop.requested and evaluation.due_after(cfg, iteration, last):
+                    validate(iteration + 1)  # after the checkpoint: a resumed run owes it if it is missing
                 iteration += 1
                 if done:
                     bar.write(f"mean reward of the last {MOVING_WINDOW} iterations {moving:.3f} ≥ "
@@ -408,7 +447,7 @@ def _interrupted(stop, run_dir: Path, finished: int | None) -> Interrupted:
         what = f"the last checkpoint is {done}"
     else:
         what = f"after iteration {finished}, checkpoint {done} written"
-    return Interrupted(f"{stop.name}: stopped {what}; continue with: rollplex train --resume --out {run_dir}",
+    return Interrupted(f"{stop.name}: stopped {what}; continue with: rollplex train --resume {run_dir}",
                        stop.signum)
 
 

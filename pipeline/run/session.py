@@ -44,7 +44,8 @@ def resolve_engines(cfg: RunConfig, device: str) -> tuple[str, str, str]:
 
     check_options(get_engine(decode), cfg.engines.decode_options, "engines.decode_options")
     check_options(get_engine(train), cfg.engines.train_options, "engines.train_options",
-                  elsewhere={k: f"train.{k}" for k in ("lr", "betas", "eps", "weight_decay", "grad_clip", "zero_stage")})
+                  elsewhere={k: f"train.{k}" for k in ("lr", "betas", "eps", "weight_decay", "grad_clip",
+                                                        "zero_stage")})
     for kind, name in cfg.engines.overrides.items():
         from rollplex.pipeline.compile.ir import get_kind
 
@@ -95,6 +96,20 @@ def check_sequence_length(cfg: RunConfig, hf_config, prompt_tokens: int) -> int:
         raise ConfigError(f"engines.decode_options.max_model_len: {asked} is shorter than a prompt and its response "
                           f"({prompt_tokens} + rollout.max_new_tokens {cfg.rollout.max_new_tokens})")
     return positions
+
+
+def check_group_size(algorithm, samples: int) -> None:
+    """Refuse G below what the advantage is defined for: a group-normalised advantage divides by
+    the std of the group's rewards, which for one response is NaN and would stop the run (exit 3)
+    at its first step. verl instead takes mean 0 and std 1 for a group of one (Â = r, REINFORCE
+    without a baseline); refusing says so up front rather than training a different algorithm."""
+    decl = algorithm.advantage_fn
+    needed = decl.options.get("min_samples", 1) if decl is not None else 1
+    if samples < needed:
+        raise ConfigError(f"rollout.samples_per_prompt: {samples} is too few for {algorithm.name}, whose advantage "
+                          f"{decl.name}() normalises within a prompt's group and needs at least {needed} samples; "
+                          f"set rollout.samples_per_prompt ≥ {needed}, or use an algorithm without group normalisation "
+                          "(rloo, ppo, reinforce_pp)")
 
 
 def resolve_device(cfg: RunConfig) -> str:
@@ -192,6 +207,7 @@ class Session:
         # or two, not after transformers' imports (about 8 s on a slow 2-core host).
         self.algorithm = load_algorithm(cfg.algorithm)
         check_hyperparameters(self.algorithm, cfg.params)
+        check_group_size(self.algorithm, cfg.rollout.samples_per_prompt)
         self.cfg = cfg
         self.run_dir = run_dir
         self.device = resolve_device(cfg)
@@ -222,11 +238,25 @@ class Session:
                 self.decode_engine, cfg.engines.overrides.get("decode_chunk")):
             raise EngineError(f"data.path: {cfg.data.path} has video prompts, which the vllm decode engine does "
                               "not take yet; set engines.decode: hf")
+        # eval.*: the validation prompts, held to data.max_prompt_tokens (else the training prompts'
+        # length), which the decode engine is sized for too
+        self.eval_task, self.eval_prompt_tokens = None, 0
+        if cfg.eval.every or cfg.eval.before_train:
+            from rollplex.pipeline.run.evaluation import probe
+            from rollplex.tasks.dataset import make_eval_task
+
+            self.eval_prompt_tokens = max(cfg.data.max_prompt_tokens, prompt_tokens)
+            self.eval_task = make_eval_task(cfg, self.task, self.eval_prompt_tokens)
+            if getattr(self.eval_task, "has_video", False) and "vllm" in (
+                    self.decode_engine, cfg.engines.overrides.get("decode_chunk")):
+                raise EngineError(f"data.val_path: {cfg.data.val_path} has video prompts, which the vllm decode "
+                                  "engine does not take yet; set engines.decode: hf")
+            probe(self.eval_task, self.builder)
         choice = EngineChoice({"decode": self.decode_engine, "train": self.train_engine, "score": self.score_engine},
                               dict(cfg.engines.overrides))
         spec = iteration_spec(cfg, dims, prompt_tokens, vision_tokens, self.device, choice)
         shape = spec.shape
-        self.max_positions = check_sequence_length(cfg, hf_config, prompt_tokens)
+        self.max_positions = check_sequence_length(cfg, hf_config, max(prompt_tokens, self.eval_prompt_tokens))
         if cfg.train.train_fusion and self.train_engine != "torch":
             raise ConfigError(f"train.train_fusion: the {self.train_engine} train engine cannot rescale its "
                               "accumulated gradients at the step; set engines.train: torch or train.train_fusion: false")
@@ -330,7 +360,8 @@ class Session:
                          # weight sharing with vLLM: DeepSpeed's flat buffer holds q|k|v, gate|up adjacent
                          "fusion_order": cfg.engines.weight_sharing != "off" and self.decode_engine == "vllm",
                          **cfg.engines.train_options}
-        longest = min(self.max_positions, max(256, self.shape.prompt_tokens + cfg.rollout.max_new_tokens + 64))
+        longest = min(self.max_positions, max(256, max(self.shape.prompt_tokens, self.eval_prompt_tokens)
+                                              + cfg.rollout.max_new_tokens + 64))
         sequences = self.shape.prompts * self.shape.samples
         # Size the decode KV pool from the batch: vLLM's CPU default reserves a share of host memory.
         kv_bytes = max(32 << 20, 2 * self.dims.kv_bytes(longest) * sequences)
@@ -348,7 +379,7 @@ class Session:
             weight_sharing=cfg.engines.weight_sharing,
             # Partitions serve work beside decode, which only the rollplex schedule runs.
             window=WindowSharing(partitions=cfg.cluster.sm_partitions and "rollplex" in self.schedules),
-            task=self.task, graphs=self.graphs)
+            task=self.task, eval_task=self.eval_task, graphs=self.graphs)
 
     @property
     def ref_cache_off(self) -> str | None:

@@ -87,6 +87,7 @@ class HostSpec:
     # The run's prompt source (pickled as its recipe: a file dataset is re-read here), so that the
     # driver sends item indices and this worker builds the pixels it reads (tasks.data.PromptStore).
     task: Any = None
+    eval_task: Any = None  # the validation prompts (eval.*), built here the same way
     # The run's scheduled iterations by name, installed once: each iteration then sends its name
     # and its prompts' indices, never the graph itself.
     graphs: dict = field(default_factory=dict)
@@ -152,14 +153,16 @@ class WorkerHost:
             decode = build(spec.decode_engine, "decode", spec.model_path, options)
         self.decode = decode
         self.streams = streams if streams is not None else self._make_streams()
-        self.prompts = None
-        if spec.task is not None:
+        self.prompts = self.eval_prompts = None
+        if spec.task is not None or spec.eval_task is not None:
             from transformers import AutoProcessor
 
             from rollplex.tasks.data import PromptBuilder, PromptStore
 
-            self.prompts = PromptStore(spec.task, PromptBuilder(AutoProcessor.from_pretrained(spec.model_path)),
-                                       dtype=dtype, pin=self.device.type == "cuda")
+            builder = PromptBuilder(AutoProcessor.from_pretrained(spec.model_path))
+            self.prompts, self.eval_prompts = (
+                None if task is None else PromptStore(task, builder, dtype=dtype, pin=self.device.type == "cuda")
+                for task in (spec.task, spec.eval_task))
         self.refcache = None
         if spec.ref_cache_bytes and self.engines and spec.frozen:
             from rollplex.pipeline.run.refcache import RefPrefixCache
@@ -380,8 +383,9 @@ class WorkerHost:
                 self._busy[stream] -= 1
 
     def close(self) -> None:
-        if self.prompts is not None:
-            self.prompts.close()
+        for store in (self.prompts, self.eval_prompts):
+            if store is not None:
+                store.close()
         for engine in [*self.engines.values(), self.decode]:
             engine.close()
         for pool in self._stream_threads.values():
