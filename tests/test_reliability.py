@@ -280,3 +280,24 @@ def test_truncated_metrics_drop_later_rows_and_a_torn_line_and_keep_warmup(tmp_p
     checkpoints.truncate_metrics(path, 1)
     assert [json.loads(line)["iteration"] for line in path.read_text().splitlines()] == [-1, 0, 1]
     assert checkpoints.rl_rewards(path) == [0.0, 0.1]
+
+
+def test_the_kept_metrics_are_the_rows_the_checkpoint_saw_and_its_own_validation_after_it(tmp_path):
+    """Checkpoint 1 records the digest of metrics.jsonl as it stood: the rows up to RL iteration 1 and
+    validation 1. Validation 2 (of checkpoint 1's policy) is written after it, so it is kept but cannot
+    be in that digest; any row the digest covers, edited, is refused."""
+    import hashlib
+
+    path = tmp_path / "metrics.jsonl"
+    row = {"rl": lambda i: {"iteration": i, "phase": "rl", "reward_mean": i / 10},
+           "eval": lambda i: {"iteration": i, "phase": "eval", "val/reward_mean": i / 10}}
+    seen = [row["eval"](0), row["rl"](0), row["rl"](1)]
+    digest = hashlib.sha256("".join(json.dumps(r) + "\n" for r in seen).encode()).hexdigest()
+    later = [row["eval"](2), row["rl"](2), row["eval"](3)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in seen + later))
+    kept = checkpoints.kept_metrics(path, 1, digest, "iter_000001")
+    assert [(r["phase"], r["iteration"]) for r in map(json.loads, kept.splitlines())] == [
+        ("eval", 0), ("rl", 0), ("rl", 1), ("eval", 2)]
+    path.write_text(path.read_text().replace('"val/reward_mean": 0.0', '"val/reward_mean": 0.5'))
+    with pytest.raises(CheckpointError, match="its rows up to iter_000001 are not the ones that checkpoint recorded"):
+        checkpoints.kept_metrics(path, 1, digest, "iter_000001")
