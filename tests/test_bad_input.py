@@ -283,6 +283,11 @@ CASES = {
     "a task too large to shuffle": Case((*TRAIN, "--set", "task.size=1000000000000000"), ("task.size", "maximum")),
     "a warm-up batch too large to build": Case((*TRAIN, "--set", "warmup.batch_size=100000000000"),
                                                ("warmup.batch_size", "maximum")),
+    "W&B online without an API key": Case(
+        (*TRAIN, "--set", "logging.backends=[jsonl, wandb]"), ("logging.backends: wandb cannot log in", "WANDB_MODE"),
+        # no key in the environment or a netrc, whatever this machine has
+        setup="import os; [os.environ.pop(k) for k in list(os.environ) if k.startswith('WANDB_')]; "
+              "os.environ['NETRC'] = os.path.join(os.getcwd(), 'no-netrc')"),
     # -- YAML that could mean two things
     "a key twice": Case(("train", "c.yaml", "--out", "run"),
                         ("c.yaml: ambiguous YAML at line 2", "'seed' appears twice"), {"c.yaml": "seed: 1\nseed: 2\n"}),
