@@ -259,6 +259,24 @@ def test_a_file_the_manifest_does_not_list_is_refused(tmp_path, added):
         checkpoints.latest(tmp_path)
 
 
+@pytest.mark.parametrize("damage", ["flip", "remove"])
+def test_the_wandb_run_id_a_resume_reads_is_checked_against_the_checkpoint(tmp_path, damage):
+    """Written once, when the run starts: a flipped byte would send the resumed run's metrics to
+    another W&B run, a missing file to a new one."""
+    (tmp_path / "wandb_id").write_text("0123456789ab\n")
+    _save(tmp_path, 0, None)
+    state = checkpoints.latest(tmp_path)
+    checkpoints.verify_side_files(tmp_path, state, {"wandb_id"})
+    if damage == "flip":
+        (tmp_path / "wandb_id").write_text("0123456789aa\n")
+    else:
+        (tmp_path / "wandb_id").unlink()
+    checkpoints.verify_side_files(tmp_path, state, set())  # not read when W&B is off
+    says = "fails its checksum against iter_000000" if damage == "flip" else "is missing; iter_000000 recorded it"
+    with pytest.raises(CheckpointError, match=rf"wandb_id {says}"):
+        checkpoints.verify_side_files(tmp_path, state, {"wandb_id"})
+
+
 def test_stale_temporaries_of_killed_writers_are_cleaned(tmp_path):
     good = _save(tmp_path, 0, None)
     for stale in ("checkpoints/.tmp-iter_000001-99", "checkpoints/.trash-iter_000000-98", ".reference-tmp"):

@@ -33,6 +33,9 @@ from rollplex.fsio import atomic_write_text, fsync_dir
 
 METRICS = "metrics.jsonl"
 REFERENCE = "reference"
+# Files beside the checkpoints that a resume reads (loggers.WANDB_ID): each checkpoint records their
+# digests as they stood, since they are written once, when the run starts.
+SIDE_FILES = ("wandb_id",)
 
 
 @dataclass
@@ -44,6 +47,7 @@ class CheckpointState:
     reward: float | None
     config: dict | None = None  # the resolved config the run had reached (RunConfig.to_dict())
     metrics_sha256: str | None = None  # of metrics.jsonl as it stood: the rows a resume keeps
+    side_sha256: dict | None = None  # {name in SIDE_FILES: sha256} of those the run directory held
 
 
 WARMUP = -1  # the iteration number of the checkpoint written after the supervised warm-up
@@ -128,7 +132,9 @@ def save(run_dir: Path, iteration: int, save_model: Callable[[str], None], *, lo
         torch.save(capture_rng(), tmp / "rng.pt")
         metrics = Path(run_dir) / METRICS
         state = {"iteration": iteration, "loader": loader, "reward": reward, "config": config,
-                 "metrics_sha256": hashlib.sha256(metrics.read_bytes() if metrics.exists() else b"").hexdigest()}
+                 "metrics_sha256": hashlib.sha256(metrics.read_bytes() if metrics.exists() else b"").hexdigest(),
+                 "side_sha256": {name: _sha256(Path(run_dir) / name) for name in SIDE_FILES
+                                 if (Path(run_dir) / name).is_file()}}
         (tmp / "state.json").write_text(json.dumps(state, sort_keys=True))
         write_manifest(tmp, iteration)
         point("checkpoint:manifest")
@@ -268,9 +274,9 @@ def load_state(directory: Path) -> CheckpointState:
     try:
         state = json.loads((directory / "state.json").read_text())
         iteration, loader, reward = int(state["iteration"]), dict(state["loader"]), state.get("reward")
-        config, metrics = state.get("config"), state.get("metrics_sha256")
-        if not isinstance(config, (dict, type(None))) or not isinstance(metrics, (str, type(None))):
-            raise TypeError("config or metrics_sha256 has the wrong type")
+        config, metrics, side = state.get("config"), state.get("metrics_sha256"), state.get("side_sha256")
+        if not all(isinstance(v, (t, type(None))) for v, t in ((config, dict), (metrics, str), (side, dict))):
+            raise TypeError("config, metrics_sha256 or side_sha256 has the wrong type")
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"checkpoint {directory}: state.json is malformed ({_first_line(exc)})") from None
     try:
@@ -281,7 +287,21 @@ def load_state(directory: Path) -> CheckpointState:
                               "tensors and plain values; refused, not unpickled)") from None
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means a bad file
         raise CheckpointError(f"checkpoint {directory}: rng.pt cannot be read ({_first_line(exc)})") from None
-    return CheckpointState(iteration, directory, loader, rng, reward, config, metrics)
+    return CheckpointState(iteration, directory, loader, rng, reward, config, metrics, side)
+
+
+def verify_side_files(run_dir: Path, state: CheckpointState, read: set[str]) -> None:
+    """Of ``read`` (the SIDE_FILES this resume reads), each one ``state`` recorded is there as it was."""
+    for name, digest in sorted((state.side_sha256 or {}).items()):
+        if name not in read:
+            continue
+        path = Path(run_dir) / name
+        if not path.is_file():
+            raise CheckpointError(f"{path} is missing; {state.directory.name} recorded it, and a resume reads it "
+                                  "back; restore it")
+        if _sha256(path) != digest:
+            raise CheckpointError(f"{path} fails its checksum against {state.directory.name} (edited or damaged); "
+                                  "restore it")
 
 
 def latest(run_dir: Path) -> CheckpointState | None:

@@ -35,7 +35,7 @@ from rollplex.pipeline.run.faults import point
 from rollplex.fsio import append_line, atomic_write_text
 from rollplex.pipeline.run import evaluation
 from rollplex.pipeline.run.hostops import _adopt_reference, _end_warmup, _restore, _sync_decode, _warmup
-from rollplex.pipeline.run.loggers import Loggers, check_installed
+from rollplex.pipeline.run.loggers import WANDB_ID, Loggers, check_installed
 from rollplex.pipeline.run.session import Session, resolve_device
 from rollplex.pipeline.plan.trace import chrome_trace, seconds_by_kind
 
@@ -86,6 +86,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = 
     if state is not None:  # what else the resume reads, checked before anything starts
         changed = resume_changes(cfg, state, log)
         checkpoints.kept_metrics(metrics_path, state.iteration, state.metrics_sha256, state.directory.name)
+        checkpoints.verify_side_files(run_dir, state, {WANDB_ID} if "wandb" in cfg.logging.backends else set())
         checkpoints.verify_states(run_dir)
         if (run_dir / checkpoints.REFERENCE).exists():
             checkpoints.verify_reference(run_dir)
