@@ -2,6 +2,11 @@
 (weights + KV bytes the step must read / step time), and the kernels of one eager step.
 
     python benchmarks/decode_profile.py --model qwen2.5-vl-3b --prompt-len 1090
+    python benchmarks/decode_profile.py --samples 8 --prefix both    # a prompt's KV per group, or per row
+
+With ``--samples G`` the rows are B / G prompts of G samples each. The bytes a step must read are the
+weights, each prompt's KV once per group (``shared``) or once per row (``per-row``), and each row's
+own response KV.
 """
 from __future__ import annotations
 
@@ -28,6 +33,12 @@ def main() -> None:
                     help="the step's attention (engines/decode_attention.py); both: sdpa first")
     ap.add_argument("--max-len", type=int, default=0,
                     help="KV slots per row (default prompt + 300); the bench's is prompt + max new tokens")
+    ap.add_argument("--samples", type=int, default=1, help="rows per prompt (G); B / G distinct prompts")
+    ap.add_argument("--prefix", default="shared", choices=("shared", "per-row", "both"),
+                    help="the prompt's KV held once per group (shared_prefix) or copied into every row")
+    ap.add_argument("--prefix-tiles", default="",
+                    help="shared prefix only: TOKENSxWARPS settings (prompt tokens per stretch, warps per program) "
+                         "to time in turn, e.g. 128x4,256x8 (default: the module's)")
     ap.add_argument("--split-kv-tiles", default="",
                     help="split-kv only: BLOCKxWARPS settings to time in turn, e.g. 64x4,128x8 (default: the module's)")
     args = ap.parse_args()
@@ -51,17 +62,28 @@ def main() -> None:
     attentions = [("sdpa", None)] if args.attention in ("sdpa", "both") else []
     attentions += [("split-kv", t) for t in tiles] if args.attention != "sdpa" else []
     max_len = args.max_len or args.prompt_len + 300
-    for fused, n, compiled, (attention, tile) in ((f, n, c, a) for f in fusions for n in sizes for c in modes
-                                                  for a in attentions):
+    prefix_tiles = [tuple(int(x) for x in t.split("x")) for t in args.prefix_tiles.split(",") if t]
+    prefix_tiles = prefix_tiles or [(decode_attention.PREFIX_TOKENS_PER_SPLIT, decode_attention.PREFIX_WARPS)]
+    prefixes = {"shared": [], "per-row": [(False, None)], "both": [(False, None)]}[args.prefix]
+    prefixes += [(True, t) for t in prefix_tiles] if args.prefix != "per-row" else []
+    for fused, n, compiled, (attention, tile), (shared, choice) in (
+            (f, n, c, a, p) for f in fusions for n in sizes for c in modes for a in attentions for p in prefixes):
+        ptile = choice
+        if ptile:
+            decode_attention.PREFIX_TOKENS_PER_SPLIT, decode_attention.PREFIX_WARPS = ptile
         if tile:
             decode_attention.BLOCK, decode_attention.NUM_WARPS = tile
         if fused:
             fuse_for_rollout(model.requires_grad_(False))  # in place, once: separate runs go first
+        g = min(args.samples, n)
+        groups = n // g
         engine = GraphDecodeEngine(EngineContext("", device, torch.bfloat16, 0, {
-            "share_model": model, "max_num_seqs": n, "max_model_len": max_len,
+            "share_model": model, "max_num_seqs": n, "max_model_len": max_len, "shared_prefix": shared, "prefix_slots": groups,
+            "max_prompt_len": args.prompt_len, "max_response_len": max_len - args.prompt_len,
             "compile": args.compile_mode if compiled else False, "attention": attention}))
-        ids = torch.randint(100, 100000, (args.prompt_len,)).tolist()
-        engine.add_requests([DecodeRequest(f"r{i}", ids, None, None, max_tokens=256, seed=i, n=1) for i in range(n)])
+        ids = torch.randint(100, 100000, (groups, args.prompt_len))
+        engine.add_requests([DecodeRequest(f"r{i}", ids[i].tolist(), None, None, max_tokens=256, seed=i, n=g)
+                             for i in range(groups)])
         engine.step(4)  # prefill, capture
         torch.cuda.synchronize()
         t = time.perf_counter()
@@ -69,13 +91,17 @@ def main() -> None:
         engine.step(steps)
         torch.cuda.synchronize()
         per_step = (time.perf_counter() - t) / steps
-        need = weights + n * (args.prompt_len + 36) * kv_per_token
-        label = (f"B={n:3d}{' compiled' if compiled else ''}{' fused' if engine.w.fused else ''} {attention}"
+        prompt_reads = groups if shared else n  # prompt KV read per step, in prompts
+        need = weights + (prompt_reads * args.prompt_len + n * 36) * kv_per_token
+        label = (f"B={n:3d} G={g}{' shared' if shared else ' per-row'}{f' {ptile[0]}x{ptile[1]}' if ptile else ''}"
+                 f"{' compiled' if compiled else ''}"
+                 f"{' fused' if engine.w.fused else ''} {attention}"
                  f"{f' {tile[0]}x{tile[1]}' if tile else ''}")
         print(f"{label}: {per_step * 1e3:6.2f} ms/step, {need / per_step / 1e12:5.2f} TB/s = "
               f"{need / per_step / args.bandwidth:5.1%} of {args.bandwidth / 1e12:.1f} TB/s; "
-              f"{n / per_step:8.0f} tok/s")
-        if n == sizes[-1] and compiled == modes[-1] and fused == fusions[-1] and (attention, tile) == attentions[-1]:
+              f"{n / per_step:8.0f} tok/s; KV cache {engine_kv_bytes(engine) / 2**30:.2f} GiB")
+        if (n == sizes[-1] and compiled == modes[-1] and fused == fusions[-1] and (attention, tile) == attentions[-1]
+                and (shared, choice) == prefixes[-1]):
             engine.use_graphs = False
             from torch.profiler import ProfilerActivity, profile
 
@@ -84,6 +110,12 @@ def main() -> None:
                 torch.cuda.synchronize()
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18))
         engine.close()
+
+
+def engine_kv_bytes(engine) -> int:
+    b = engine.batch
+    caches = b.k + b.v + (b.pk + b.pv if engine.shared_prefix else [])
+    return sum(t.numel() * t.element_size() for t in caches)
 
 
 if __name__ == "__main__":

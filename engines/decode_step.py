@@ -14,7 +14,11 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from rollplex.engines.decode_attention import split_kv_attention
+from rollplex.engines.decode_attention import (
+    shared_prefix_attention,
+    shared_prefix_attention_sdpa,
+    split_kv_attention,
+)
 from rollplex.engines.sharing import adjacent_view
 from rollplex.engines.torch_decode import _apply_top_p
 from rollplex.errors import EngineError
@@ -135,13 +139,15 @@ def _sample(logits, temp, top_p, seed, n_gen, use_top_p: bool) -> tuple[torch.Te
 
 
 def _decoder_layer(x, cos, sin, visible, where, k_cache, v_cache, layer_weights, eps: tuple[float, float],
-                   heads: int, kv_heads: int, head_dim: int, scale: float, reduce=None) -> torch.Tensor:
+                   heads: int, kv_heads: int, head_dim: int, scale: float, reduce=None, prefix=None) -> torch.Tensor:
     """One decoder layer for one token per row: writes this step's K/V into the row's slot and
     returns the new hidden state. A function of tensors, so that ``torch.compile`` makes one kernel
     set for every layer (same shapes) instead of tracing the 36-layer loop. ``visible``: the additive
     length mask [n, 1, 1, max_len] for SDPA, or each row's filled slot count [n] (int32) for the
     split-KV kernel (``engines/decode_attention.py``). ``reduce``: the sum over tensor-parallel ranks
-    of a row-parallel projection's partial output (None: one rank)."""
+    of a row-parallel projection's partial output (None: one rank). ``prefix``: the kernel's name
+    (``groups`` or ``sdpa``) and the shared prefix cache's tensors it reads, None when each
+    row's cache holds its prompt too."""
     reduce = reduce or (lambda t: t)
     n = x.shape[0]
     group = heads // kv_heads
@@ -159,7 +165,10 @@ def _decoder_layer(x, cos, sin, visible, where, k_cache, v_cache, layer_weights,
     q, k = _rope(q, cos, sin), _rope(k, cos, sin).view(n, kv_heads, head_dim)
     k_cache.index_put_(where, k)  # this row's slot, every kv head
     v_cache.index_put_(where, v)
-    if visible.dtype == torch.int32:  # up to each row's length only
+    if prefix is not None:
+        kernel = {"groups": shared_prefix_attention, "sdpa": shared_prefix_attention_sdpa}[prefix[0]]
+        out = kernel(q.reshape(n, heads, head_dim), *prefix[1:], k_cache[:n], v_cache[:n], visible, scale)
+    elif visible.dtype == torch.int32:  # up to each row's length only
         out = split_kv_attention(q.reshape(n, heads, head_dim), k_cache[:n], v_cache[:n], visible, scale)
     else:
         # One query per row against its kv head's keys: SDPA's grouped-query mode reads each K/V head

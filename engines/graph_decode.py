@@ -4,9 +4,13 @@ Where vLLM's CUDA build is absent (the lent GPU machine), this is the decode eng
 vLLM's (``DecodeEngine``). HF's eager decode is bound by kernel launches (tens of ms per step for a
 3B model), so the step here is written for capture instead:
 
-- The KV cache is one preallocated buffer per layer, [rows, kv_heads, max_len, head_dim]. A row's
-  prompt KV (from ``tasks.lm.prefix_forward_batch``, once per prompt and copied into its n rows) fills
-  slots [0, L); each step writes one slot per row at its own position, via ``index_put_``.
+- The KV cache is preallocated per layer. With ``shared_prefix`` (the default) a prompt's KV (from
+  ``engines.vlm.prefix_forward_batch``, once per prompt) fills one slot of a prefix cache,
+  [prefix_slots, kv_heads, max_prompt_len, head_dim], that its n rows read; each row's own cache,
+  [rows, kv_heads, max_response_len, head_dim], holds its response. So a step reads a group's prompt
+  KV once, not once per row (at 8 samples of a 1088-token prompt, 7/8 of the prompt bytes), and the
+  cache holds it once. Without it, the prompt KV is copied into each of its rows, [rows, kv_heads,
+  max_model_len, head_dim]. Each step writes one slot per row at its own position (``index_put_``).
 - Attention reads each row's filled slots only, on CUDA (option ``attention``: ``split-kv``, the
   default there, ``engines/decode_attention.py``); elsewhere it is SDPA's grouped-query mode over all
   slots under a length mask. Either way: no repeat of K/V per query head, fixed shapes.
@@ -46,6 +50,7 @@ from rollplex.engines.base import (
     Option,
     register_engine,
 )
+from rollplex.engines.decode_attention import PREFIX_MEMBERS
 from rollplex.engines.decode_step import _Weights, _decoder_layer, _rms, _sample
 from rollplex.engines.torch_decode import eos_token_ids
 from rollplex.errors import EngineError
@@ -60,18 +65,45 @@ class _Row:
     sample: int
     n: int
     request: DecodeRequest
+    slot: int = -1  # its prompt's prefix slot (shared_prefix)
+
+
+@dataclasses.dataclass
+class _Slot:
+    """A prompt resident in the prefix cache, and what a row admitted to it starts from."""
+
+    key: tuple
+    rows: int  # live rows reading it; the slot is freed at 0
+    last_logits: torch.Tensor
+    length: int
+    rope_delta: int
+    request: DecodeRequest  # keeps the key's embedding tensors alive: ids in keys stay unique
 
 
 class _Batch:
-    """Static device buffers of the live rows: everything a step reads and writes."""
+    """Static device buffers of the live rows: everything a step reads and writes. ``max_len``: the
+    slots of a row's own cache; ``prefix``: (slots, max_prompt_len) of the shared prefix cache."""
 
-    def __init__(self, w: _Weights, rows: int, max_len: int, layers: int, vocab: int, dtype, device) -> None:
+    def __init__(self, w: _Weights, rows: int, max_len: int, layers: int, vocab: int, dtype, device,
+                 prefix: tuple[int, int] | None = None) -> None:
         shape = (rows, w.kv_heads, max_len, w.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.prefix_len = 0
+        if prefix is not None:
+            slots, self.prefix_len = prefix
+            pshape = (slots, w.kv_heads, self.prefix_len, w.head_dim)
+            self.pk = [torch.zeros(pshape, dtype=dtype, device=device) for _ in range(layers)]
+            self.pv = [torch.zeros(pshape, dtype=dtype, device=device) for _ in range(layers)]
+            i32 = lambda *shape: torch.zeros(shape, dtype=torch.int32, device=device)  # noqa: E731
+            # Entries: (slot, its prompt length, up to PREFIX_MEMBERS of its rows); at most one per row.
+            self.entry_slot, self.entry_len = i32(rows), i32(rows)
+            self.members = torch.full((rows, PREFIX_MEMBERS), -1, dtype=torch.int32, device=device)
+            self.slot_of_row = torch.zeros(rows, dtype=torch.long, device=device)
+            self.prompt_len = torch.zeros(rows, dtype=torch.long, device=device)
         z = lambda dt: torch.zeros(rows, dtype=dt, device=device)  # noqa: E731
         self.logits = torch.zeros(rows, vocab, dtype=torch.float32, device=device)
-        self.length = z(torch.long)  # filled KV slots = position of the next token's KV
+        self.length = z(torch.long)  # filled slots of the row's own cache = where the next token's KV goes
         self.rope_pos = z(torch.long)  # M-RoPE text position of the next token
         self.seed, self.n_gen, self.max_new = z(torch.long), z(torch.long), z(torch.long)
         self.temp, self.top_p, self.done = z(torch.float32), z(torch.float32), z(torch.bool)
@@ -94,7 +126,10 @@ class GraphDecodeEngine(DecodeEngine):
     decoder layer and the sampler through torch.compile, true or a compile mode; default off), share_model (an HF model whose weights the
     engine uses in place: no second copy), tp_group (a torch.distributed group: tensor parallel over
     its ranks, each with a full copy of the model), attention (``split-kv``: up to each row's length,
-    the default on CUDA where Triton is present; ``sdpa``: SDPA over every slot under a length mask)."""
+    the default on CUDA where Triton is present; ``sdpa``: SDPA over every slot under a length mask),
+    shared_prefix (default true: a prompt's KV held once for its rows), prefix_slots (prompts resident
+    at once; default max_num_seqs), max_prompt_len and max_response_len (the two caches' slots;
+    default max_model_len each)."""
 
     def __init__(self, ctx: EngineContext) -> None:
         opts = dict(ctx.options)
@@ -124,7 +159,12 @@ class GraphDecodeEngine(DecodeEngine):
         self.rows = int(opts.get("max_num_seqs") or 64)
         self.max_len = int(opts.get("max_model_len") or 2048)
         self.use_graphs = bool(opts.get("cuda_graphs", self.device.type == "cuda"))
+        self.shared_prefix = bool(opts.get("shared_prefix", True))
         self.split_kv = self._split_kv(opts.get("attention"))
+        self.max_prompt_len = int(opts.get("max_prompt_len") or self.max_len)
+        self.max_response_len = int(opts.get("max_response_len") or self.max_len)
+        self._slots: list[_Slot | None] = [None] * int(opts.get("prefix_slots") or self.rows)
+        self._slot_of_key: dict[tuple, int] = {}
         # compile: the decoder layer through torch.compile (fused norm/rope/residual kernels), compiled
         # once per batch size on first use (warm-up), then captured into the CUDA graphs as usual.
         self._layer, self._sample = _decoder_layer, _sample
@@ -151,7 +191,12 @@ class GraphDecodeEngine(DecodeEngine):
             self._sample = torch.compile(_sample, dynamic=False, mode=mode)
         sizes = opts.get("graph_batch_sizes") or [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b < self.rows]
         self.sizes = sorted({int(b) for b in sizes if b <= self.rows} | {self.rows})
-        self.batch = _Batch(self.w, self.rows, self.max_len, len(self.w.layers), self.vocab, self.dtype, self.device)
+        if self.shared_prefix:
+            self.batch = _Batch(self.w, self.rows, self.max_response_len, len(self.w.layers), self.vocab, self.dtype,
+                                self.device, prefix=(len(self._slots), self.max_prompt_len))
+        else:
+            self.batch = _Batch(self.w, self.rows, self.max_len, len(self.w.layers), self.vocab, self.dtype,
+                                self.device)
         self._graphs: dict[tuple[int, bool, int, int], torch.cuda.CUDAGraph] = {}
         self._graph_pool = None  # the graphs' shared memory pool (_capture)
         # Steps per graph launch; a call's remainder below it runs one-step graphs.
@@ -182,6 +227,12 @@ class GraphDecodeEngine(DecodeEngine):
                 if len(stops) > MAX_STOP_TOKENS:
                     raise EngineError(f"request {req.request_id}: {len(stops)} stop tokens (EOS ids included); "
                                       f"engine 'torch-graph' checks at most {MAX_STOP_TOKENS} per row")
+                if self.shared_prefix and len(req.prompt_token_ids) > self.max_prompt_len:
+                    raise EngineError(f"request {req.request_id}: prompt {len(req.prompt_token_ids)} tokens exceeds "
+                                      f"max_prompt_len {self.max_prompt_len}")
+                if self.shared_prefix and req.max_tokens > self.max_response_len:
+                    raise EngineError(f"request {req.request_id}: max_tokens {req.max_tokens} exceeds "
+                                      f"max_response_len {self.max_response_len}")
                 if len(req.prompt_token_ids) + req.max_tokens > self.max_len:
                     raise EngineError(f"request {req.request_id}: prompt {len(req.prompt_token_ids)} + max_tokens "
                                       f"{req.max_tokens} exceeds max_model_len {self.max_len}")
@@ -263,8 +314,14 @@ class GraphDecodeEngine(DecodeEngine):
         from rollplex.engines.vlm import PromptInputs, VisionEmbeds, prefix_forward_batch
 
         free = [i for i, r in enumerate(self._live) if r is None]
-        take = []
+        free_slots = sum(slot is None for slot in self._slots)
+        take, new_keys = [], set()
         while self._pending and self._pending[0].n <= len(free) - sum(r.n for r in take):
+            key = _prompt_key(self._pending[0])
+            if self.shared_prefix and key not in self._slot_of_key and key not in new_keys:
+                if len(new_keys) == free_slots:
+                    break  # every prefix slot is taken: wait for rows to finish
+                new_keys.add(key)
             take.append(self._pending.pop(0))
         if not take:
             if self._pending and not self._live_count():
@@ -275,11 +332,12 @@ class GraphDecodeEngine(DecodeEngine):
         try:
             # Requests for the same prompt (per-sample caps split a group into n=1 requests) share
             # one prefill, as vLLM's prefix cache would: the prompt is the same tokens and embeddings.
+            # A prompt resident in the prefix cache is not prefilled again.
             keys = [_prompt_key(r) for r in take]
-            first: dict[tuple, int] = {}  # prompt key -> its index among the unique prompts
+            first: dict[tuple, int] = {}  # prompt key -> its index among the prompts to prefill
             unique: list[DecodeRequest] = []
             for key, r in zip(keys, take):
-                if key not in first:
+                if key not in first and key not in self._slot_of_key:
                     first[key] = len(unique)
                     unique.append(r)
             grid = lambda t: None if t is None else t.reshape(-1, 3)  # noqa: E731
@@ -288,20 +346,32 @@ class GraphDecodeEngine(DecodeEngine):
                                     second_per_grid_ts=r.second_per_grid_ts)
                        for r in unique]
             visions = [VisionEmbeds(image=r.image_embeds, video=r.video_embeds) for r in unique]
-            states = prefix_forward_batch(self.model, prompts, visions, grad=False)
-            rows_of: dict[int, list[int]] = {}
-            for req, key in zip(take, keys):
-                rows = [free.pop(0) for _ in range(req.n)]
-                u = first[key]
-                rows_of.setdefault(u, []).extend(rows)
-                self._fill_rows(req, rows, states[u])
-            b = self.batch
-            for u, rows in rows_of.items():  # one KV copy per prompt and layer, broadcast over its rows
-                state, index = states[u], torch.tensor(rows, device=self.device)
-                heads = self.w.kv_slice  # this tensor-parallel rank's heads of the full prefill
-                for layer, (k, v) in enumerate(state.kv):
-                    b.k[layer][index, :, : state.length] = k[:, heads]
-                    b.v[layer][index, :, : state.length] = v[:, heads]
+            states = prefix_forward_batch(self.model, prompts, visions, grad=False) if unique else []
+            b, heads = self.batch, self.w.kv_slice  # heads: this tensor-parallel rank's of the full prefill
+            if self.shared_prefix:
+                for key, u in first.items():  # one KV copy per prompt and layer, into its slot
+                    state = states[u]
+                    slot = self._slots.index(None)
+                    self._slots[slot] = _Slot(key, 0, state.last_logits, state.length, state.rope_delta, unique[u])
+                    self._slot_of_key[key] = slot
+                    for layer, (k, v) in enumerate(state.kv):
+                        b.pk[layer][slot, :, : state.length] = k[0, heads]
+                        b.pv[layer][slot, :, : state.length] = v[0, heads]
+                for req, key in zip(take, keys):
+                    slot = self._slot_of_key[key]
+                    self._slots[slot].rows += req.n
+                    self._fill_rows(req, [free.pop(0) for _ in range(req.n)], self._slots[slot], slot)
+            else:
+                rows_of: dict[int, list[int]] = {}
+                for req, key in zip(take, keys):
+                    rows = [free.pop(0) for _ in range(req.n)]
+                    rows_of.setdefault(first[key], []).extend(rows)
+                    self._fill_rows(req, rows, states[first[key]])
+                for u, rows in rows_of.items():  # one KV copy per prompt and layer, broadcast over its rows
+                    state, index = states[u], torch.tensor(rows, device=self.device)
+                    for layer, (k, v) in enumerate(state.kv):
+                        b.k[layer][index, :, : state.length] = k[:, heads]
+                        b.v[layer][index, :, : state.length] = v[:, heads]
             if self.device.type == "cuda":  # prefilling() asks the device, not the host, when it is done
                 self._prefilled = torch.cuda.Event()
                 self._prefilled.record()
@@ -309,15 +379,16 @@ class GraphDecodeEngine(DecodeEngine):
             self._admitting = 0
         self._pack()
 
-    def _fill_rows(self, req: DecodeRequest, rows: list[int], state) -> None:
-        """Per-row state of a request's n samples (the KV is copied per prompt, in ``_admit``)."""
+    def _fill_rows(self, req: DecodeRequest, rows: list[int], state, slot: int = -1) -> None:
+        """Per-row state of a request's n samples (the KV is copied per prompt, in ``_admit``).
+        ``state``: a PrefixState or a _Slot, either with last_logits, length and rope_delta."""
         b = self.batch
         stops = sorted(set(req.stop_token_ids) | set(self.eos_token_ids))  # at most the width (add_requests)
         index = torch.tensor(rows, device=self.device)
         for sample, row in enumerate(rows):
-            self._live[row] = _Row(req.request_id, sample, req.n, req)
+            self._live[row] = _Row(req.request_id, sample, req.n, req, slot)
         b.logits[index] = state.last_logits
-        b.length[index] = state.length
+        b.length[index] = 0 if self.shared_prefix else state.length  # the row's own cache: its response
         b.rope_pos[index] = state.length + state.rope_delta
         b.seed[index] = torch.arange(req.seed, req.seed + req.n, device=self.device, dtype=b.seed.dtype)
         b.n_gen[index] = 0
@@ -332,9 +403,12 @@ class GraphDecodeEngine(DecodeEngine):
     def _pack(self) -> None:
         """Move the live rows to the front, so a small graph covers them all."""
         live = [i for i, r in enumerate(self._live) if r is not None]
-        if live == list(range(len(live))):
-            return
-        order = live + [i for i, r in enumerate(self._live) if r is None]
+        if live != list(range(len(live))):
+            self._move_rows(live + [i for i, r in enumerate(self._live) if r is None])
+        if self.shared_prefix:
+            self._prefix_tables()
+
+    def _move_rows(self, order: list[int]) -> None:
         index = torch.tensor(order, device=self.device)
         b = self.batch
         for layer in range(len(b.k)):  # index_select then copy_: the graphs keep the same storage
@@ -346,9 +420,42 @@ class GraphDecodeEngine(DecodeEngine):
             t.copy_(t.index_select(0, index))
         self._live = [self._live[i] for i in order]
 
+    def _prefix_tables(self) -> None:
+        """Which rows read which prefix slot, for the step: entries for the split-KV kernel, and per
+        row for SDPA. Rebuilt on the host whenever rows come or go (the step's graphs read these
+        buffers in place)."""
+        b = self.batch
+        rows_of: dict[int, list[int]] = {}
+        for i, r in enumerate(self._live):
+            if r is not None:
+                rows_of.setdefault(r.slot, []).append(i)
+        entry_slot, entry_len = [0] * self.rows, [0] * self.rows
+        members = [[-1] * PREFIX_MEMBERS for _ in range(self.rows)]
+        slot_of_row, prompt_len = [0] * self.rows, [0] * self.rows
+        e = 0
+        for slot, rows in rows_of.items():
+            length = self._slots[slot].length
+            for at in range(0, len(rows), PREFIX_MEMBERS):
+                chunk = rows[at: at + PREFIX_MEMBERS]
+                entry_slot[e], entry_len[e], members[e][: len(chunk)] = slot, length, chunk
+                e += 1
+            for i in rows:
+                slot_of_row[i], prompt_len[i] = slot, length
+        for name, values in (("entry_slot", entry_slot), ("entry_len", entry_len), ("members", members),
+                             ("slot_of_row", slot_of_row), ("prompt_len", prompt_len)):
+            t = getattr(b, name)
+            t.copy_(torch.tensor(values, dtype=t.dtype))
+
+    def _release_slot(self, slot: int) -> None:
+        held = self._slots[slot]
+        held.rows -= 1
+        if held.rows == 0:
+            self._slots[slot] = None
+            del self._slot_of_key[held.key]
+
     def _split_kv(self, attention: str | None) -> bool:
         group = self.w.heads // self.w.kv_heads
-        usable = self.device.type == "cuda" and decode_attention.usable(self.w.head_dim, group)
+        usable = self.device.type == "cuda" and decode_attention.usable(self.w.head_dim, group, self.shared_prefix)
         # As for compile (above): under cudaMallocAsync, a Triton kernel captured in a step graph gets
         # pointers the pool maps only at replay, and refuses them.
         pooled = self.use_graphs and usable and torch.cuda.get_allocator_backend() == "cudaMallocAsync"
@@ -393,12 +500,20 @@ class GraphDecodeEngine(DecodeEngine):
             visible = (slot + 1).to(torch.int32)
         else:
             valid = (torch.arange(b.max_len, device=x.device).view(1, -1) <= slot.view(-1, 1))  # [n, L]
+            if self.shared_prefix:  # the row's prompt slots come first (shared_prefix_attention_sdpa)
+                prompt = torch.arange(b.prefix_len, device=x.device).view(1, -1) < b.prompt_len[:n].view(-1, 1)
+                valid = torch.cat([prompt, valid], dim=1)
             visible = torch.zeros(valid.shape, dtype=x.dtype, device=x.device).masked_fill(~valid, float("-inf"))
             visible = visible.view(n, 1, 1, -1)
         where = (rows.view(-1, 1), torch.arange(w.kv_heads, device=x.device).view(1, -1), slot.view(-1, 1))
         for i, (weights, eps) in enumerate(w.layer_args):
+            prefix = None
+            if self.shared_prefix and not self.split_kv:
+                prefix = ("sdpa", b.pk[i], b.pv[i], b.slot_of_row[:n])
+            elif self.shared_prefix:
+                prefix = ("groups", b.pk[i], b.pv[i], b.entry_slot[:n], b.entry_len[:n], b.members[:n])
             x = self._layer(x, cos, sin, visible, where, b.k[i], b.v[i], weights, eps,
-                            w.heads, w.kv_heads, w.head_dim, w.attn_scale, self._reduce)
+                            w.heads, w.kv_heads, w.head_dim, w.attn_scale, self._reduce, prefix)
         b.logits[:n].copy_(F.linear(_rms(x, w.norm_w, w.eps), w.lm_head).float())
         b.length[:n].add_(1)
         b.rope_pos[:n].add_(1)
@@ -498,6 +613,8 @@ class GraphDecodeEngine(DecodeEngine):
             # Each sample goes on as it finishes (a frozen model can score it in the decode window);
             # the request's id stays taken until its last sample is out.
             out.append(FinishedSequence(row.parent, ids, logps[i][:count], reason, index=row.sample))
+            if self.shared_prefix:
+                self._release_slot(row.slot)
             self._children[row.parent] += 1
             if self._children[row.parent] == row.n:
                 del self._children[row.parent]

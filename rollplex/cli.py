@@ -124,7 +124,8 @@ def cmd_bench(args) -> int:
                       stage_fusion=not args.no_stage_fusion,
                       profile=tuple(args.profile.split(",")) if args.profile else (),
                       compile_decode=args.compile_decode, train_fusion=args.train_fusion,
-                      decode_attention=args.decode_attention, interleave=not args.sequential)
+                      decode_attention=args.decode_attention, interleave=not args.sequential,
+                      shared_prefix_decode=args.decode_prefix == "shared")
     run(cfg)
     return 0
 
@@ -219,6 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--decode-attention", default="auto", choices=("auto", "split-kv", "sdpa"),
                    help="the decode step's attention: split-kv reads each row's filled KV slots only (CUDA "
                         "with Triton), sdpa every slot under a length mask; auto: split-kv where it can run")
+    b.add_argument("--decode-prefix", default="shared", choices=("shared", "per-row"),
+                   help="the decode cache holds each prompt's KV once for its samples (shared; a step reads it "
+                        "once per group), or a copy in each sample's row")
     b.add_argument("--sequential", action="store_true",
                    help="run each one-GPU policy's iterations in a row (default: they take turns per iteration)")
     b.add_argument("--profile", metavar="POLICIES", help="run these policies once more under torch.profiler "

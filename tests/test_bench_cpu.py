@@ -45,12 +45,15 @@ def test_bench_runs_every_policy_and_replayed_updates_agree(tmp_path):
 
 def test_scoring_the_late_chunks_in_one_node_keeps_serials_update(tmp_path):
     """``wc=1``: chunk 0's finished samples are scored in the window, chunks 1-3's by one node after
-    decode; on serial's replayed rollout the update is serial's up to fp32 rounding (see above)."""
+    decode; on serial's replayed rollout the update is serial's up to fp32 rounding (see above).
+    Serial under options (``ppn=2``) is still the reference the others' updates are compared with."""
     config = resolve_model_path(load_config(None, [])) + "/config.json"
     out = run(BenchConfig(model=config, device="cpu", dtype="float32", prompts=2, samples=2, vision_tokens=16,
                           text_tokens=8, max_new_tokens=8, mean_new_tokens=4, chunk_tokens=2, iterations=2,
-                          policies=("serial", "rollplex:wc=1:tf=0"), out=str(tmp_path)), log=lambda *a: None)
+                          policies=("serial:ppn=2", "rollplex:wc=1:tf=0"), out=str(tmp_path)), log=lambda *a: None)
     updates = {u["policy"]: u for u in out["updates"]}
+    assert updates["serial:ppn=2"]["replayed"] == 0.0 and updates["serial:ppn=2#aa"]["replayed"] == 0.0
+    assert updates["rollplex:wc=1:tf=0"]["reference"] == "serial:ppn=2"
     assert updates["rollplex:wc=1:tf=0"]["replayed"] <= 1e-2
     trace = json.loads((tmp_path / "trace.json").read_text())
     pid = next(e["pid"] for e in trace["traceEvents"]
@@ -400,3 +403,18 @@ def test_trace_nodes_reads_a_policys_nodes_from_a_recorded_bench_trace():
                                                           "optimizer_step"]
     with pytest.raises(SystemExit, match="no policy 'rollplex' in the trace; it has: rollplex:ppn=8"):
         tool.nodes(trace, "rollplex")
+
+
+def test_speedups_pair_policies_by_name_whatever_their_options():
+    """``serial:ppn=8:mb=2`` is serial and ``rollplex:...:tf=1`` is rollplex: their ratio is printed
+    against each other and against plain, and the A/A line is the serial variant's twin."""
+    from rollplex.pipeline.bench.results import PolicyResult, speedups
+
+    secs = {"plain": [10.0] * 6, "serial:ppn=8:mb=2": [5.0] * 6, "rollplex:ppn=8:tf=1": [4.0] * 6,
+            "serial:ppn=8:mb=2#aa": [5.0, 5.1, 4.9, 5.0, 5.2, 4.8]}
+    lines = speedups({name: PolicyResult(name, seconds) for name, seconds in secs.items()})
+    assert "rollplex:ppn=8:tf=1 is 1.25x serial:ppn=8:mb=2 (95% 1.25-1.25, n=6)" in lines
+    assert "rollplex:ppn=8:tf=1 is 2.50x plain (95% 2.50-2.50, n=6)" in lines
+    assert "serial:ppn=8:mb=2 is 2.00x plain (95% 2.00-2.00, n=6)" in lines
+    aa = [line for line in lines if line.startswith("A/A: serial:ppn=8:mb=2#aa is ")]
+    assert len(aa) == 1 and aa[0].endswith("the interval contains 1: the run counts"), lines

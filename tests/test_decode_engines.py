@@ -114,6 +114,16 @@ def run(engine, reqs, chunk=1000) -> dict:
     return {d.request_id: d for d in done}
 
 
+def samples(engine, done, reqs=()) -> dict:
+    """{(request, sample): sequence} of everything ``engine`` decodes, ``done`` (what it handed on
+    already) included, after adding ``reqs``."""
+    engine.add_requests(list(reqs))
+    done = list(done)
+    while engine.has_unfinished():
+        done += engine.step(2)
+    return {(d.request_id, d.index): d for d in done}
+
+
 def hf_greedy(model, enc, max_tokens) -> list[int]:
     with torch.no_grad():
         out = model.generate(**enc, max_new_tokens=max_tokens, do_sample=False)
@@ -301,6 +311,51 @@ def test_graph_engine_long_tail_packs_rows_without_changing_tokens(model_dir, pr
     for r in reqs:
         alone = run(get_engine("torch-graph").factory(ctx(model_dir, max_num_seqs=8)), [r])
         assert together[r.request_id].token_ids == alone[r.request_id].token_ids
+
+
+def test_graph_engine_shared_prefix_samples_what_per_row_prompt_copies_do(model_dir, prompts, monkeypatch):
+    """shared_prefix (the default): each prompt's KV once in a prefix slot that its rows read, the
+    rows' own caches their responses only. Same tokens and log-probs as copying the prompt into every
+    row. With one slot for two prompts the second waits for the first's rows; a prompt whose slot is
+    resident is not prefilled again; a request of more samples than a prefix entry holds spans two."""
+    from rollplex.engines import vlm
+    from rollplex.engines.decode_attention import PREFIX_MEMBERS
+
+    reqs = [dataclasses.replace(r, max_tokens=3 + 2 * i) for i, r in enumerate(requests(prompts, group=3,
+                                                                                         temperature=1.0))]
+    wide = dataclasses.replace(reqs[0], request_id="wide", n=PREFIX_MEMBERS + 2, max_tokens=5)
+    factory = get_engine("torch-graph").factory
+    per_row = run(factory(ctx(model_dir, max_num_seqs=16, shared_prefix=False)), reqs, chunk=2)
+
+    prefilled = []
+    real = vlm.prefix_forward_batch
+    monkeypatch.setattr(vlm, "prefix_forward_batch", lambda model, ps, *a, **k: prefilled.extend(ps) or real(
+        model, ps, *a, **k))
+    engine = factory(ctx(model_dir, max_num_seqs=16, prefix_slots=1, max_prompt_len=64, max_response_len=16))
+    assert engine.batch.pk[0].shape[:3] == (1, engine.w.kv_heads, 64) and engine.batch.k[0].shape[2] == 16
+    engine.add_requests(reqs)
+    engine.step(1)
+    live = [i for i, r in enumerate(engine._live) if r is not None]
+    assert len(live) == 3 and {engine._live[i].parent for i in live} == {r.request_id for r in reqs[:3]}
+    members = engine.batch.members[engine.batch.entry_len > 0]
+    assert sorted(members[members >= 0].tolist()) == live  # every live row in one entry
+    shared = run(engine, [])
+    assert [p.prompt_id for p in prefilled] == ["p0-0", "p1-0"]  # one prefill per prompt, the second after the first
+    assert engine._slots == [None] and not engine._slot_of_key
+    for r in reqs:
+        got, want = shared[r.request_id], per_row[r.request_id]
+        assert got.token_ids == want.token_ids
+        assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
+    engine.add_requests([wide])
+    first = engine.step(1)
+    assert int((engine.batch.entry_len > 0).sum()) == 2
+    got, want = samples(engine, first), samples(factory(ctx(model_dir, max_num_seqs=16, shared_prefix=False)), (), [wide])
+    assert got.keys() == want.keys() and len(got) == PREFIX_MEMBERS + 2
+    for key, seq in want.items():
+        assert got[key].token_ids == seq.token_ids
+        assert got[key].logprobs == pytest.approx(seq.logprobs, abs=1e-5)
+    with pytest.raises(EngineError, match="exceeds max_response_len 16"):
+        engine.add_requests([dataclasses.replace(reqs[0], request_id="long", max_tokens=17)])
 
 
 @pytest.mark.slow

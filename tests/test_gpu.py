@@ -117,6 +117,71 @@ def test_split_kv_attention_equals_sdpa_over_each_rows_filled_slots(cuda, dtype,
     torch.testing.assert_close(out, want, **tol)
 
 
+@pytest.mark.parametrize("dtype, heads, kv_heads", [(torch.float32, 16, 2), (torch.bfloat16, 16, 2),
+                                                     (torch.bfloat16, 28, 4)])
+def test_shared_prefix_attention_equals_sdpa_over_prompt_then_own_slots(cuda, dtype, heads, kv_heads):
+    """Three prompts in slots 0, 2 and 3 (slot 1 free); ten rows of slot 0 in two entries, rows of
+    different prompts interleaved, a last padding row no entry lists. Slots past a prompt's or a
+    row's length hold NaN: a kernel that read one would return NaN."""
+    from rollplex.engines.decode_attention import (
+        PREFIX_MEMBERS,
+        shared_prefix_attention,
+        shared_prefix_attention_sdpa,
+    )
+
+    torch.manual_seed(0)
+    dim, slots, prefix_len, max_len = 128, 4, 600, 300
+    slot_of_row = [0, 2, 0, 3, 0, 0, 2, 0, 0, 0, 0, 0, 0]
+    prompt_of_slot = {0: 590, 2: 64, 3: 1}
+    n = len(slot_of_row) + 1  # the padding row
+    lengths = torch.randint(1, max_len + 1, (n,), dtype=torch.int32, device=cuda)
+    entries = [(slot, rows[i: i + PREFIX_MEMBERS]) for slot in prompt_of_slot
+               for rows in [[r for r, s in enumerate(slot_of_row) if s == slot]] for i in range(0, len(rows), PREFIX_MEMBERS)]
+    assert len(entries) == 4
+    entry_slot = torch.zeros(n, dtype=torch.int32)
+    entry_len = torch.zeros(n, dtype=torch.int32)
+    members = torch.full((n, PREFIX_MEMBERS), -1, dtype=torch.int32)
+    for e, (slot, rows) in enumerate(entries):
+        entry_slot[e], entry_len[e] = slot, prompt_of_slot[slot]
+        members[e, : len(rows)] = torch.tensor(rows)
+    q = torch.randn(n, heads, dim, device=cuda, dtype=dtype)
+    pk, pv = (torch.randn(slots, kv_heads, prefix_len, dim, device=cuda, dtype=dtype) for _ in range(2))
+    k, v = (torch.randn(n, kv_heads, max_len, dim, device=cuda, dtype=dtype) for _ in range(2))
+    rows_slot = torch.tensor(slot_of_row + [0], device=cuda)
+    plen = torch.tensor([prompt_of_slot[s] for s in slot_of_row] + [0], device=cuda)
+    in_prompt = torch.arange(prefix_len, device=cuda).view(1, -1) < plen.view(-1, 1)
+    own = torch.arange(max_len, device=cuda).view(1, -1) < lengths.view(-1, 1)
+    valid = torch.cat([in_prompt, own], 1)
+    mask = torch.zeros(n, 1, 1, prefix_len + max_len, device=cuda, dtype=dtype).masked_fill(
+        ~valid.view(n, 1, 1, -1), float("-inf"))
+    want = shared_prefix_attention_sdpa(q, pk, pv, rows_slot, k, v, mask, dim ** -0.5)
+    for t, filled in ((pk, None), (pv, None), (k, own), (v, own)):
+        if filled is None:
+            for slot in range(slots):
+                t[slot, :, prompt_of_slot.get(slot, 0):] = float("nan")
+        else:
+            t.masked_fill_(~filled.view(n, 1, max_len, 1), float("nan"))
+    got = shared_prefix_attention(q, pk, pv, entry_slot.to(cuda), entry_len.to(cuda), members.to(cuda), k, v, lengths,
+                                  dim ** -0.5)
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[: n - 1], want[: n - 1], **tol)
+
+
+@pytest.mark.parametrize("options", [{"shared_prefix": False}, {"cuda_graphs": True, "compile": True}],
+                         ids=["per-row", "compiled-graphs"])
+def test_shared_prefix_decode_samples_what_per_row_prompt_copies_do(cuda, tiny_model_dir, options):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_model_dir, dtype=torch.float32).to(cuda).eval()
+    _, shared = _decode_all(model, tiny_model_dir, cuda, {"prefix_slots": 2}, tokens_per_call=3)
+    engine, other = _decode_all(model, tiny_model_dir, cuda, options, tokens_per_call=3)
+    assert engine.split_kv and engine.shared_prefix == options.get("shared_prefix", True)
+    assert other.keys() == shared.keys()
+    for key, seq in shared.items():
+        assert other[key].token_ids == seq.token_ids
+        assert other[key].logprobs == pytest.approx(seq.logprobs, abs=1e-4)
+
+
 def test_split_kv_and_sdpa_decode_engines_sample_the_same_tokens(cuda, tiny_model_dir):
     from transformers import Qwen2_5_VLForConditionalGeneration
 

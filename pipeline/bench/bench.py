@@ -98,6 +98,9 @@ class BenchConfig:
     # The decode step's attention (engines/decode_attention.py): split-kv up to each row's length where
     # CUDA and Triton are, else SDPA over every slot (auto); or either by name.
     decode_attention: str = "auto"
+    # Each prompt's KV once for its samples in the decode cache (engines/graph_decode.py), or copied
+    # into each of its rows (False).
+    shared_prefix_decode: bool = True
     profile: tuple[str, ...] = ()  # policies to run once more under torch.profiler (untimed): profile_<policy>.txt
     # One-GPU policies take turns iteration by iteration (every iteration starts from the same
     # weights, so the order changes nothing they compute): a drift in the machine's speed, or the
@@ -427,7 +430,7 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
         runs iteration 0 again on serial's recorded rollout and returns the ``PolicyResult``. Its own
         scope, so that its hosts and executors are gone when the caller releases the second GPU's copies."""
         ranks = extra.hosts_engines if extra else [{"actor": actor, "ref": ref_engine, "decode": decode}]
-        if policy == "serial":
+        if policy == reference:
             ranks = [dict(ranks[0], decode=recorder)]
         executor = executor_for(policy, ranks)
         decodes = [r["decode"] for r in ranks]
@@ -441,18 +444,18 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
             with process_settings(policy):
                 result = executor.run(graph, iteration, inputs_for(graph, iteration))
             if iteration == 0:  # the update from the common start, compared across policies
-                if policy == "serial":
+                if policy == reference:
                     res.weights = host_copy(trained_weights())
-                elif "serial" in running:
-                    res.sampled_difference = update_difference(trained_weights(), running["serial"].weights,
+                elif reference in running:
+                    res.sampled_difference = update_difference(trained_weights(), running[reference].weights,
                                                                start_state)
                 res.responses = [r["response_token_ids"] for r in result.output["report"]["rows"]]
                 res.ranks_disagree = bench_multi.ranks_disagree(extra) if extra else 0.0
                 continue
             record_iteration(cfg, spec, weight_bytes, res, result, sum(d.steps_run for d in decodes) - steps_before,
                              policy)
-        if policy == "serial":
-            log(f"  serial's rollouts recorded for replay: {len(recorder.recorded)} sequences")
+        if policy == reference:
+            log(f"  {reference}'s rollouts recorded for replay: {len(recorder.recorded)} sequences")
         if policy in cfg.profile:
             restart(extra)
             profile_iteration(executor, graph, inputs_for(graph, 1), out_dir / f"profile_{file_stem(policy)}.txt")
@@ -461,20 +464,22 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
             restart(extra)
             executor_for(policy, replay).run(graph, 0, inputs_for(graph, 0))
             weights = trained_weights()
-            if policy == "serial":  # the replay against its own sampled run: the replay itself
+            if policy == reference:  # the replay against its own sampled run: the replay itself
                 res.replayed_weights = host_copy(weights)
                 res.replayed_difference = update_difference(weights, res.weights, start_state)
-            elif "serial" in running and running["serial"].replayed_weights is not None:
-                res.replayed_difference = update_difference(weights, running["serial"].replayed_weights, start_state)
+            elif reference in running and running[reference].replayed_weights is not None:
+                res.replayed_difference = update_difference(weights, running[reference].replayed_weights, start_state)
         return res
 
     # Serial first: its recorded rollout is what the others replay right after their timed runs, and
     # its update is what theirs are compared with, once, as each policy ends.
     policies = list(cfg.policies)
     one_gpu_named = [p for p in policies if parse_policy(p)[0] not in TWO_GPU_POLICIES]
+    # The reference: serial, under whatever options it runs (the first such row).
+    reference = next((p for p in policies if parse_policy(p)[0] == "serial"), None)
     if cfg.aa and one_gpu_named:
-        policies.append(("serial" if "serial" in policies else one_gpu_named[0]) + "#aa")
-    graphs = {policy: compile_for(cfg, policy, config) for policy in sorted(policies, key=lambda p: p != "serial")}
+        policies.append((reference or one_gpu_named[0]) + "#aa")
+    graphs = {policy: compile_for(cfg, policy, config) for policy in sorted(policies, key=lambda p: p != reference)}
     repeats = same_graph_as(graphs)  # the order they meet each iteration's inputs in
     failed: dict[str, str] = {}  # policy -> why it stopped (out of memory), reported with the rest
     running: dict[str, PolicyResult] = {}  # every started policy's result so far (serial's update is the reference)
@@ -486,7 +491,7 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
             return False
         except StopIteration as done:
             res = done.value
-            res.comparison = compare_update(res, res if policy == "serial" else results.get("serial"))
+            res.comparison = compare_update(res, res if policy == reference else results.get(reference))
             results[policy] = res
             log(f"  {policy:15s} {res.median:7.3f} s/it   "
                 + "  ".join(f"{k} {v:.2f}" for k, v in sorted(res.by_kind.items())))
@@ -513,8 +518,8 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
         for round_ in itertools.count():
             if not turns:
                 break
-            first = [p for p in turns if p == "serial"]
-            rest = [p for p in turns if p != "serial"]
+            first = [p for p in turns if p == reference]
+            rest = [p for p in turns if p != reference]
             shift = round_ % len(rest) if rest else 0
             for policy in [p for p in first + rest[shift:] + rest[:shift] if advance(p, turns[p])]:
                 del turns[policy]

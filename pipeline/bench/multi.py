@@ -99,7 +99,11 @@ def decode_engine(cfg, device, dtype, module, rows: int, longest: int):
     return get_engine("torch-graph", "decode").factory(EngineContext(
         "", torch.device(device), dtype, cfg.seed, {"share_model": module, "max_num_seqs": rows,
                                                     "max_model_len": longest, "compile": cfg.compile_decode,
-                                                    "attention": cfg.decode_attention}))
+                                                    "attention": cfg.decode_attention,
+                                                    "shared_prefix": cfg.shared_prefix_decode,
+                                                    "prefix_slots": -(-rows // cfg.samples),
+                                                    "max_prompt_len": longest - cfg.max_new_tokens,
+                                                    "max_response_len": cfg.max_new_tokens + 1}))
 
 
 def disaggregated(cfg, actor, ref_engine, start_state: dict, dtype, longest: int) -> Replicas:

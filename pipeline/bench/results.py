@@ -348,17 +348,21 @@ def speedups(results: dict[str, PolicyResult]) -> list[str]:
     GPUs as ranks vs split roles, and every policy against ``plain``. Each is the median of the
     per-iteration ratios with its 95% interval; an A/A pair (``serial#aa`` against ``serial``) says
     how far the same policy moves by itself, and a run whose A/A interval misses 1 does not count."""
-    pairs = [("serial", "serial-noshare"), ("rollplex", "serial-noshare"), ("rollplex", "serial"),
-             ("rollplex-nofusion", "serial"), ("rollplex", "rollplex-nofusion"),
-             ("rollplex-dp2", "rollplex"), ("disaggregated", "serial"), ("disaggregated", "disaggregated-noshare")]
-    pairs += [(v, "serial") for v in results if ":" in v and "#" not in v]  # variants: each against serial
-    # Two GPUs: every ranks row against every split-roles row, whatever options each was run with.
-    split = [b for b in results if parse_policy(b)[0] in SPLIT_ROLES]
-    pairs += [(a, b) for a in results if parse_policy(a)[0] == "rollplex-dp2" for b in split]
-    pairs += [(a, "plain") for a in results if a != "plain" and "#" not in a]
+    base_pairs = [("serial", "serial-noshare"), ("rollplex", "serial-noshare"), ("rollplex", "serial"),
+                  ("rollplex-nofusion", "serial"), ("rollplex", "rollplex-nofusion"), ("rollplex-dp2", "rollplex"),
+                  ("disaggregated", "serial"), ("disaggregated", "disaggregated-noshare")]
+    base_pairs += [(b, "plain") for b in ALL_POLICIES if b != "plain"]
+    base_pairs += [("rollplex-dp2", b) for b in SPLIT_ROLES]  # two GPUs: ranks against split roles
+
+    def named(base: str) -> list[str]:  # every row of a policy, whatever options each was run with
+        return [n for n in results if "#" not in n and parse_policy(n)[0] == base]
+
+    pairs = [(a, b) for base_a, base_b in base_pairs for a in named(base_a) for b in named(base_b)]
+    if "serial" in results:  # serial's variants against serial
+        pairs += [(v, "serial") for v in named("serial") if v != "serial"]
     lines = []
     for a, b in dict.fromkeys(pairs):
-        if a in results and b in results and results[a].seconds and results[b].seconds:
+        if results[a].seconds and results[b].seconds:
             lines.append(f"{a} is {_ratio(paired(results[a], results[b]), b)}")
     for name in results:
         if "#" in name and name.split("#", 1)[0] in results:
@@ -366,9 +370,10 @@ def speedups(results: dict[str, PolicyResult]) -> list[str]:
             ratios = paired(results[name], results[base])
             stats = median_interval(ratios)
             verdict = ("too few iterations for an interval: the run does not count" if stats is None else
-                       "contains 1: the run counts" if stats[1] <= 1 <= stats[2] else
-                       "does not contain 1: drift or order moves the numbers more than that; the run does not count")
-            lines.append(f"A/A: {name} is {_ratio(ratios, base)}; the interval {verdict}")
+                       "the interval contains 1: the run counts" if stats[1] <= 1 <= stats[2] else
+                       "the interval does not contain 1: drift or order moves the numbers more than that; the run "
+                       "does not count")
+            lines.append(f"A/A: {name} is {_ratio(ratios, base)}; {verdict}")
     return lines
 
 
@@ -401,7 +406,7 @@ def compare_update(res: PolicyResult, ref: PolicyResult | None) -> dict | None:
     serial's own row compares its replayed update with its sampled one: the run-to-run floor."""
     if ref is None or ref.weights is None:
         return None
-    return {"policy": res.policy,
+    return {"policy": res.policy, "reference": ref.policy,
             "sampled": 0.0 if res is ref else res.sampled_difference,
             "identical_responses": sum(a == b for a, b in zip(res.responses or [], ref.responses or [])),
             "responses": len(ref.responses or []),
@@ -411,12 +416,13 @@ def compare_update(res: PolicyResult, ref: PolicyResult | None) -> dict | None:
 def update_lines(rows: list[dict]) -> list[str]:
     lines = []
     for r in rows:
-        if r["policy"] == "serial":
+        ref = r.get("reference", "serial")
+        if r["policy"] == ref:
             if r["replayed"] is not None:
-                lines.append(f"update serial on its replayed rollout vs sampled: {r['replayed']:.2e} (the replay itself)")
+                lines.append(f"update {ref} on its replayed rollout vs sampled: {r['replayed']:.2e} (the replay itself)")
             continue
-        lines.append(f"update {r['policy']} vs serial: sampled {r['sampled']:.2e} ({r['identical_responses']}/"
-                     f"{r['responses']} responses identical)" + (f", on serial's replayed rollout {r['replayed']:.2e}"
+        lines.append(f"update {r['policy']} vs {ref}: sampled {r['sampled']:.2e} ({r['identical_responses']}/"
+                     f"{r['responses']} responses identical)" + (f", on {ref}'s replayed rollout {r['replayed']:.2e}"
                                                                 if r["replayed"] is not None else ""))
     return lines
 

@@ -365,8 +365,13 @@ class Session:
         sequences = self.shape.prompts * self.shape.samples
         # Size the decode KV pool from the batch: vLLM's CPU default reserves a share of host memory.
         kv_bytes = max(32 << 20, 2 * self.dims.kv_bytes(longest) * sequences)
-        decode_options = {"max_model_len": longest, "max_num_seqs": sequences, "kv_cache_bytes": kv_bytes,
-                          **cfg.engines.decode_options}
+        decode_options = {"max_model_len": longest, "max_num_seqs": sequences, "kv_cache_bytes": kv_bytes}
+        if self.decode_engine == "torch-graph":  # its two caches: prompts once per group, then responses
+            eval_prompts = sequences // cfg.eval.samples if self.eval_task is not None else 0
+            decode_options.update(max_prompt_len=longest - cfg.rollout.max_new_tokens,
+                                  max_response_len=cfg.rollout.max_new_tokens + 1,
+                                  prefix_slots=min(sequences, max(self.shape.prompts, eval_prompts)))
+        decode_options.update(cfg.engines.decode_options)
         alg = self.algorithm
         return HostSpec(
             model_path=self.model_path, reference_path=self.reference_path, device=self.device, dtype=cfg.model.dtype,
