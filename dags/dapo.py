@@ -47,12 +47,17 @@ def advantages(shaped_rewards, eps: float = 1e-6):
 
 
 @dapo.loss(agg="token-mean")
-def policy_loss(logprobs, old_logprobs, advantages, keep, eps_low: float = 0.2, eps_high: float = 0.28):
+def policy_loss(logprobs, old_logprobs, advantages, keep, rollout_is_weights, eps_low: float = 0.2,
+                eps_high: float = 0.28, clip_ratio_c: float | None = None):
     ratio = torch.exp(logprobs - old_logprobs)
     adv, weight = advantages.unsqueeze(-1), keep.unsqueeze(-1)
-    surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv)
-    return -surrogate * weight, {"kept": (weight > 0).float().expand_as(ratio),
-                                 "clip_frac": ((ratio < 1 - eps_low) | (ratio > 1 + eps_high)).float()}
+    unclipped, clipped = ratio * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv
+    surrogate = torch.minimum(unclipped, clipped)
+    metrics = {"kept": (weight > 0).float().expand_as(ratio), "clip_frac": (clipped < unclipped).float()}
+    if clip_ratio_c is not None:  # dual clip: a negative advantage costs at most c·|Â|
+        dual = torch.where(adv < 0, torch.maximum(surrogate, clip_ratio_c * adv), surrogate)
+        surrogate, metrics["dual_clip_frac"] = dual, (dual > surrogate).float()
+    return -surrogate * weight * rollout_is_weights, metrics
 
 
 algorithm = dapo

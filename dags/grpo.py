@@ -3,7 +3,10 @@
 Sample G responses per prompt from the current policy and score each with a verifiable reward.
 A response's advantage is its reward normalised within its group, so no critic is needed. The
 policy loss is PPO's clipped surrogate on that advantage plus β·KL(π‖π_ref), estimated per token
-with k3 = exp(ref − logp) − (ref − logp) − 1, averaged over all tokens of the batch.
+with k3 = exp(ref − logp) − (ref − logp) − 1, averaged over all tokens of the batch. ``clip_ratio_c``
+(``train.clip_ratio_c``) adds the dual clip: the surrogate of a negative advantage is at least c·Â.
+``rollout_is_weights`` (1, or min(π_old/π_rollout, C) under ``train.rollout_is``) weighs the surrogate
+term alone, as in verl.
 """
 import torch
 
@@ -24,13 +27,19 @@ def advantages(rewards, eps: float = 1e-6):
 
 
 @grpo.loss(agg="token-mean")
-def policy_loss(logprobs, old_logprobs, ref_logprobs, advantages, clip_eps: float = 0.2, kl_coef: float = 0.04):
+def policy_loss(logprobs, old_logprobs, ref_logprobs, advantages, rollout_is_weights, clip_eps: float = 0.2,
+                kl_coef: float = 0.04, clip_ratio_c: float | None = None):
     ratio = torch.exp(logprobs - old_logprobs)
     adv = advantages.unsqueeze(-1)
-    surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
+    unclipped, clipped = ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv
+    surrogate = torch.minimum(unclipped, clipped)
+    metrics = {"clip_frac": (clipped < unclipped).float()}  # where the clip binds (its gradient is 0)
+    if clip_ratio_c is not None:  # dual clip (Ye et al., 2020): a negative advantage costs at most c·|Â|
+        dual = torch.where(adv < 0, torch.maximum(surrogate, clip_ratio_c * adv), surrogate)
+        surrogate, metrics["dual_clip_frac"] = dual, (dual > surrogate).float()
     log_ratio = ref_logprobs - logprobs
     kl = torch.exp(log_ratio) - log_ratio - 1
-    return -(surrogate - kl_coef * kl), {"kl": kl, "clip_frac": ((ratio - 1).abs() > clip_eps).float()}
+    return -surrogate * rollout_is_weights + kl_coef * kl, {"kl": kl, **metrics}
 
 
 algorithm = grpo

@@ -8,7 +8,8 @@ The actor's advantages are then whitened over every response token of the batch 
 unbiased std, as verl's ``masked_whiten``, TRL and OpenRLHF do; ``whiten_advantages``), while the
 critic regresses on the unwhitened returns. The actor takes the clipped surrogate; the critic the clipped value loss
 ½·max((V − R)², (V_old + clip(V − V_old, ±ε_v) − R)²). The critic's prefix, like the reference's,
-runs inside the decode window. One update per batch, so both clips are the formulas, not yet binding.
+runs inside the decode window. With one update per batch both clips are the formulas only; with
+``train.mini_batches`` or ``train.epochs`` above 1 the later steps' ratios leave 1 and they bind.
 """
 import torch
 
@@ -60,10 +61,16 @@ def advantages(returns, old_values, mask, whiten_advantages: bool = True):
 
 
 @ppo.loss(agg="token-mean")
-def policy_loss(logprobs, old_logprobs, ref_logprobs, advantages, clip_eps: float = 0.2):
+def policy_loss(logprobs, old_logprobs, ref_logprobs, advantages, rollout_is_weights, clip_eps: float = 0.2,
+                clip_ratio_c: float | None = None):
     ratio = torch.exp(logprobs - old_logprobs)
-    surrogate = torch.minimum(ratio * advantages, ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages)
-    return -surrogate, {"kl": old_logprobs - ref_logprobs, "clip_frac": ((ratio - 1).abs() > clip_eps).float()}
+    unclipped, clipped = ratio * advantages, ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages
+    surrogate = torch.minimum(unclipped, clipped)
+    metrics = {"kl": old_logprobs - ref_logprobs, "clip_frac": (clipped < unclipped).float()}
+    if clip_ratio_c is not None:  # dual clip (Ye et al., 2020): a negative advantage costs at most c·|Â|
+        dual = torch.where(advantages < 0, torch.maximum(surrogate, clip_ratio_c * advantages), surrogate)
+        surrogate, metrics["dual_clip_frac"] = dual, (dual > surrogate).float()
+    return -surrogate * rollout_is_weights, metrics
 
 
 @ppo.loss(model="critic", agg="token-mean")

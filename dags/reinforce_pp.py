@@ -35,10 +35,16 @@ def advantages(rewards, old_logprobs, ref_logprobs, mask, kl_coef: float = 0.01,
 
 
 @rpp.loss(agg="token-mean")
-def policy_loss(logprobs, old_logprobs, ref_logprobs, advantages, clip_eps: float = 0.2):
+def policy_loss(logprobs, old_logprobs, ref_logprobs, advantages, rollout_is_weights, clip_eps: float = 0.2,
+                clip_ratio_c: float | None = None):
     ratio = torch.exp(logprobs - old_logprobs)
-    surrogate = torch.minimum(ratio * advantages, ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages)
-    return -surrogate, {"kl": old_logprobs - ref_logprobs, "clip_frac": ((ratio - 1).abs() > clip_eps).float()}
+    unclipped, clipped = ratio * advantages, ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages
+    surrogate = torch.minimum(unclipped, clipped)
+    metrics = {"kl": old_logprobs - ref_logprobs, "clip_frac": (clipped < unclipped).float()}
+    if clip_ratio_c is not None:  # dual clip: a negative advantage costs at most c·|Â|
+        dual = torch.where(advantages < 0, torch.maximum(surrogate, clip_ratio_c * advantages), surrogate)
+        surrogate, metrics["dual_clip_frac"] = dual, (dual > surrogate).float()
+    return -surrogate * rollout_is_weights, metrics
 
 
 algorithm = rpp

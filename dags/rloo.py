@@ -3,7 +3,8 @@
 Each of the G responses of a prompt is baselined by the mean reward of the other G − 1:
 Â_i = r_i − (Σ_{j≠i} r_j)/(G − 1) = G/(G − 1)·(r_i − r̄). No critic and no std normalisation. The
 loss is REINFORCE on the whole response, −Â_i·Σ_t log π(y_t), averaged over responses; the ratio
-π/π_old (exactly 1 in the single on-policy update) carries the gradient.
+π/π_old (exactly 1 at an iteration's first optimizer step) carries the gradient, and at the later
+steps of ``train.mini_batches``/``train.epochs`` weights it, unclipped.
 """
 import torch
 
@@ -22,9 +23,9 @@ def advantages(rewards):
 
 
 @rloo.loss(agg="seq-mean-token-sum")
-def policy_loss(logprobs, old_logprobs, advantages):
+def policy_loss(logprobs, old_logprobs, advantages, rollout_is_weights):
     ratio = torch.exp(logprobs - old_logprobs)
-    return -ratio * advantages.unsqueeze(-1), {"logprob": old_logprobs}
+    return -ratio * advantages.unsqueeze(-1) * rollout_is_weights, {"logprob": old_logprobs}
 
 
 algorithm = rloo

@@ -425,9 +425,11 @@ def full_sequence_logprobs(
     vis: VisionEmbeds | None = None,
     head: str = "lm",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same log-probs from one forward per response over prompt+response: no prefix sharing.
+    """The same log-probs from forwards over prompt+response: no prefix sharing.
 
-    This is what serial runtimes do, and what ``prefix_sharing: false`` compiles to. With
+    This is what serial runtimes do, and what ``prefix_sharing: false`` compiles to: a batched
+    implementation's, with the responses right-padded into as few forwards as the logits budget
+    allows (causal attention: padding after a row's last token changes none of its outputs). With
     ``head="value"`` (a critic's scalar head) the per-position outputs are returned as they are.
     """
     vis = vis if vis is not None else vision_embeds(model, prompt)
@@ -437,13 +439,15 @@ def full_sequence_logprobs(
     with torch.set_grad_enabled(grad):
         prompt_embeds = embed_prompt(model, prompt, vis)
         pos, delta = rope_positions(model, prompt)
-        length = prompt.num_tokens
-        for i in range(tokens.shape[0]):
-            resp = tokens[i : i + 1].to(device)
-            embeds = torch.cat([prompt_embeds, model.get_input_embeddings()(resp)], dim=1)
-            text_pos = torch.arange(length, length + resp.shape[1]).view(1, 1, -1).expand(3, 1, -1) + delta
-            position_ids = torch.cat([pos, text_pos], dim=2).to(device)
+        length, width = prompt.num_tokens, tokens.shape[1]
+        vocab = 1 if head == "value" else model.config.get_text_config().vocab_size
+        text_pos = torch.arange(length, length + width).view(1, 1, -1) + delta
+        for run in batches_within([width] * tokens.shape[0], vocab, grad=grad):  # logits: response positions
+            resp = tokens[run[0]: run[-1] + 1].to(device)
+            n = resp.shape[0]
+            embeds = torch.cat([prompt_embeds.expand(n, -1, -1), model.get_input_embeddings()(resp)], dim=1)
+            position_ids = torch.cat([pos.expand(3, n, -1), text_pos.expand(3, n, -1)], dim=2).to(device)
             out = model.model.language_model(inputs_embeds=embeds, position_ids=position_ids, use_cache=False)
-            logits = model.lm_head(out.last_hidden_state[:, length - 1 : -1]).float()
-            rows.append(logits[0, :, 0] if head == "value" else token_logprobs(logits, resp, temperature)[0])
-    return torch.stack(rows), mask.to(device)
+            logits = model.lm_head(out.last_hidden_state[:, length - 1: -1]).float()
+            rows.append(logits[..., 0] if head == "value" else token_logprobs(logits, resp, temperature))
+    return torch.cat(rows), mask.to(device)

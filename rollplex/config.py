@@ -110,6 +110,19 @@ class TrainConfig:
                                    "held beside the one training; 0 = no bound (all may run in the decode window)")
     ref_cache_gib: float = f(1.0, lo=0.0, hi=2**20, doc="host memory for frozen models' prefixes, reused across "
                              "epochs (0 disables)")
+    mini_batches: int = f(1, lo=1, hi=65536, doc="M: the iteration's prompt groups split into M mini-batches, one "
+                          "optimizer step each (verl ppo_mini_batch_size, TRL steps_per_generation); each later "
+                          "mini-batch is scored anew under the updated weights against the rollout-time old_logprobs")
+    epochs: int = f(1, lo=1, hi=1024, doc="E: passes over the mini-batches per iteration, M × E optimizer steps in "
+                    "all (verl ppo_epochs, TRL num_iterations)")
+    clip_ratio_c: float | None = f(None, lo=1.0, hi=1e6, doc="dual clip (verl clip_ratio_c, e.g. 3): the policy "
+                                   "loss of a negative-advantage token is at most c·|A| however far its ratio "
+                                   "grows; for the algorithms whose loss takes clip_ratio_c (grpo, dapo, ppo, "
+                                   "reinforce_pp); null: off")
+    rollout_is: dict = f({}, doc="{cap: C}: truncated importance sampling for the decode engine's mismatch (verl "
+                         "rollout_is): the policy loss's policy-gradient term weighted per token by "
+                         "min(π_old/π_rollout, C), C ≥ 1, π_rollout the decode engine's log-probs (the loss reads "
+                         "rollout_is_weights); {}: off")
 
 
 @dataclass
@@ -413,6 +426,14 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"cluster.lowering: 'iteration' runs a whole iteration on one worker; with "
                           f"cluster.workers {cfg.cluster.workers} the ranks exchange values mid-iteration "
                           f"(use nodes or auto)")
+    if cfg.rollout.prompts_per_iteration % cfg.train.mini_batches:
+        raise ConfigError(f"train.mini_batches: {cfg.train.mini_batches} does not divide "
+                          f"rollout.prompts_per_iteration ({cfg.rollout.prompts_per_iteration}): each mini-batch "
+                          f"takes an equal share of the prompt groups")
+    _validate_rollout_is(cfg.train.rollout_is)
+    if cfg.train.clip_ratio_c is not None and cfg.train.clip_ratio_c <= 1:
+        raise ConfigError(f"train.clip_ratio_c: {cfg.train.clip_ratio_c} must be above 1 (the dual clip bounds a "
+                          f"negative advantage's loss beyond the PPO clip's 1 + clip_eps)")
     _validate_eval(cfg)
     if cfg.rollout.chunk_tokens > cfg.rollout.max_new_tokens:
         raise ConfigError(f"rollout.chunk_tokens: {cfg.rollout.chunk_tokens} exceeds rollout.max_new_tokens "
@@ -448,6 +469,23 @@ def resolve_task_defaults(cfg: RunConfig) -> RunConfig:
     if stop == "auto":
         stop = EMBEDDED_STOP_AT_REWARD if embedded else None
     return dataclasses.replace(cfg, warmup=dataclasses.replace(cfg.warmup, steps=steps), stop_at_reward=stop)
+
+
+def _validate_rollout_is(options: dict) -> None:
+    unknown = sorted(set(options) - {"cap"})
+    if unknown:
+        raise ConfigError(f"train.rollout_is: unknown key {unknown[0]!r}; expected {{cap: C}} with C ≥ 1, or {{}} for off")
+    cap = options.get("cap")
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap >= 1
+                            or math.isinf(cap)):
+        raise ConfigError(f"train.rollout_is.cap: expected a finite number ≥ 1 (the largest importance weight), "
+                          f"got {cap!r}")
+
+
+def rollout_is_cap(cfg: RunConfig) -> float | None:
+    """``train.rollout_is``'s cap as a float, or None when off."""
+    cap = cfg.train.rollout_is.get("cap")
+    return None if cap is None else float(cap)
 
 
 LOGGING_BACKENDS = ("jsonl", "tensorboard", "wandb")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from rollplex.engines import vlm
+from rollplex.tasks import mismatch
 from rollplex.tasks.returns import loss_values
 from rollplex.tasks.nodes import by_prompt, count_of, group_advantages, group_rewards, join_samples, loss_metrics, \
     summed_loss, the, with_role
@@ -66,7 +67,12 @@ def train_handoff(ctx, node, inputs) -> dict:
                       as_: logprobs, f"old_{as_}": logprobs.detach(),
                       **{name: frozen_scores(chunks, p, mask.shape[-1]) for name, chunks in frozen.items()}}
             values = {k: v.to(engine.device) if torch.is_tensor(v) else v for k, v in values.items()}
+            if "rollout_is_weights" in decl.reads:
+                values["rollout_is_weights"] = mismatch.rollout_is_weights(s.rollout_is_cap, values[f"old_{as_}"],
+                                                                           [responses])
             per_token, metrics = loss_values(decl.fn, decl.call(values, ctx.params), values["mask"])
+            if "rollout_is_weights" in decl.reads and s.rollout_is_cap is not None:
+                metrics = {**metrics, "rollout_is_weight": values["rollout_is_weights"]}
             contribution = summed_loss(per_token, values["mask"], agg)
             total = contribution if total is None else total + contribution
             parts.append((p, contribution.detach(), values["mask"], metrics))

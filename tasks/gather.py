@@ -1,6 +1,7 @@
 """The ``gather`` node of a data-parallel iteration (pipeline/compile/ranks.py): host records of the ranks merged.
 
-``what="rollout_stats"``: the ranks' decode statistics summed, so every loss divides by the tokens (or
+``what="relay"``: one host value passed on as it is, so that a node on another rank reads it
+without the device tensors of the node that made it. ``what="rollout_stats"``: the ranks' decode statistics summed, so every loss divides by the tokens (or
 responses) of the global batch. ``what="report"``: the ranks' reports as the single-rank report would
 have been: rows in prompt order (rank r holds the r-th block of prompts), rewards re-aggregated over
 all rows, batch sums ("additive": the loss and per-token metric sums, already divided by the global
@@ -16,7 +17,8 @@ from rollplex.tasks.registry import register_task
 
 def merge_stats(parts: list[dict]) -> dict:
     return {"tokens": sum(p["tokens"] for p in parts), "sequences": sum(p["sequences"] for p in parts),
-            "max_len": max((p["max_len"] for p in parts), default=0)}
+            "max_len": max((p["max_len"] for p in parts), default=0),
+            "by_prompt": {k: v for p in parts for k, v in p.get("by_prompt", {}).items()}}
 
 
 def merge_reports(parts: list[dict]) -> dict:
@@ -35,6 +37,8 @@ def merge_reports(parts: list[dict]) -> dict:
 
 @register_task("gather")
 def gather(ctx, node, inputs):
+    if node.args["what"] == "relay":
+        return {node.outputs[0]: inputs[node.inputs[0]]}
     # A report's gather also reads the global rollout stats (which orders it after them), not a part.
     parts = [inputs[v] for v in node.inputs
              if ctx.values[v].role != "rollout_stats" or node.args["what"] == "rollout_stats"]

@@ -17,6 +17,7 @@ import torch
 from rollplex.engines.base import DecodeRequest, FinishedSequence
 from rollplex.errors import GraphError
 from rollplex.engines import vlm
+from rollplex.tasks import mismatch
 from rollplex.tasks.registry import register_task
 from rollplex.tasks.returns import advantage_tensor, loss_values, reward_value
 
@@ -210,8 +211,10 @@ def decode_chunk(ctx, node, inputs):
     for p in kept:
         out[named[index[p]]] = responses[p]
     lengths = [len(q) for p in kept for q in responses[p].token_ids]
+    # Per prompt too: a mini-batch's loss divides by its own tokens (or responses).
+    counts = {index[p]: (sum(map(len, responses[p].token_ids)), len(responses[p].sequences)) for p in kept}
     out[the(ctx, node.outputs, "rollout_stats")] = {"tokens": sum(lengths), "sequences": len(lengths),
-                                                    "max_len": max(lengths, default=0)}
+                                                    "max_len": max(lengths, default=0), "by_prompt": counts}
     if fused:
         out[groups_out] = {index[p]: responses[p] for p in kept if p not in handed}
     if samples_out is not None:
@@ -261,11 +264,14 @@ def suffix_score(ctx, node, inputs):
         states = [inputs[v] for v in node.inputs[:n]]
         values = [lp for lp, _ in vlm.suffix_logprobs_batch(model, states, responses, pad_id=s.pad_id,
                                                             temperature=s.score_temperature, grad=grad)]
-    out, names = {}, iter(node.outputs)
-    for value in values:
-        out[next(names)] = value if grad else value.detach()
-        if grad:
-            out[next(names)] = value.detach().cpu()
+    # Per prompt, the value itself (with its graph when grad) and/or its old_ copy: detached, on the host.
+    out = {}
+    for p, value in zip(node.args["prompts"], values):
+        for name in (o for o in node.outputs if ctx.values[o].prompts == (p,)):
+            if ctx.values[name].label == f"old_{node.args['as']}":
+                out[name] = value.detach().cpu()
+            else:
+                out[name] = value if grad else value.detach()
     return out
 
 
@@ -325,9 +331,13 @@ def count_of(agg: str) -> str:
     return "tokens" if agg == "token-mean" else "sequences"
 
 
-def normaliser(stats: dict, count: str) -> int:
-    """The batch's ``count`` (``count_of``) from its rollout stats, at least 1."""
-    return max(stats[count], 1)
+def normaliser(stats: dict, count: str, prompts=None) -> int:
+    """The batch's ``count`` (``count_of``) from its rollout stats, or that of ``prompts`` alone (a
+    mini-batch), at least 1."""
+    if prompts is None:
+        return max(stats[count], 1)
+    at = 0 if count == "tokens" else 1
+    return max(sum(stats["by_prompt"][p][at] for p in prompts), 1)
 
 
 def summed_loss(per_token: torch.Tensor, mask: torch.Tensor, agg: str) -> torch.Tensor:
@@ -417,13 +427,20 @@ def loss(ctx, node, inputs):
     decl, engine = ctx.algorithm.losses()[node.model], ctx.train_engine(node.model)
     stats = inputs[the(ctx, node.inputs, "rollout_stats")]
     bound = bound_values(inputs, node.args["bind"])
+    bound.pop("rollout_is_weights", None)  # bound to the responses; computed below
     values = {k: join_groups(v, "cat") for k, v in bound.items()}
     values["mask"] = join_groups([r.mask() for r in bound["responses"]], "cat")
     values = {k: v.to(engine.device) if torch.is_tensor(v) else v for k, v in values.items()}
     mask = values["mask"]
+    weighted = "rollout_is_weights" in decl.reads
+    if weighted:
+        old = values[f"old_{ctx.algorithm.policy_logprobs()}"]
+        values["rollout_is_weights"] = mismatch.rollout_is_weights(ctx.settings.rollout_is_cap, old, bound["responses"])
     per_token, metrics = loss_values(decl.fn, decl.call(values, ctx.params), mask)
+    if weighted and ctx.settings.rollout_is_cap is not None:
+        metrics = {**metrics, "rollout_is_weight": values["rollout_is_weights"]}
     agg = decl.options["agg"]
-    contribution = summed_loss(per_token, mask, agg) / normaliser(stats, count_of(agg))
+    contribution = summed_loss(per_token, mask, agg) / normaliser(stats, count_of(agg), node.args.get("normalise"))
     if not torch.isfinite(contribution):
         raise FloatingPointError(f"non-finite loss {contribution.item()} in micro-batch {node.name}")
     # With R data-parallel ranks DeepSpeed averages the ranks' gradients; each rank's share of the
@@ -432,7 +449,7 @@ def loss(ctx, node, inputs):
     engine.backward(contribution * world if world != 1 else contribution)
     sums, scalars = loss_metrics(metrics, mask)
     return {node.outputs[0]: {"loss": float(contribution.detach()), "tokens": float(mask.sum()),
-                              "sums": sums, "scalars": scalars}}
+                              "sums": sums, "scalars": scalars, "step": node.args.get("step", 0)}}
 
 
 @register_task("optimizer_step")
@@ -455,9 +472,13 @@ def weight_sync(ctx, node, inputs):
 
 @register_task("report")
 def report(ctx, node, inputs):
-    """Host-side records of the iteration: one row per response, plus the batch metrics."""
+    """Host-side records of the iteration: one row per response, plus the batch metrics. With several
+    optimizer steps (``args["steps"]``, passing ``epochs`` times over the batch) a loss is the mean of
+    the steps' losses, a per-token metric the mean over every token of every step, a grad norm the
+    mean of the steps'."""
     alg = ctx.algorithm
     read = node.inputs
+    steps, epochs = node.args.get("steps", 1), node.args.get("epochs", 1)
     stats = inputs[the(ctx, read, "rollout_stats")]
     rows, rewards, losses, sums, scalars = [], [], 0.0, {}, {}
     # The policy's loss is "loss"; another trained model's (a critic's) is "loss_<model>". Metrics
@@ -484,10 +505,13 @@ def report(ctx, node, inputs):
         value = inputs[v]
         advantages.update(value if isinstance(value, dict) else {ctx.values[v].prompts[0]: value})
     scores = {s.as_: by_prompt(ctx, read, "score", label=f"old_{s.as_}" if s.grad else s.as_) for s in alg.scores}
+    policy_lp = alg.policy_logprobs()
+    gap = dict.fromkeys(mismatch.METRICS, 0.0)  # the decode engine's log-probs against old_<policy_lp>
     for p in sorted(responses_of):
         prompt, responses, r = inputs[prompts[p]], inputs[responses_of[p]], inputs[rewards_of[p]]
         adv = advantages[p]
         scored = {name: inputs[of[p]] for name, of in scores.items()}
+        sampled = mismatch.sampled_logprobs(responses) if policy_lp is not None else None
         for g, seq in enumerate(responses.sequences):
             n = len(seq.token_ids)
             row = {
@@ -509,23 +533,38 @@ def report(ctx, node, inputs):
             for s in alg.scores:
                 key = f"old_{s.as_}" if s.grad else s.as_
                 row[key] = [float(x) for x in scored[s.as_][g, :n].tolist()]
+            if policy_lp is not None:
+                for k, v in mismatch.mismatch_sums(scored[policy_lp][g, :n], sampled[g, :n]).items():
+                    gap[k] += v
             rows.append(row)
             rewards.append(float(r[g]))
     tokens = max(stats["tokens"], 1)
-    step = inputs[the(ctx, read, "step", model=alg.rollout_model)]
+    if steps > 1:
+        losses, extra_losses = losses / steps, {k: v / steps for k, v in extra_losses.items()}
+        tokens *= epochs  # each epoch visits every token once more
+
+    def steps_of(model: str) -> list[dict]:
+        return [inputs[v] for v in with_role(ctx, read, "step", model=model)]
+
+    def grad_norm(records: list[dict]) -> float:
+        return records[0]["grad_norm"] if len(records) == 1 else sum(r["grad_norm"] for r in records) / len(records)
+
+    policy_steps = steps_of(alg.rollout_model)
     rt = torch.tensor(rewards)
     metrics = {
         "reward_mean": float(rt.mean()) if rewards else 0.0,
         "reward_std": float(rt.std()) if len(rewards) > 1 else 0.0,
         "loss": losses,
-        "grad_norm": step["grad_norm"],
-        "lr": step["lr"],
+        "grad_norm": grad_norm(policy_steps),
+        "lr": policy_steps[-1]["lr"],
         "response_len_mean": stats["tokens"] / max(stats["sequences"], 1),
     }
     metrics.update(extra_losses)
     for model in alg.model_losses:
-        metrics[f"grad_norm_{model}"] = inputs[the(ctx, read, "step", model=model)]["grad_norm"]
+        metrics[f"grad_norm_{model}"] = grad_norm(steps_of(model))
     metrics.update({k: v / tokens for k, v in sums.items()})
+    if policy_lp is not None:  # over the rollout's tokens, once each
+        metrics.update({k: v / max(stats["tokens"], 1) for k, v in gap.items()})
     if ctx.refcache is not None:
         cache = ctx.refcache.stats()
         metrics.update(ref_cache_hit_rate=cache.hit_rate, ref_cache_bytes=cache.host_bytes + cache.disk_bytes)
@@ -533,4 +572,5 @@ def report(ctx, node, inputs):
     if "kl" not in metrics:
         metrics["kl"] = 0.0
     # "additive": metrics that are sums over the batch, which a data-parallel gather adds up.
-    return {node.outputs[0]: {"rows": rows, "metrics": metrics, "additive": ["loss", *sums]}}
+    additive = ["loss", *sums, *(gap if policy_lp is not None else ())]
+    return {node.outputs[0]: {"rows": rows, "metrics": metrics, "additive": additive}}

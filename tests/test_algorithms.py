@@ -81,7 +81,8 @@ def test_ppo_value_loss_is_clipped_around_the_old_values():
 def test_ppo_policy_clip():
     # ratio e^{ln 1.5} = 1.5 with Â = 2: min(3, 1.2·2) = 2.4; ratio .5 with Â = −1: min(−.5, −.8) = −.8.
     loss, metrics = ppo.policy_loss(logprobs=T([[1.5, 0.5]]).log(), old_logprobs=torch.zeros(1, 2),
-                                    ref_logprobs=torch.zeros(1, 2), advantages=T([[2.0, -1.0]]), clip_eps=0.2)
+                                    ref_logprobs=torch.zeros(1, 2), advantages=T([[2.0, -1.0]]),
+                                    rollout_is_weights=torch.ones(1, 2), clip_eps=0.2)
     close(loss, [[-2.4, 0.8]])
     close(metrics["clip_frac"], [[1.0, 1.0]])
 
@@ -97,7 +98,8 @@ def test_rloo_baseline_leaves_each_sample_out():
 
 def test_rloo_gradient_is_advantage_times_score():
     logprobs = T([[-1.0, -2.0]], requires_grad=True)
-    loss, _ = rloo.policy_loss(logprobs=logprobs, old_logprobs=logprobs.detach(), advantages=T([0.5]))
+    loss, _ = rloo.policy_loss(logprobs=logprobs, old_logprobs=logprobs.detach(), advantages=T([0.5]),
+                               rollout_is_weights=torch.ones(1, 2))
     loss.sum().backward()
     close(logprobs.grad, [[-0.5, -0.5]])
 
@@ -130,12 +132,70 @@ def test_dapo_dynamic_sampling_drops_all_equal_groups_and_renormalises():
 def test_dapo_clip_higher_is_asymmetric():
     # Â = +1, ratio 1.5 → clipped at 1.28; Â = −1, ratio .5 → clipped at .8: min(−.5, −.8) = −.8.
     loss, metrics = dapo.policy_loss(logprobs=T([[1.5, 0.5]]).log(), old_logprobs=torch.zeros(1, 2),
-                                     advantages=T([1.0]), keep=T([1.0]))
+                                     advantages=T([1.0]), keep=T([1.0]), rollout_is_weights=torch.ones(1, 2))
     close(loss[0, :1], [-1.28])
     loss, _ = dapo.policy_loss(logprobs=T([[1.5, 0.5]]).log(), old_logprobs=torch.zeros(1, 2),
-                               advantages=T([-1.0]), keep=T([2.0]))
+                               advantages=T([-1.0]), keep=T([2.0]), rollout_is_weights=torch.ones(1, 2))
     close(loss, [[1.5 * 2, 0.8 * 2]])  # −min(−1.5, −1.28) = 1.5; −min(−.5, −.8) = .8; weight 2
-    close(metrics["clip_frac"], [[1.0, 1.0]])
+    # With Â = +1 the clip binds at ratio 1.5 (1.28 < 1.5) but not at .5: min(.5, .8) keeps the ratio.
+    close(metrics["clip_frac"], [[1.0, 0.0]])
+
+
+# -- the clip and the dual clip of every loss that clips --------------------------------------------------
+# One token per response. Ratio r and advantage Â, clip ε = .2, dual clip c = 3; surrogate min(rÂ, clip(r)Â):
+#   r 4, Â −1: min(−4, −1.2) = −4, loss 4; the dual clip raises it to max(−4, −3) = −3: loss 3, no gradient
+#   r 2, Â −1: min(−2, −1.2) = −2 (−2 > −3: the dual clip does not bind)       loss 2, gradient −Â·r = 2
+#   r .5, Â −1: min(−.5, −.8) = −.8, the clip binds                              loss .8, gradient 0
+#   r 1.5, Â −1: min(−1.5, −1.2) = −1.5 (above the range, but the min keeps r)  loss 1.5, gradient 1.5
+#   r .5, Â +1: min(.5, .8) = .5 (below the range, the min keeps r)              loss −.5, gradient −.5
+#   r 1.5, Â +1: min(1.5, 1.2) = 1.2, the clip binds                             loss −1.2, gradient 0
+#   r 1, Â +1: 1                                                                  loss −1, gradient −1
+#   r 4, Â 0: 0 whatever the ratio                                                loss 0, gradient 0
+RATIOS, ADVANTAGES = [4.0, 2.0, 0.5, 1.5, 0.5, 1.5, 1.0, 4.0], [-1.0, -1.0, -1.0, -1.0, 1.0, 1.0, 1.0, 0.0]
+
+
+def _clipping_loss(name, logprobs, advantages, **kw):
+    """The algorithm's policy loss with its clip at .2 on both sides and (unless given) no KL term."""
+    per_token = advantages.unsqueeze(-1)
+    kw.setdefault("rollout_is_weights", torch.ones_like(logprobs))
+    if name == "grpo":
+        kw = {"ref_logprobs": logprobs.detach(), "kl_coef": 0.0, **kw}
+        return grpo.policy_loss(logprobs=logprobs, old_logprobs=torch.zeros_like(logprobs), advantages=advantages,
+                                **kw)
+    if name == "dapo":
+        return dapo.policy_loss(logprobs=logprobs, old_logprobs=torch.zeros_like(logprobs), advantages=advantages,
+                                keep=torch.ones(len(advantages)), eps_high=0.2, **kw)
+    module = ppo if name == "ppo" else reinforce_pp
+    return module.policy_loss(logprobs=logprobs, old_logprobs=torch.zeros_like(logprobs),
+                              ref_logprobs=torch.zeros_like(logprobs), advantages=per_token, **kw)
+
+
+@pytest.mark.parametrize("name", ["grpo", "dapo", "ppo", "reinforce_pp"])
+def test_the_clip_counts_where_it_binds_and_the_dual_clip_bounds_negative_advantages(name):
+    for dual in (None, 3.0):
+        logprobs = T(RATIOS).log().unsqueeze(-1).requires_grad_()
+        loss, metrics = _clipping_loss(name, logprobs, T(ADVANTAGES), clip_ratio_c=dual)
+        close(loss[:, 0], [3.0 if dual else 4.0, 2.0, 0.8, 1.5, -0.5, -1.2, -1.0, 0.0])
+        close(metrics["clip_frac"][:, 0], [0, 0, 1, 0, 0, 1, 0, 0])
+        # d loss / d log r = −Â·r where the surrogate is r·Â, 0 where a clip holds it
+        (grad,) = torch.autograd.grad(loss.sum(), logprobs)
+        close(grad[:, 0], [0.0 if dual else 4.0, 2.0, 0.0, 1.5, -0.5, 0.0, -1.0, 0.0])
+        if dual:
+            close(metrics["dual_clip_frac"][:, 0], [1, 0, 0, 0, 0, 0, 0, 0])
+        else:
+            assert "dual_clip_frac" not in metrics
+
+
+@pytest.mark.parametrize("name", ["grpo", "dapo", "ppo", "reinforce_pp"])
+def test_rollout_is_weights_scale_the_policy_gradient_term_alone(name):
+    """verl multiplies pg_losses by rollout_is_weights and adds the KL loss unweighted. Ratios 1.5
+    and 1 with Â = +1: surrogate 1.2 (clipped) and 1; weights 2 and .5 → policy-gradient terms −2.4
+    and −.5. GRPO's k3 to a reference at log π = 0 adds β·(1/1.5 + ln 1.5 − 1) and 0, unweighted."""
+    logprobs = T([1.5, 1.0]).log().unsqueeze(-1)
+    kl = 1 / 1.5 + math.log(1.5) - 1
+    kw = {"kl_coef": 0.1, "ref_logprobs": torch.zeros_like(logprobs)} if name == "grpo" else {}
+    loss, _ = _clipping_loss(name, logprobs, T([1.0, 1.0]), rollout_is_weights=T([[2.0], [0.5]]), **kw)
+    close(loss[:, 0], [-2.4 + (0.1 * kl if name == "grpo" else 0.0), -0.5])
 
 
 # -- REINFORCE++ -------------------------------------------------------------------------------------
@@ -291,6 +351,51 @@ def test_each_algorithm_runs_two_iterations_and_updates_its_models(tmp_path, war
             assert 0.0 <= metrics["kept"] <= 1.0
     finally:
         host.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["grpo", "ppo", "rloo", "dapo", "reinforce_pp"])
+def test_each_algorithm_takes_several_steps_per_iteration_and_its_clip_binds(tmp_path, warmed_model, name):
+    """train.mini_batches 2 × train.epochs 2: four steps per trained model in one iteration. After the
+    first, a mini-batch's ratio to the rollout-time policy leaves 1, so the losses that clip do."""
+    session, host, executor = _host(tmp_path, name, "train.mini_batches=2", "train.epochs=2",
+                                    "train.micro_batch_groups=1", model_path=warmed_model)
+    try:
+        trained = host.algorithm.trainable
+        before = {m: {k: v.clone() for k, v in host.train_engine(m).module.named_parameters() if v.requires_grad}
+                  for m in trained}
+        (report,) = _iterate(session, executor, 1)
+        metrics = report["metrics"]
+        assert 0 < metrics["reward_mean"] < 1
+        assert all(math.isfinite(v) for v in metrics.values() if isinstance(v, float)), metrics
+        for m in trained:
+            after = dict(host.train_engine(m).module.named_parameters())
+            assert any(not torch.equal(before[m][k], after[k]) for k in before[m]), m
+        if name != "rloo":  # RLOO weights by the ratio without a clip
+            assert metrics["clip_frac"] > 0
+        if name == "dapo":  # the informative groups' share of the tokens, averaged over both epochs' visits
+            rows = report["rows"]
+            groups = [rows[i:i + 4] for i in range(0, len(rows), 4)]
+            tokens = [sum(len(r["response_token_ids"]) for r in g) for g in groups]
+            kept = sum(t for g, t in zip(groups, tokens) if len({r["reward"] for r in g}) > 1)
+            assert metrics["kept"] == pytest.approx(kept / sum(tokens))
+    finally:
+        host.close()
+
+
+@pytest.mark.slow
+def test_train_clip_ratio_c_sets_the_dual_clip_of_the_loss(tmp_path, warmed_model):
+    """Without train.clip_ratio_c the loss has no dual clip to report; with it, the loss runs with it
+    (the dual clip rarely binds: a later step mostly lowers a negative-advantage token's ratio)."""
+    steps = ("train.mini_batches=2", "train.epochs=2", "train.micro_batch_groups=1")
+    for extra, on in (((), False), (("train.clip_ratio_c=2.5",), True)):
+        session, host, executor = _host(tmp_path / str(on), "grpo", *steps, *extra, model_path=warmed_model)
+        try:
+            (report,) = _iterate(session, executor, 1)
+            assert host.spec.settings.params.get("clip_ratio_c") == (2.5 if on else None)
+        finally:
+            host.close()
+        assert ("dual_clip_frac" in report["metrics"]) == on
 
 
 @pytest.mark.slow

@@ -38,6 +38,10 @@ def policy_loss(logprobs, values, advantages):  # nothing produces `values`
     return -(logprobs * advantages.unsqueeze(-1))
 '''
 
+# A policy loss that takes no rollout_is_weights: train.rollout_is would have nothing to weigh.
+UNWEIGHTED_DAG = DANGLING_DAG.replace('"dangling"', '"unweighted"').replace(
+    "policy_loss(logprobs, values, advantages):  # nothing produces `values`", "policy_loss(logprobs, advantages):")
+
 # Item 0 of the dataset (checked before anything is written) carries a bad image.
 BAD_IMAGE = '''
 import dataclasses, numpy as np
@@ -190,6 +194,22 @@ CASES = {
                                                       ("train.micro_batch_groups (3)", "prompts per rank (4)")),
     "prompts not split evenly over ranks": Case((*TRAIN, "--workers", "3"),
                                                 ("rollout.prompts_per_iteration (8)", "cluster.workers (3)")),
+    "mini-batches that do not split the batch": Case((*TRAIN, "--set", "train.mini_batches=3"),
+                                                     ("train.mini_batches: 3", "rollout.prompts_per_iteration (8)")),
+    "mini-batches not split evenly over ranks": Case((*TRAIN, "--workers", "2", "--set", "train.mini_batches=8"),
+                                                     ("train.mini_batches (8)", "prompts per rank (4)")),
+    "dual clip of a loss without one": Case((*TRAIN, "--set", "algorithm=rloo", "--set", "train.clip_ratio_c=3"),
+                                            ("train.clip_ratio_c", "rloo", "no dual clip")),
+    "dual clip not above 1": Case((*TRAIN, "--set", "train.clip_ratio_c=1"), ("train.clip_ratio_c: 1.0", "above 1")),
+    "dual clip set twice": Case((*TRAIN, "--set", "train.clip_ratio_c=3", "--set", "params.clip_ratio_c=2"),
+                                ("train.clip_ratio_c and params.clip_ratio_c",)),
+    "rollout IS cap below 1": Case((*TRAIN, "--set", "train.rollout_is.cap=0.5"), ("train.rollout_is.cap", "≥ 1")),
+    "rollout IS option unknown": Case((*TRAIN, "--set", "train.rollout_is.level=token"),
+                                      ("train.rollout_is", "'level'", "{cap: C}")),
+    "rollout IS for a loss without its weights": Case(("train", "unweighted.py", "--out", "run", "--set",
+                                                       "train.rollout_is.cap=2"),
+                                                      ("train.rollout_is", "policy_loss()", "rollout_is_weights"),
+                                                      {"unweighted.py": UNWEIGHTED_DAG}),
     "one sample per prompt under grpo": Case((*TRAIN, "--set", "rollout.samples_per_prompt=1"),
                                               ("rollout.samples_per_prompt: 1", "grpo", "advantages()",
                                                "at least 2 samples")),

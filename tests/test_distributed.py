@@ -211,3 +211,37 @@ def test_two_torch_engine_ranks_training_in_their_windows_equal_one_worker(tmp_p
     assert [r["grad_norm"] for r in two] == pytest.approx([r["grad_norm"] for r in one], rel=1e-4)
     assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-4, abs=1e-7)
     assert_same_update(tmp_path / "two", tmp_path / "one")
+
+
+def test_two_ranks_taking_several_steps_per_iteration_equal_one_worker(tmp_path):
+    """train.mini_batches 2 × train.epochs 2: each rank trains its share of a mini-batch (one prompt of
+    its two) at each of the 4 steps and all-reduces there, and each step's loss divides by its
+    mini-batch's tokens over both ranks, so grad norms, losses and weights are the one-worker run's."""
+    steps = ("--set", "train.mini_batches=2", "--set", "train.epochs=2")
+    train_side_by_side(tmp_path, {"one": steps, "two": (*steps, "--workers", "2")})
+    one, two = rl_rows(tmp_path / "one"), rl_rows(tmp_path / "two")
+    assert one[1]["grad_norm"] > 0.1  # the update is real
+    assert [r["grad_norm"] for r in two] == pytest.approx([r["grad_norm"] for r in one], rel=1e-4)
+    assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-4, abs=1e-7)
+    assert_same_update(tmp_path / "one", tmp_path / "two")
+    trace = json.loads((tmp_path / "two" / "traces" / "iter_000001.json").read_text())
+    steps_run = sorted(e["name"] for e in trace["traceEvents"] if e.get("cat") == "optimizer_step")
+    assert steps_run == sorted(f"optimizer_step_s{k}_r{r}" for k in range(4) for r in range(2))
+
+
+def test_ppo_trains_on_two_ranks(tmp_path):
+    """PPO's advantage is batch-level (it whitens over the whole batch), so its node reads every
+    rank's old values, which the critic's scoring node makes beside device tensors: each rank relays
+    a host copy (ranks.host_relay), each rank's report reads the batch's advantages, and the actor's
+    and critic's backwards and steps run in one order on every rank (gloo refused the collectives
+    otherwise). Both models train on both ranks; that the update equals one worker's is not shown."""
+    ppo = [str(Path(__file__).parents[1] / "dags" / "ppo.py"), *ARGS[1:]]
+    jobs = {"two": ("--workers", "2")}
+    done = run_concurrently(*(partial(subprocess.run, [str(BIN / "rollplex"), "train", *ppo, "--out",
+                                                       str(tmp_path / name), *extra],
+                                      capture_output=True, text=True, timeout=900) for name, extra in jobs.items()))
+    for result in done:
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = rl_rows(tmp_path / "two")
+    assert len(rows) == 2 and rows[1]["grad_norm"] > 0 and rows[1]["grad_norm_critic"] > 0
+    assert "%relay_old_values_p2 : rank1/host" in (tmp_path / "two" / "graph.txt").read_text()

@@ -164,7 +164,8 @@ def test_tensorboards_event_reader_loads_the_scalars_the_run_wrote(runs):
     rows = _rows(runs["eval"])
     loaded = _tensorboard(runs["eval"])
     for name in ("train/loss", "train/kl", "train/grad_norm", "train/clip_frac", "rollout/reward_mean",
-                 "rollout/response_len_mean", "val/reward_mean", "val/pass@2", "time/iter_seconds",
+                 "rollout/response_len_mean", "rollout/rollout_logprob_diff", "rollout/rollout_kl_k3",
+                 "val/reward_mean", "val/pass@2", "time/iter_seconds",
                  "time/seconds_by_kind/decode_chunk", "warmup/warmup_loss"):
         assert name in loaded, (name, sorted(loaded))
     assert [s for s, _ in loaded["val/reward_mean"]] == [0, 2, 3]

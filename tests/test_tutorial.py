@@ -32,7 +32,7 @@ def test_the_parser_finds_every_block():
     found = steps(DOC.read_text())
     assert [s[1] for s in found if s[0] == "write"] == ["my_grpo.py", "my_run.yaml"]
     scripts = [s[2] for s in found if s[0] == "run"]
-    assert len(scripts) == 4
+    assert len(scripts) == 5
     for needed in ("rollplex export-task", "rollplex graph", "rollplex train", "rollplex plot"):
         assert any(needed in s for s in scripts), needed
     # The engine swap is one line of config, on the train command itself.
@@ -54,6 +54,9 @@ def test_every_command_of_the_tutorial_runs(tmp_path):
     log = "\n".join(outputs)
     assert '"answer"' in log and "<image>" in log  # `head` showed the rows
     assert (tmp_path / "my_grpo.svg").read_text().lstrip().startswith("<svg")
+    steps_shown = [line for line in log.splitlines() if "= optimizer_step[model=actor]" in line]
+    assert [line.split()[0] for line in steps_shown] == [f"%optimizer_step_s{k}" for k in range(4)]
+    assert any("= weight_sync[" in line and "(%step_s3)" in line for line in log.splitlines())
     run = tmp_path / "runs" / "my_grpo"
     assert "my_grpo on cpu" in log and "engines decode=hf" in log
     decode_lines = [line for line in (run / "graph.txt").read_text().splitlines() if "= decode_chunk" in line]
@@ -61,6 +64,7 @@ def test_every_command_of_the_tutorial_runs(tmp_path):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     rl = [r for r in rows if r["phase"] == "rl"]
     assert [r["iteration"] for r in rl] == [0, 1, 2, 3] and all(r["data_skipped_rows"] == 0 for r in rl)
+    assert all(r["rollout_logprob_diff"] > 0 and r["rollout_kl_k3"] > 0 and "clip_frac" in r for r in rl)
     evals = [r for r in rows if r["phase"] == "eval"]
     assert [r["iteration"] for r in evals] == [2, 4] and all("val/pass@2" in r for r in evals)
     assert "iter_000002.jsonl" in log and "iter_000004.jsonl" in log  # `ls` showed eval/

@@ -41,6 +41,9 @@ from rollplex.errors import GraphError
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 ADVANTAGE_SCOPES = ("group", "batch")
 RUNTIME_VALUES = ("prompt", "vision", "responses", "rewards", "advantages", "mask")
+# Read by the policy's loss alone: per token min(π_old/π_rollout, C) under ``train.rollout_is: {cap: C}``
+# (π_rollout: the decode engine's log-probs), else 1. A loss multiplies its policy-gradient term by it.
+POLICY_LOSS_VALUES = ("rollout_is_weights",)
 
 
 def _site(fn: Callable[..., Any]) -> str:
@@ -319,6 +322,12 @@ class Algorithm:
                 return decl.name
         return self.rollout_model or ""
 
+    def policy_logprobs(self) -> str | None:
+        """The policy's own log-probs scored with grad (``logprobs``; ``old_logprobs`` is their
+        rollout-time copy), which the decode engine's log-probs are compared with; None if it scores none."""
+        return next((s.as_ for s in self.scores if s.grad and s.model == self.rollout_model
+                     and self.models[s.model].head == "lm"), None)
+
     def scored_values(self) -> dict[str, str]:
         """Per-token values the loss can read, mapped to the model that produces them."""
         out = {}
@@ -356,7 +365,8 @@ class Algorithm:
         for decl, what in ((self.loss_fn, "loss"), (self.advantage_fn, "advantage"),
                            *((d, f"loss of {m!r}") for m, d in self.model_losses.items()),
                            *((c, f"node {c.options['writes']!r}") for c in self.custom)):
-            unknown = [r for r in decl.reads if r not in readable]
+            extra = POLICY_LOSS_VALUES if decl is self.loss_fn else ()
+            unknown = [r for r in decl.reads if r not in readable and r not in extra]
             if unknown:
                 raise GraphError(f"{where}: {what} function {decl.name}() reads {unknown}, which nothing "
                                  f"produces; it can read {sorted(readable)}")
@@ -367,6 +377,10 @@ class Algorithm:
                 raise GraphError(f"{where}: {_site(decl.fn)} parameter {k!r} has a default, so it is a "
                                  f"hyperparameter, but {k!r} is also a value ({self.writers()[k]} writes it); "
                                  "drop the default to read the value, or rename the hyperparameter")
+        if "rollout_is_weights" in self.loss_fn.reads and self.policy_logprobs() is None:
+            raise GraphError(f"{where}: loss function {self.loss_fn.name}() reads 'rollout_is_weights', the ratio "
+                             f"of the policy's old log-probs to the decode engine's, but no "
+                             f"score({self.rollout_model!r}, grad=True) gives the policy's log-probs")
         if "advantages" in self.advantage_fn.reads:
             raise GraphError(f"{where}: advantage() cannot read its own output 'advantages'")
         return self
@@ -378,9 +392,25 @@ class Algorithm:
             params.update(decl.params)
         return params
 
+    def hyperparameter_types(self) -> dict[str, Any]:
+        """Name → the annotation a function gives the hyperparameter (``clip_ratio_c: float | None``),
+        for those annotated where it can be resolved; a default of None says nothing of the type."""
+        import typing
+
+        types: dict[str, Any] = {}
+        for decl in self._functions():
+            try:
+                hints = typing.get_type_hints(decl.fn)
+            except Exception:  # noqa: BLE001 - an annotation naming what the DAG file never imported
+                continue
+            for name in decl.params:
+                if name in hints:
+                    types.setdefault(name, hints[name])
+        return types
+
     def __repr__(self) -> str:
         models = ", ".join(f"{m.name}{'' if m.trainable else ' (frozen)'}" for m in self.models.values())
         return f"<Algorithm {self.name}: models [{models}], scores {[s.as_ for s in self.scores]}>"
 
 
-__all__ = ["Algorithm", "ModelDecl", "ScoreDecl", "FunctionDecl"]
+__all__ = ["Algorithm", "ModelDecl", "ScoreDecl", "FunctionDecl", "POLICY_LOSS_VALUES"]

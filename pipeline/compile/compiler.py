@@ -2,7 +2,8 @@
 
 Per prompt p and model m: one ``vit_encode``, one ``prefix[m]`` and one ``suffix_score[m]``; decode
 split into chunks of K tokens; reward and (group-scoped) advantage per prompt; ``loss`` per
-micro-batch of prompt groups, each followed by its backward; one ``optimizer_step``; one
+micro-batch of prompt groups, each followed by its backward; an ``optimizer_step`` per trained model
+(one per mini-batch and epoch with ``mini_batches``/``epochs``: pipeline/compile/updates.py); one
 ``weight_sync``; and a ``report`` that gathers the iteration's host-side records. Byte estimates on
 every value come from the model's dimensions, so planners can reason about memory before running.
 
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from rollplex.errors import EngineError, GraphError
 from rollplex.pipeline.compile.authoring import Algorithm
 from rollplex.pipeline.compile.ir import IterationGraph, Node, gc_paused, get_kind
+from rollplex.pipeline.compile.updates import add_updates
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,12 @@ class BatchShape:
     # loss of micro-batch m - k: at most k micro-batches of prefix graphs are alive beside the one
     # training. 0: no bound, every prefix may run in the decode window.
     grad_prefix_lookahead: int = 0
+    # Optimizer steps per iteration: the prompt groups split into ``mini_batches`` (each one step), passed
+    # over ``epochs`` times (pipeline/compile/updates.py). ``ranks``: the data-parallel ranks the split is
+    # made for, each taking an equal contiguous share of every mini-batch (IterationSpec sets it).
+    mini_batches: int = 1
+    epochs: int = 1
+    ranks: int = 1
 
     @property
     def fused(self) -> bool:
@@ -109,16 +117,40 @@ class BatchShape:
 
     def __post_init__(self) -> None:
         for name in ("prompts", "samples", "max_new_tokens", "chunk_tokens", "micro_batch_groups",
-                     "prompts_per_node"):
+                     "prompts_per_node", "mini_batches", "epochs", "ranks"):
             if getattr(self, name) < 1:
                 raise GraphError(f"batch shape: {name} must be ≥ 1, got {getattr(self, name)}")
+        if self.steps > 1 and self.prompts % (self.ranks * self.mini_batches):
+            raise GraphError(f"batch shape: {self.prompts} prompts do not split into {self.mini_batches} equal "
+                             f"mini-batches over {self.ranks} rank(s)")
 
     @property
     def chunks(self) -> int:
         return math.ceil(self.max_new_tokens / self.chunk_tokens)
 
-    def micro_batches(self) -> list[tuple[int, ...]]:
-        return _split(range(self.prompts), self.micro_batch_groups)
+    @property
+    def steps(self) -> int:
+        """Optimizer steps per trained model and iteration."""
+        return self.mini_batches * self.epochs
+
+    def mini_batch_prompts(self) -> list[tuple[int, ...]]:
+        """The prompts of each mini-batch: from every rank's block of prompts its m-th contiguous share."""
+        if self.steps == 1:
+            return [tuple(range(self.prompts))]
+        block = self.prompts // self.ranks
+        share = block // self.mini_batches
+        return [tuple(p for r in range(self.ranks) for p in range(r * block + m * share, r * block + (m + 1) * share))
+                for m in range(self.mini_batches)]
+
+    def micro_batches(self, mini_batch: int | None = None) -> list[tuple[int, ...]]:
+        """The micro-batches of one mini-batch, or of every mini-batch in order; none spans two ranks."""
+        if self.steps == 1:
+            return _split(range(self.prompts), self.micro_batch_groups)
+        minis = self.mini_batch_prompts()
+        share = self.prompts // self.ranks // self.mini_batches
+        chosen = minis if mini_batch is None else [minis[mini_batch]]
+        return [mb for mini in chosen for i in range(0, len(mini), share)
+                for mb in _split(mini[i : i + share], self.micro_batch_groups)]
 
     def node_groups(self, grad: bool) -> list[tuple[int, ...]]:
         """Prompts per vit/prefix/suffix node. A node whose graph is kept for a backward never spans
@@ -170,20 +202,25 @@ def train_fusion_blocker(alg: Algorithm, shape: BatchShape) -> str | None:
     per group from rewards alone; and no node of the algorithm's own."""
     if not shape.train_fusion:
         return "train fusion is off"
+    if shape.steps > 1:
+        return (f"it takes one optimizer step per iteration; train.mini_batches × train.epochs is "
+                f"{shape.mini_batches} × {shape.epochs}")
     if not shape.fused:
         return "it needs stage fusion, prefix sharing and two decode chunks or more"
-    if alg.custom:
-        return f"the algorithm has nodes of its own ({', '.join(d.fn.__name__ for d in alg.custom)})"
+    # What the algorithm trains first: the most basic reason (PPO's critic, before its GAE node).
     policy, advantage = alg.rollout_model, alg.advantage_fn
     if alg.trainable != [policy] or list(alg.losses()) != [policy] or alg.models[policy].head != "lm":
         return f"it trains {alg.trainable}, not the policy {policy!r} alone through its lm head"
+    if alg.custom:
+        return f"the algorithm has nodes of its own ({', '.join(d.fn.__name__ for d in alg.custom)})"
     if [s.model for s in alg.scores if s.grad] != [policy]:
         return "a score other than the policy's keeps a graph"
     if any(alg.models[s.model].head != "lm" for s in alg.scores):
         return "a scoring model has a value head"
     if advantage.options["scope"] != "group" or set(advantage.reads) - {"rewards", "responses", "mask"}:
         return f"the advantage {advantage.fn.__name__!r} is not per group from rewards alone"
-    if set(alg.loss_fn.reads) - {"responses", "rewards", "advantages", "mask", *alg.scored_values()}:
+    if set(alg.loss_fn.reads) - {"responses", "rewards", "advantages", "mask", "rollout_is_weights",
+                                 *alg.scored_values()}:
         return f"the loss {alg.loss_fn.fn.__name__!r} reads values that are not per group"
     return None
 
@@ -192,9 +229,11 @@ def train_fusable(alg: Algorithm, shape: BatchShape) -> bool:
     return train_fusion_blocker(alg, shape) is None
 
 
-def loss_name(policy: str, model: str, micro_batch: int) -> str:
-    """``loss_m0`` for the policy; ``loss_critic_m0`` for another trainable model."""
-    return f"loss_m{micro_batch}" if model == policy else f"loss_{model}_m{micro_batch}"
+def loss_name(policy: str, model: str, micro_batch: int, step: int | None = None) -> str:
+    """``loss_m0`` for the policy; ``loss_critic_m0`` for another trainable model; ``loss_s2_m0`` for
+    micro-batch 0 of optimizer step 2 where an iteration takes several."""
+    at = f"s{step}_" if step is not None else ""
+    return f"loss_{at}m{micro_batch}" if model == policy else f"loss_{model}_{at}m{micro_batch}"
 
 
 def compile_iteration(
@@ -291,42 +330,48 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
 
     # Scoring: prefix once per prompt (independent of the responses), suffix per prompt group.
     grad_nodes: dict[tuple[str, str], list[str]] = {}  # nodes whose graphs a backward will walk
+    # With several optimizer steps only the first mini-batch trains on its rollout-time forwards; the
+    # others' are scored without grad for their old values and scored anew before their steps.
+    first = set(shape.mini_batch_prompts()[0])
     for s in alg.scores:
         role = role_of(s.model)
         if s.grad and train_fused:
             continue  # each chunk's training node runs the policy's prefixes of the groups it trains
         for ps in shape.node_groups(grad=s.grad):
+            grad = s.grad and ps[0] in first
             outs, score_info = [], {}
             for p in ps:
-                outs += [f"{s.as_}_p{p}"] + ([f"old_{s.as_}_p{p}"] if s.grad else [])
-                score_info[f"{s.as_}_p{p}"] = dev(dims.score_bytes(resp_tokens, s.grad), "score", model=s.model,
-                                                  prompts=(p,), label=s.as_)
+                if not s.grad or grad:
+                    outs.append(f"{s.as_}_p{p}")
+                    score_info[f"{s.as_}_p{p}"] = dev(dims.score_bytes(resp_tokens, grad), "score", model=s.model,
+                                                      prompts=(p,), label=s.as_)
                 if s.grad:
+                    outs.append(f"old_{s.as_}_p{p}")
                     score_info[f"old_{s.as_}_p{p}"] = host(logprob_bytes, "score", model=s.model, prompts=(p,),
                                                            label=f"old_{s.as_}")
-            args = {"prompts": list(ps), "as": s.as_, "grad": s.grad, "head": alg.models[s.model].head}
-            if s.grad and s.model in early_models:
+            args = {"prompts": list(ps), "as": s.as_, "grad": grad, "head": alg.models[s.model].head}
+            if grad and s.model in early_models:
                 args["feeds_advantage"] = True
             responses = [f"responses_p{p}" for p in ps]
             if not shape.prefix_sharing:
                 add(f"score_{s.as_}_{span(ps)}", "suffix_score",
                     [f"prompt_p{p}" for p in ps] + [f"vis_p{p}" for p in ps] + responses,
                     outs, model=s.model, role=role, args={**args, "full_sequence": True}, **score_info)
-                if s.grad:
+                if grad:
                     grad_nodes.setdefault(("suffix", s.as_), []).append(f"score_{s.as_}_{span(ps)}")
                 continue
             kvs = [f"prefix_{s.model}_p{p}" for p in ps]
             if kvs[0] not in g.values:  # two scores of one model share its prefix
                 early_arg = {"feeds_advantage": True} if "feeds_advantage" in args else {}
                 add(f"prefix_{s.model}_{span(ps)}", "prefix", [f"prompt_p{p}" for p in ps] + [f"vis_p{p}" for p in ps],
-                    kvs, model=s.model, role=role, args={"prompts": list(ps), "grad": s.grad, **early_arg},
-                    **{kv: dev(dims.prefix_bytes(shape.prompt_tokens, s.grad), "kv", model=s.model, prompts=(p,))
+                    kvs, model=s.model, role=role, args={"prompts": list(ps), "grad": grad, **early_arg},
+                    **{kv: dev(dims.prefix_bytes(shape.prompt_tokens, grad), "kv", model=s.model, prompts=(p,))
                        for p, kv in zip(ps, kvs)})
             if fused(s):
                 continue  # scored per decode chunk below
             add(f"suffix_{s.as_}_{span(ps)}", "suffix_score", kvs + responses, outs,
                 model=s.model, role=role, args=args, **score_info)
-            if s.grad:
+            if grad:
                 grad_nodes.setdefault(("prefix", s.model), []).append(f"prefix_{s.model}_{span(ps)}")
                 grad_nodes.setdefault(("suffix", s.as_), []).append(f"suffix_{s.as_}_{span(ps)}")
 
@@ -368,7 +413,7 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
         batch_level.add("advantages")
 
     def value_of(name: str, p: int) -> tuple[str, int | None]:
-        if name in ("responses", "mask"):
+        if name in ("responses", "mask", "rollout_is_weights"):  # the weights: from its decode log-probs
             return f"responses_p{p}", None
         if name in ("prompt", "vision"):
             return f"{'vis' if name == 'vision' else name}_p{p}", None
@@ -404,66 +449,7 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
         add("advantage", "advantage", inputs, ["advantages"], args={"prompts": list(range(P)), "bind": binding},
             advantages=host(P * G * 4, "advantages", prompts=every))
 
-    # One loss per trainable model (the policy's first) per micro-batch, each with its backward on
-    # that model's engine; then one optimizer step per trained model. A loss holds the grad-scored
-    # values of its own model (their graphs live until its backward) and what its function reads.
-    loss_outputs: dict[str, list[str]] = {}
-    others = {v for v, m in alg.scored_values().items() if m != policy and alg.models[m].trainable}
-    for model, decl in alg.losses().items():
-        own = {v for v, m in alg.scored_values().items() if m == model}
-        scored = [v for v in alg.scored_values() if v not in others] if model == policy else sorted(own)
-        reads = tuple(dict.fromkeys(("responses", "rewards", "advantages", *scored, *decl.reads)))
-        outs = loss_outputs.setdefault(model, [])
-        for m, groups in enumerate(shape.micro_batches()):
-            binding, inputs = bind(reads, groups)
-            out = loss_name(policy, model, m)
-            add(out, "loss", ["rollout_stats", *inputs], [out], model=model,
-                args={"prompts": list(groups), "bind": binding},
-                **{out: host(64, "loss", model=model, prompts=tuple(groups))})
-            outs.append(out)
-    # Gradients accumulate in floating point, so their order fixes the bits of the update: chain the
-    # micro-batches, and the forwards whose graphs they walk (autograd orders a backward by the
-    # creation order of the forward's ops), so that every schedule sums them in the same order.
-    chains = [*loss_outputs.values(), *grad_nodes.values()]
-    # A micro-batch's suffix forward with grad starts after the previous micro-batch's backward of
-    # its model: at most one micro-batch of suffix graphs is alive (prefix graphs, made in the decode
-    # window, wait).
-    # Not for scores the advantage or a node of the algorithm's own reads (GAE reads a critic's
-    # values): they are scoring, needed before any loss, and all their graphs are alive at once.
-    mb_of = {p: m for m, groups in enumerate(shape.micro_batches()) for p in groups}
-    lookahead = shape.grad_prefix_lookahead
-    for (kind, as_), nodes in grad_nodes.items():
-        if kind == "suffix" and not {as_, f"old_{as_}"} & early:
-            for name in nodes:
-                first = g.nodes[name].args["prompts"][0]
-                if mb_of[first] > 0:
-                    chains.append([loss_name(policy, g.nodes[name].model, mb_of[first] - 1), name])
-        elif kind == "prefix" and lookahead and as_ not in early_models:  # as_: the model, for prefixes
-            for name in nodes:
-                m = mb_of[g.nodes[name].args["prompts"][0]]
-                if m >= lookahead:
-                    chains.append([loss_name(policy, g.nodes[name].model, m - lookahead), name])
-    steps = []
-    for model, outs in loss_outputs.items():
-        step = "step" if model == policy else f"step_{model}"
-        add("optimizer_step" if model == policy else f"optimizer_step_{model}", "optimizer_step", outs, [step],
-            model=model, **{step: host(64, "step", model=model)})
-        steps.append(step)
-    add("weight_sync", "weight_sync", ["step"], ["synced"], model=policy,
-        synced=host(64, "synced", model=policy))
-
-    report_inputs = ["rollout_stats", *steps, "synced", *(o for outs in loss_outputs.values() for o in outs)]
-    for p in range(P):
-        report_inputs += [f"prompt_p{p}", f"responses_p{p}", f"rewards_p{p}", value_of("advantages", p)[0]]
-        for s in alg.scores:
-            report_inputs.append(f"old_{s.as_}_p{p}" if s.grad else f"{s.as_}_p{p}")
-    add("report", "report", list(dict.fromkeys(report_inputs)), ["report"],
-        report=host(P * G * 256, "report", prompts=every))
-    g.connect()
-    for chain in chains:
-        for before, after in zip(chain, chain[1:]):
-            if before in g.nodes and after in g.nodes:
-                g.add_order(before, after, reason="accumulation order")
+    add_updates(g, alg, shape, add, host, dev, dims, bind, value_of, grad_nodes, early)
     return g.lint()
 
 

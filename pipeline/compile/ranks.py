@@ -11,6 +11,8 @@
               rank's loss is scaled by R because DeepSpeed averages gradients over ranks, so the
               all-reduced update equals the single-rank one. A ``gather`` report merges the ranks'.
               Accumulation-order edges between ranks are dropped: each rank sums its own micro-batches.
+              An ordering edge to or from a replicated node (an optimizer step of several per iteration)
+              joins each rank's copy to the nodes on that rank.
               Under stage fusion each rank's chain hands on its own finished samples and groups, and
               the nodes that work on them (frozen scoring, train fusion's ``train_c``) split per rank.
               With ``tp_rollout`` K, each K consecutive ranks form one tensor-parallel decode engine:
@@ -73,7 +75,8 @@ def fit_prompts_per_node(prompts_per_node: int, per_rank: int) -> int:
 
 
 def check_data_parallel(workers: int, prompts: int, micro_batch_groups: int, train_engine: str,
-                        zero_stage: int, decode_engine: str, processes: bool = True, tp_rollout: int = 1) -> None:
+                        zero_stage: int, decode_engine: str, processes: bool = True, tp_rollout: int = 1,
+                        mini_batches: int = 1) -> None:
     """Refuse settings a multi-rank run cannot honour, naming the config field."""
     if tp_rollout > 1:
         if workers % tp_rollout:
@@ -91,9 +94,14 @@ def check_data_parallel(workers: int, prompts: int, micro_batch_groups: int, tra
         raise ConfigError(f"rollout.prompts_per_iteration ({prompts}) must be a multiple of cluster.workers "
                           f"({workers}): each rank takes an equal share of the batch")
     per_rank = prompts // workers
-    if per_rank % micro_batch_groups:
-        raise ConfigError(f"train.micro_batch_groups ({micro_batch_groups}) must divide the prompts per rank "
-                          f"({per_rank}): every rank needs the same number of micro-batches (ZeRO reduces "
+    if per_rank % mini_batches:
+        raise ConfigError(f"train.mini_batches ({mini_batches}) must divide the prompts per rank ({per_rank}): every "
+                          f"rank takes an equal share of every mini-batch (its optimizer step reduces in lock-step)")
+    share = per_rank // mini_batches
+    if share % micro_batch_groups:
+        what = "the prompts per rank" if mini_batches == 1 else "each rank's share of a mini-batch"
+        raise ConfigError(f"train.micro_batch_groups ({micro_batch_groups}) must divide {what} "
+                          f"({share}): every rank needs the same number of micro-batches (ZeRO reduces "
                           f"gradients in lock-step)")
     if train_engine not in ("deepspeed", "torch"):
         raise ConfigError(f"cluster.workers={workers} trains data-parallel with DeepSpeed or the torch engine "
@@ -128,6 +136,10 @@ def distribute(graph: IterationGraph, ranks: int, tp_rollout: int = 1) -> Iterat
         raise GraphError(f"{prompts} prompts cannot be split evenly over {ranks} ranks")
     if tp_rollout < 1 or ranks % tp_rollout:
         raise GraphError(f"tensor-parallel rollout of {tp_rollout} ranks does not divide {ranks} ranks")
+    shape = graph.meta.get("shape")
+    if shape is not None and shape.steps > 1 and shape.ranks != ranks:
+        raise GraphError(f"the iteration's {shape.mini_batches} mini-batches were split for {shape.ranks} rank(s), "
+                         f"not {ranks}: compile it with BatchShape(ranks={ranks})")
     layout = RankLayout(prompts, ranks, tp_rollout)
     out = IterationGraph(graph.name)
     out.meta.update(graph.meta, ranks=ranks)
@@ -160,7 +172,11 @@ def distribute(graph: IterationGraph, ranks: int, tp_rollout: int = 1) -> Iterat
         args = dict(node.args)
         if node.kind == "loss":
             args["world"] = ranks  # DeepSpeed averages gradients over ranks; the sum is wanted
-        s.add(replace(node, args=args, meta=dict(node.meta)), rank, {o: graph.values[o] for o in node.outputs})
+        relayed = {v: s.host_relay(v, rank) for v in node.inputs}
+        if "bind" in args:  # the function's parameters read the relayed names
+            args["bind"] = {k: [(relayed.get(v, v), i) for v, i in pairs] for k, pairs in args["bind"].items()}
+        s.add(replace(node, inputs=tuple(relayed[v] for v in node.inputs), args=args, meta=dict(node.meta)), rank,
+              {o: graph.values[o] for o in node.outputs})
         if node.kind == "vit_encode":
             for peer in layout.tp_peers(rank):
                 if peer != rank:  # the peer's decode engine needs these embeddings on its own device
@@ -174,11 +190,16 @@ def distribute(graph: IterationGraph, ranks: int, tp_rollout: int = 1) -> Iterat
     for u, v, data in graph.g.edges(data=True):
         if data.get("reason") == "value":
             continue
-        if u in s.copies and v in s.copies:  # nodes made one per rank: each rank keeps the order
-            for r, copy in s.copies[v].items():
-                if r in s.copies[u]:
-                    out.add_order(s.copies[u][r], copy, reason=data.get("reason", "order"))
+        if u in s.copies or v in s.copies:  # a node made one per rank: each rank keeps the order
+            before, after = s.placed(u), s.placed(v)
+            for r, copy in after.items():
+                if r in before:
+                    out.add_order(before[r], copy, reason=data.get("reason", "order"))
             continue
+        if u in s.copies and v in out.nodes:  # a node made one per rank, before one on a rank: its copy there
+            u = s.copies[u].get(out.nodes[v].meta["rank"], u)
+        elif v in s.copies and u in out.nodes:
+            v = s.copies[v].get(out.nodes[u].meta["rank"], v)
         if u not in out.nodes or v not in out.nodes:
             continue
         if data.get("reason") == "accumulation order" and out.nodes[u].meta["rank"] != out.nodes[v].meta["rank"]:
@@ -200,6 +221,21 @@ class _Split:
         self.copies: dict[str, dict[int, str]] = {}  # node made one per rank -> rank -> its copy
         self.peer_vision: dict[tuple[str, int], str] = {}  # a vision value's copy on a tensor-parallel peer
 
+    def host_relay(self, v: str, rank: int) -> str:
+        """``v`` as a node on ``rank`` may read it: itself, or where its producer is on another rank
+        and also outputs device tensors (Dask would move them all), a host-only copy made on the
+        producer's rank (a batch-level PPO advantage reads every rank's old values so)."""
+        home, producer = self.rank_of_value.get(v), self.out.values[v].producer if v in self.out.values else None
+        if home in (None, rank) or producer is None:
+            return v
+        if all(self.out.values[o].device == "host" for o in self.out.nodes[producer].outputs):
+            return v
+        copy = f"host_{v}"
+        if copy not in self.out.values:
+            self.add(Node(f"relay_{v}", "gather", (v,), (copy,), args={"what": "relay"}), home,
+                     {copy: self.graph.values[v]})
+        return copy
+
     def add(self, node: Node, rank: int, infos: dict[str, Value], of: str | None = None) -> None:
         """Add ``node`` on ``rank``, its outputs with the facts of ``infos`` on that rank; ``of``: the
         node of the input graph that it is this rank's copy of."""
@@ -210,6 +246,12 @@ class _Split:
             self.rank_of_value[o] = rank
         if of is not None:
             self.copies.setdefault(of, {})[rank] = node.name
+
+    def placed(self, node: str) -> dict[int, str]:
+        """rank -> the node's copy on it: one per rank for a node made per rank, else the node on its own."""
+        if node in self.copies:
+            return self.copies[node]
+        return {self.out.nodes[node].meta["rank"]: node} if node in self.out.nodes else {}
 
     def reads(self, inputs, rank: int) -> tuple[str, ...]:
         """The values a rank's copy of a node reads: each input's copy on that rank, or the input
@@ -293,7 +335,12 @@ def _replicate(s: _Split, node: Node) -> None:
         outputs = tuple(f"{o}_r{r}" for o in node.outputs)
         s.local.update({(o, r): f"{o}_r{r}" for o in node.outputs})
         infos = {f"{o}_r{r}": graph.values[o] for o in node.outputs}
-        s.add(Node(f"{node.name}_r{r}", node.kind, s.reads(node.inputs, r), outputs, node.model, node.engine,
+        reads = s.reads(node.inputs, r)
+        if node.kind == "report":  # a batch-level value (PPO's whitened advantages) covers this rank's prompts too
+            mine = set(s.layout.prompts_of(r))
+            reads += tuple(s.host_relay(v, r) for v in node.inputs if v not in reads and (v, r) not in s.local
+                           and len(graph.values[v].prompts) > 1 and mine & set(graph.values[v].prompts))
+        s.add(Node(f"{node.name}_r{r}", node.kind, reads, outputs, node.model, node.engine,
                    dict(node.args, rank=r), dict(node.meta)), r, infos, of=node.name)
         parts += outputs
     if node.kind == "report":

@@ -39,9 +39,12 @@ class IterationSpec:
     @property
     def compiled_shape(self) -> BatchShape:
         """The shape the compiler expands: stage fusion only under the rollplex policy (serial scores
-        after the rollout by definition)."""
+        after the rollout by definition); several mini-batches split for the spec's ranks."""
         fused = self.shape.stage_fusion and self.policy == "rollplex"
-        return dataclasses.replace(self.shape, stage_fusion=fused) if fused != self.shape.stage_fusion else self.shape
+        changes = {"stage_fusion": fused} if fused != self.shape.stage_fusion else {}
+        if self.shape.steps > 1 and self.shape.ranks != self.world:
+            changes["ranks"] = self.world
+        return dataclasses.replace(self.shape, **changes) if changes else self.shape
 
     def under(self, policy: str) -> IterationSpec:
         """The same iteration under another schedule policy."""

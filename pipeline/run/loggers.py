@@ -3,7 +3,7 @@ TensorBoard event files in ``RUN_DIR/tensorboard`` and Weights & Biases.
 
 Each metrics.jsonl row becomes scalars of its own names, grouped by what they measure: ``train/``
 (loss, kl, grad_norm, clip_frac, lr and any other metric a loss returns), ``rollout/`` (rewards,
-response lengths), ``val/`` (the validation rows' names carry it already), ``time/``
+response lengths, the decode engine's log-probs against the trainer's), ``val/`` (the validation rows' names carry it already), ``time/``
 (iter_seconds, eval_seconds, seconds_by_kind/<kind>), ``system/`` (memory, the prefix cache),
 ``data/`` and ``warmup/``. The step is the row's ``iteration``: RL iteration N at N, the warm-up's
 rows at their negative iterations, and a validation at the iteration whose policy it runs.
@@ -26,7 +26,8 @@ from rollplex.errors import ConfigError
 from rollplex.fsio import atomic_write_text
 
 GROUPS = {
-    "rollout": ("reward_mean", "reward_std", "reward_chance", "response_len_mean"),
+    "rollout": ("reward_mean", "reward_std", "reward_chance", "response_len_mean", "rollout_logprob_diff",
+                "rollout_kl_k3"),
     "time": ("iter_seconds", "eval_seconds", "seconds_by_kind"),
     "system": ("peak_memory_bytes", "ref_cache_hit_rate", "ref_cache_bytes"),
     "data": ("data_skipped_rows",),

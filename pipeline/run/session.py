@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from rollplex.config import RunConfig
+from rollplex.config import RunConfig, rollout_is_cap
 from rollplex.errors import ConfigError, EngineError, GraphError, RollplexError
 from rollplex.pipeline.run import checkpoints
 from rollplex.pipeline.plan.autoschedule import CANDIDATES, Choice, next_schedule
@@ -58,28 +58,50 @@ def resolve_engines(cfg: RunConfig, device: str) -> tuple[str, str, str]:
 
 
 def check_hyperparameters(algorithm, params: dict) -> None:
-    """Each of ``params`` names a hyperparameter of ``algorithm`` and has its default's type: a number
-    for a number (finite), a bool for a bool, a string for a string. A loss given ``kl_coef: abc``
-    otherwise failed inside its first node, after the engines had started."""
+    """Each of ``params`` names a hyperparameter of ``algorithm`` and has its default's type (a default
+    of None: its annotation's, ``float | None``): a number for a number (finite), a bool for a bool, a
+    string for a string. A loss given ``kl_coef: abc`` otherwise failed inside its first node, after the
+    engines had started."""
     defaults = algorithm.hyperparameters()
     unknown = sorted(set(params) - set(defaults))
     if unknown:
         known = ", ".join(sorted(defaults)) or "none"
         raise ConfigError(f"params: {unknown} are not hyperparameters of {algorithm.name} (known: {known})")
+    annotated = algorithm.hyperparameter_types()
     for name, value in params.items():
         default = defaults[name]
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if isinstance(default, bool) or default is None or isinstance(default, str):
-            fits = default is None or type(value) is type(default)
-        elif isinstance(default, (int, float)):
-            fits = number and (isinstance(default, float) or isinstance(value, int))
+        if default is None:  # the annotation says what it takes (float | None), if there is one
+            kinds = _annotated_kinds(annotated.get(name))
+            fits = kinds is None or any(_is_kind(value, kind) for kind in kinds)
+            shown = " or ".join("null" if k is type(None) else k.__name__ for k in kinds or ())
         else:
-            fits = type(value) is type(default)
+            fits = _is_kind(value, type(default))
+            shown = f"{type(default).__name__} like its default {default!r}"
         if not fits:
-            raise ConfigError(f"params.{name}: expected {type(default).__name__} like its default {default!r}, "
-                              f"got {type(value).__name__} {value!r}")
+            raise ConfigError(f"params.{name}: expected {shown}, got {type(value).__name__} {value!r}")
         if number and not math.isfinite(value):
             raise ConfigError(f"params.{name}: expected a finite number, got {value}")
+
+
+def _annotated_kinds(annotation) -> tuple[type, ...] | None:
+    """The plain types of a hyperparameter's annotation (``float | None`` → float, NoneType); None when
+    there is none, or it names something else (a Literal, a generic), which is then not checked here."""
+    import types
+    import typing
+
+    if annotation is None:
+        return None
+    members = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) \
+        else (annotation,)
+    return members if all(isinstance(m, type) and m in (bool, int, float, str, type(None)) for m in members) else None
+
+
+def _is_kind(value, kind: type) -> bool:
+    """A value given for a hyperparameter of type ``kind``: a float takes an int, a bool is no number."""
+    if kind in (int, float):
+        return isinstance(value, int if kind is int else (int, float)) and not isinstance(value, bool)
+    return type(value) is kind
 
 
 def check_sequence_length(cfg: RunConfig, hf_config, prompt_tokens: int) -> int:
@@ -181,7 +203,7 @@ def iteration_spec(cfg: RunConfig, dims, prompt_tokens: int, vision_tokens: int,
         samples=cfg.rollout.samples_per_prompt,
         max_new_tokens=cfg.rollout.max_new_tokens,
         chunk_tokens=cfg.rollout.chunk_tokens,
-        micro_batch_groups=min(cfg.train.micro_batch_groups, prompts),
+        micro_batch_groups=min(cfg.train.micro_batch_groups, prompts // cfg.train.mini_batches),
         prompts_per_node=per_node,
         prompt_tokens=prompt_tokens,
         vision_tokens=vision_tokens,
@@ -192,6 +214,8 @@ def iteration_spec(cfg: RunConfig, dims, prompt_tokens: int, vision_tokens: int,
         train_fusion=cfg.train.train_fusion,
         window_chunks=cfg.train.window_chunks,
         grad_prefix_lookahead=cfg.train.grad_prefix_lookahead,
+        mini_batches=cfg.train.mini_batches,
+        epochs=cfg.train.epochs,
     )
     return IterationSpec(shape, engines, policy, world, cfg.cluster.tp_rollout)
 
@@ -207,6 +231,15 @@ class Session:
         # or two, not after transformers' imports (about 8 s on a slow 2-core host).
         self.algorithm = load_algorithm(cfg.algorithm)
         check_hyperparameters(self.algorithm, cfg.params)
+        if cfg.train.clip_ratio_c is not None:
+            if "clip_ratio_c" not in self.algorithm.hyperparameters():
+                raise ConfigError(f"train.clip_ratio_c: the loss of {self.algorithm.name} has no dual clip (it takes "
+                                  f"no clip_ratio_c hyperparameter)")
+            if "clip_ratio_c" in cfg.params:
+                raise ConfigError("train.clip_ratio_c and params.clip_ratio_c are both set; keep train.clip_ratio_c")
+        if rollout_is_cap(cfg) is not None and "rollout_is_weights" not in self.algorithm.loss_fn.reads:
+            raise ConfigError(f"train.rollout_is: the policy loss {self.algorithm.loss_fn.name}() of "
+                              f"{self.algorithm.name} does not read rollout_is_weights, so nothing would weigh it")
         check_group_size(self.algorithm, cfg.rollout.samples_per_prompt)
         self.cfg = cfg
         self.run_dir = run_dir
@@ -267,7 +300,7 @@ class Session:
         check_data_parallel(self.world, shape.prompts, shape.micro_batch_groups, self.train_engine,
                             cfg.train.zero_stage, self.decode_engine,
                             processes=self.worker_processes,
-                            tp_rollout=cfg.cluster.tp_rollout)
+                            tp_rollout=cfg.cluster.tp_rollout, mini_batches=shape.mini_batches)
         self.shape = shape
         self.dims = dims
         # After a warm-up the reference is the warmed-up policy, saved once in the run directory.
@@ -352,8 +385,11 @@ class Session:
         settings = IterationSettings(
             seed=cfg.seed, samples=cfg.rollout.samples_per_prompt, max_new_tokens=cfg.rollout.max_new_tokens,
             temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-            pad_id=tok.convert_tokens_to_ids("<|endoftext|>"), stop_token_ids=stop, params=dict(cfg.params))
-        micro_batches = len(self.shape.micro_batches()) // self.world  # each rank accumulates its share
+            pad_id=tok.convert_tokens_to_ids("<|endoftext|>"), stop_token_ids=stop,
+            params={**cfg.params, **({"clip_ratio_c": cfg.train.clip_ratio_c} if cfg.train.clip_ratio_c else {})},
+            rollout_is_cap=rollout_is_cap(cfg))
+        # Each rank accumulates its share of one optimizer step's micro-batches.
+        micro_batches = len(self.shape.micro_batches()) // self.world // self.shape.mini_batches
         train_options = {"lr": cfg.train.lr, "betas": tuple(cfg.train.betas), "eps": cfg.train.eps,
                          "weight_decay": cfg.train.weight_decay, "grad_clip": cfg.train.grad_clip,
                          "zero_stage": cfg.train.zero_stage, "accumulation_steps": micro_batches,

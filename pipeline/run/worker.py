@@ -53,6 +53,7 @@ class IterationSettings:
     pad_id: int
     stop_token_ids: tuple[int, ...]
     params: dict = field(default_factory=dict)
+    rollout_is_cap: float | None = None  # train.rollout_is.cap; None: rollout_is_weights are all 1
 
     @property
     def score_temperature(self) -> float:
