@@ -200,7 +200,18 @@ class TrainEngine(ABC):
     @abstractmethod
     def state_dict_for_sync(self, trainable_only: bool = False) -> Iterable[tuple[str, torch.Tensor]]:
         """The current weights under HF parameter names, for ``DecodeEngine.load_weights``;
-        ``trainable_only`` leaves out the frozen vision tower, which never changes."""
+        ``trainable_only`` leaves out what never changes (frozen weights) and the vision tower, which
+        no decode engine runs (``vit_encode`` feeds them its output). With LoRA adapters: the base
+        model's names, the adapters merged."""
+
+    def export(self, directory: str, is_main_process: bool = True) -> None:
+        """The model alone in HF format, loadable by plain transformers (with adapters: merged)."""
+        self.module.save_pretrained(directory, is_main_process=is_main_process)
+
+    def fold_adapter(self) -> bool:
+        """Merge LoRA adapters into the base weights and restart them from zero, so that the base (the
+        reference) equals the policy now; False where the engine trains no adapters."""
+        return False
 
     @abstractmethod
     def save(self, directory: str) -> None:

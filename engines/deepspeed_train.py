@@ -14,6 +14,10 @@ How the runtime's calls map onto DeepSpeed 0.19.8:
 
 ZeRO-3 partitions the parameters, so this engine's weights cannot be shared by reference with a
 rollout engine; ``state_dict_for_sync`` gathers full copies instead.
+
+With LoRA (``train.lora``) DeepSpeed holds the adapters alone (ZeRO 0-2; ZeRO-3 would partition the
+frozen base too, which the merged sync and export do not gather), and its checkpoint leaves the
+frozen base out (``exclude_frozen_parameters``): the base is the reference the engine starts from.
 """
 from __future__ import annotations
 
@@ -29,9 +33,13 @@ from rollplex.engines.torch_train import (
     adamw,
     first_nonfinite,
     in_param,
+    export_model,
     is_vision_param,
+    load_model,
     load_policy,
     nonfinite_error,
+    save_adapter,
+    sync_state,
 )
 from rollplex.errors import CheckpointError, ConfigError
 
@@ -99,11 +107,15 @@ class DeepSpeedTrainEngine(TrainEngine):
         self.stage = int(ctx.options.get("zero_stage", 2))
         if self.stage not in (0, 1, 2, 3):
             raise ConfigError(f"deepspeed train engine: zero_stage must be 0, 1, 2 or 3, got {self.stage}")
+        if self.stage == 3 and ctx.options.get("lora"):
+            raise ConfigError("train.lora: ZeRO-3 would partition the frozen base model as well, which the merged "
+                              "weight sync and export do not gather; use train.zero_stage 0, 1 or 2 (the adapters "
+                              "are small)")
         init_distributed(self.device)
         _forget_stale_cached_groups()
-        model = load_policy(ctx)
+        model, self.peft = load_policy(ctx)
         params = [p for p in model.parameters() if p.requires_grad]
-        if ctx.options.get("fusion_order"):  # weight sharing: fused groups adjacent in ZeRO's flat buffer
+        if ctx.options.get("fusion_order") and self.peft is None:  # weight sharing: fused groups adjacent in ZeRO's flat buffer
             from rollplex.engines.sharing import fusion_order, layouts_for_module
 
             params = fusion_order(model, layouts_for_module(model))
@@ -224,9 +236,7 @@ class DeepSpeedTrainEngine(TrainEngine):
         """Full tensors under module names (as TorchTrainEngine). ZeRO-3 gathers one parameter at a
         time, so the peak is one full tensor on top of the partitions."""
         if self.stage < 3:
-            for name, t in self.module.state_dict().items():
-                if not (trainable_only and is_vision_param(name)):
-                    yield name, t
+            yield from sync_state(self.module, self.peft, trainable_only)
             return
         import deepspeed
 
@@ -245,23 +255,42 @@ class DeepSpeedTrainEngine(TrainEngine):
         root = Path(directory)
         root.mkdir(parents=True, exist_ok=True)
         rank0 = torch.distributed.get_rank() == 0
-        if self.stage < 3:
-            self.module.save_pretrained(root, is_main_process=rank0)
-        else:  # the module's own tensors are partitions; every rank must join the gathers
-            full = dict(self.state_dict_for_sync())
-            self.module.save_pretrained(root, state_dict=full, is_main_process=rank0)
+        self.export(str(root), is_main_process=rank0)
+        if rank0:
+            save_adapter(self.peft, str(root))
         # DeepSpeed's checkpoint holds the per-rank optimizer partitions and, in bf16, the fp32 master
         # weights, so a resume is exact. It repeats the module weights: accepted, it is the one format
-        # that round-trips every stage and world size.
-        self.ds.save_checkpoint(str(root / DS_SUBDIR), tag=DS_TAG, save_latest=False)
+        # that round-trips every stage and world size. Under LoRA only the adapters': the base is frozen.
+        self.ds.save_checkpoint(str(root / DS_SUBDIR), tag=DS_TAG, save_latest=False,
+                                exclude_frozen_parameters=self.peft is not None)
+
+    def export(self, directory: str, is_main_process: bool = True) -> None:
+        # ZeRO-3's own tensors are partitions: every rank joins the gathers of a full state dict.
+        full = dict(self.state_dict_for_sync()) if self.stage == 3 else None
+        export_model(self.module, self.peft, directory, is_main_process, state_dict=full)
+
+    def fold_adapter(self) -> bool:
+        if self.peft is None:
+            return False
+        from rollplex.engines import lora
+
+        lora.fold(self.peft)
+        # ZeRO-1/2 and bf16 keep fp32 copies of the adapters, which the next step would copy back.
+        refresh = getattr(self.ds.optimizer, "refresh_fp32_params", None)
+        if refresh is not None:
+            refresh()
+        return True
 
     def load(self, directory: str) -> None:
         ds_dir = Path(directory) / DS_SUBDIR / DS_TAG
         if not ds_dir.is_dir():
             raise CheckpointError(f"{ds_dir}: DeepSpeed state missing; was {directory} written by "
                                   f"DeepSpeedTrainEngine.save?")
+        if self.peft is not None:  # refuses an adapter of another rank or targets by name first
+            load_model(self.module, self.peft, directory)
         path, _ = self.ds.load_checkpoint(str(ds_dir.parent), tag=DS_TAG, load_optimizer_states=True,
-                                          load_lr_scheduler_states=False)
+                                          load_lr_scheduler_states=False,
+                                          load_module_strict=self.peft is None)  # LoRA: no frozen base in it
         if path is None:
             raise CheckpointError(f"{ds_dir}: DeepSpeed could not load this checkpoint")
 

@@ -27,6 +27,11 @@ class HFScoreEngine(ScoreEngine):
         model.to(self.device).eval()
         model.requires_grad_(False)
         self.model = model
+        # A model on another engine's weights (LoRA's reference: the policy's base) has none of its
+        # own to move off the device.
+        self.shares_weights = bool(ctx.options.get("shares_weights"))
+        if self.shares_weights:
+            self.movable_parts = ()
 
     def close(self) -> None:
         self.model = None

@@ -151,8 +151,12 @@ class SharedWeights:
         params = dict(module.named_parameters())
         self.tensors: dict[str, SharedTensor] = {}
         self.copied_bytes = 0  # bytes refresh has copied so far
+        # The trainer's parameter names these tensors stand for. A layer the module has renamed (a
+        # LoRA layer's weight is its base layer's) has no tensor here: the engine keeps its own.
+        self.covered: set[str] = set()
         with torch.no_grad():
             for lay, names in fusion_groups(module, lays, lm_prefix_of(module)):
+                self.covered.update(names)
                 src = tuple(params[n].detach() for n in names)
                 view = src[0] if len(src) == 1 else adjacent_view(src)
                 if view is not None and (dtype is None or view.dtype == dtype):

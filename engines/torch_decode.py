@@ -118,6 +118,7 @@ class TorchDecodeEngine(DecodeEngine):
             raise EngineError(f"engine 'hf': attn_implementation {attn!r} is not 'sdpa' or 'eager'")
         self.device = torch.device(ctx.device)
         shared = opts.get("share_model")  # a colocated trainer's module: decode runs on its storage
+        self.shares_module = shared is not None
         if shared is not None:
             self.model = shared
         else:
@@ -193,6 +194,10 @@ class TorchDecodeEngine(DecodeEngine):
             if self._pending or (self._rows is not None and len(self._rows)):
                 raise EngineError(f"engine 'hf': load_weights while {len(self._ids)} request(s) are live; "
                                   "finish or drop them first")
+            if self.shares_module:
+                # It runs the trainer's module itself: the update is there already, and LoRA adapters
+                # are served as they are, unmerged (``named_tensors``, merged, is not read).
+                return
             for name, tensor in named_tensors:
                 target = self._params.get(name)
                 if target is None:

@@ -1,7 +1,9 @@
-"""Plain PyTorch train engine: one HF Qwen2.5-VL, AdamW over the language model, no sharding.
+"""Plain PyTorch train engine: one HF Qwen2.5-VL, AdamW over what trains, no sharding.
 
-Also holds the helpers the DeepSpeed engine shares: loading the policy with its vision tower frozen,
-mapping checkpoint names to module names, and naming a non-finite gradient.
+What trains (``load_policy``): the language model, with the vision tower frozen unless the option
+``freeze_vision`` is false; with ``lora`` (``train.lora``), the adapters alone (engines/lora.py).
+Also holds the helpers the DeepSpeed engine shares: loading the policy, mapping checkpoint names to
+module names, the LoRA-aware sync, save and load, and naming a non-finite gradient.
 
 Parameter names. ``module.state_dict()`` (transformers 5.19) says ``model.language_model.*`` and
 ``model.visual.*``, while ``save_pretrained`` reverts to the original Qwen release names
@@ -39,11 +41,13 @@ def with_value_head(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def load_policy(ctx: EngineContext) -> torch.nn.Module:
-    """The HF model on ctx.device/dtype with its vision tower frozen and its window attention
-    batched (engines.vision_attention). ``options["module"]``: a model built by the caller, used as
-    is otherwise, e.g. by ``rollplex bench``; ``options["head"] == "value"`` gives it a scalar value
-    head instead of the LM head (a critic)."""
+def load_policy(ctx: EngineContext):
+    """(The HF model on ctx.device/dtype with its window attention batched (engines.vision_attention),
+    peft's wrapper of it or None). ``options["module"]``: a model built by the caller, used as is
+    otherwise, e.g. by ``rollplex bench``; ``options["head"] == "value"`` gives it a scalar value
+    head instead of the LM head (a critic). The vision tower is frozen unless
+    ``options["freeze_vision"]`` is false; ``options["lora"]`` puts adapters on the language model
+    and freezes the rest."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     from rollplex.engines.vision_attention import batch_vision_attention
@@ -56,12 +60,19 @@ def load_policy(ctx: EngineContext) -> torch.nn.Module:
     if ctx.options.get("head", "lm") == "value":
         with_value_head(model)
     model.to(ctx.device)
+    freeze_vision = bool(ctx.options.get("freeze_vision", True))
     for name, p in model.named_parameters():
-        if is_vision_param(name):
+        if freeze_vision and is_vision_param(name):
             p.requires_grad_(False)
-    # Log-prob ratios need the same forward at rollout and at training time, so no dropout.
+    peft_model = None
+    if ctx.options.get("lora"):
+        from rollplex.engines import lora
+
+        peft_model = lora.attach(model, ctx.options["lora"])
+    # Log-prob ratios need the same forward at rollout and at training time, so no dropout (LoRA's
+    # acts in training forwards only: engines/lora.py).
     model.eval()
-    return model
+    return model, peft_model
 
 
 def adamw(params: list[torch.nn.Parameter], options) -> torch.optim.AdamW:
@@ -154,7 +165,7 @@ class TorchTrainEngine(TrainEngine):
         self.device = torch.device(ctx.device)
         self.dtype = ctx.dtype
         self.grad_clip = float(ctx.options.get("grad_clip", 1.0))
-        self.module = load_policy(ctx)
+        self.module, self.peft = load_policy(ctx)
         self._trainable = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         self.optimizer = adamw([p for _, p in self._trainable], ctx.options)
         # Data-parallel ranks (one per worker, in the process group the cluster formed): gradients are
@@ -201,24 +212,82 @@ class TorchTrainEngine(TrainEngine):
                 p.grad.div_(self.world)
 
     def state_dict_for_sync(self, trainable_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-        """Module names (see the module docstring). ``trainable_only`` skips the frozen vision tower,
-        which a decode engine loaded once already."""
-        for name, t in self.module.state_dict().items():
-            if not (trainable_only and is_vision_param(name)):
-                yield name, t
+        return sync_state(self.module, self.peft, trainable_only)
+
+    def export(self, directory: str, is_main_process: bool = True) -> None:
+        export_model(self.module, self.peft, directory, is_main_process)
+
+    def fold_adapter(self) -> bool:
+        if self.peft is None:
+            return False
+        from rollplex.engines import lora
+
+        lora.fold(self.peft)
+        return True
 
     def save(self, directory: str) -> None:
         Path(directory).mkdir(parents=True, exist_ok=True)
-        self.module.save_pretrained(directory)
+        self.export(directory)
+        save_adapter(self.peft, directory)
         torch.save(self.optimizer.state_dict(), Path(directory) / OPTIMIZER_FILE)
 
     def load(self, directory: str) -> None:
         path = Path(directory) / OPTIMIZER_FILE
         if not path.exists():
             raise CheckpointError(f"{path}: optimizer state missing; was {directory} written by TrainEngine.save?")
-        load_hf_weights(self.module, directory)
+        load_model(self.module, self.peft, directory)
         # AdamW's state is keyed by parameter order, which from_pretrained reproduces.
         self.optimizer.load_state_dict(torch.load(path, map_location=self.device, weights_only=True))
+
+
+def sync_state(module: torch.nn.Module, peft_model, trainable_only: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights under module names (see the module docstring), for a decode engine. With LoRA
+    under the base model's names, each target merged (lora.merged_state). ``trainable_only``: what
+    training changes, less the vision tower, which no decode engine runs (vit_encode feeds them).
+    Under LoRA that is the whole language model: a decode engine reloads a fused layer whole (vLLM's
+    q|k|v and their biases), so a target's partners travel with it; a shared engine skips those
+    it runs on the trainer's storage already."""
+    if peft_model is not None:
+        from rollplex.engines import lora
+
+        for name, t in lora.merged_state(module):
+            if not (trainable_only and is_vision_param(name)):
+                yield name, t
+        return
+    frozen = {name for name, p in module.named_parameters() if not p.requires_grad}
+    for name, t in module.state_dict().items():
+        if not (trainable_only and (name in frozen or is_vision_param(name))):
+            yield name, t
+
+
+def export_model(module: torch.nn.Module, peft_model, directory: str, is_main_process: bool = True,
+                 state_dict: dict | None = None) -> None:
+    """The model alone in HF format (``save_pretrained``); with LoRA the merged weights."""
+    if peft_model is not None:
+        from rollplex.engines import lora
+
+        lora.export(module, directory, is_main_process)
+    else:
+        module.save_pretrained(directory, state_dict=state_dict, is_main_process=is_main_process)
+
+
+def save_adapter(peft_model, directory: str) -> None:
+    """A checkpoint's ``adapter/`` (LoRA only): what ``load_model`` reads back."""
+    if peft_model is not None:
+        from rollplex.engines import lora
+
+        lora.save_adapter(peft_model, directory)
+
+
+def load_model(module: torch.nn.Module, peft_model, directory: str) -> None:
+    """What ``export_model`` wrote, back into ``module``: with LoRA the adapter alone (the base is the
+    reference the engine was built from), else every weight."""
+    if peft_model is not None:
+        from rollplex.engines import lora
+
+        lora.load_adapter(peft_model, directory)
+    else:
+        load_hf_weights(module, directory)
 
 
 register_engine(EngineSpec(

@@ -208,16 +208,19 @@ class VLLMDecodeEngine(DecodeEngine):
             return self._engine.has_unfinished_requests()
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """With shared weights the trainer's update is here already: only rebuilt tensors are copied
-        (``named_tensors`` is not read), and the caches computed with the old weights are dropped."""
-        weights = list(named_tensors) if self.shared is None else []
+        """With shared weights the trainer's update is here already: only rebuilt tensors are copied,
+        and of ``named_tensors`` only those no shared tensor covers are loaded (LoRA's targets, merged:
+        their layers are renamed in the trainer, so vLLM keeps its own copy of them). The caches
+        computed with the old weights are dropped."""
+        covered = self.shared.covered if self.shared is not None else set()
+        weights = [(n, t) for n, t in named_tensors if n not in covered]
         with self._lock:
             if self._engine.has_unfinished_requests():
                 raise EngineError(f"engine 'vllm': load_weights while {len(self._live)} request(s) are live; "
                                   "finish or drop them first")
             if self.shared is not None:
                 self.shared.refresh()
-            else:
+            if weights:
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
             # The worker's reload drops its own encoder and multimodal caches but not the scheduler's
             # or the renderer's records of them; left alone, the next request with an image seen

@@ -74,17 +74,19 @@ def mm_token_types(input_ids: torch.Tensor, config) -> torch.Tensor:
     return types
 
 
-def vision_embeds(model: torch.nn.Module, prompt: PromptInputs) -> VisionEmbeds:
-    """The vision tower's merged output. The tower is frozen, so no graph is kept."""
-    return vision_embeds_batch(model, [prompt])[0]
+def vision_embeds(model: torch.nn.Module, prompt: PromptInputs, *, grad: bool = False) -> VisionEmbeds:
+    """The vision tower's merged output; with ``grad`` (a vision tower that trains) it keeps its
+    autograd graph, so a loss over the prefixes that read it back-propagates into the tower."""
+    return vision_embeds_batch(model, [prompt], grad=grad)[0]
 
 
-def vision_embeds_batch(model: torch.nn.Module, prompts: list[PromptInputs]) -> list[VisionEmbeds]:
+def vision_embeds_batch(model: torch.nn.Module, prompts: list[PromptInputs], *,
+                        grad: bool = False) -> list[VisionEmbeds]:
     """One vision-tower call for the images (and one for the videos) of several prompts."""
     device = _device_of(model)
     core = model.model
     out: list[dict] = [{"image": None, "video": None} for _ in prompts]
-    with torch.no_grad():
+    with torch.set_grad_enabled(grad):
         for kind, pixels_of, grid_of, features in (
             ("image", "pixel_values", "image_grid_thw", core.get_image_features),
             ("video", "pixel_values_videos", "video_grid_thw", core.get_video_features),
@@ -432,7 +434,7 @@ def full_sequence_logprobs(
     allows (causal attention: padding after a row's last token changes none of its outputs). With
     ``head="value"`` (a critic's scalar head) the per-position outputs are returned as they are.
     """
-    vis = vis if vis is not None else vision_embeds(model, prompt)
+    vis = vis if vis is not None else vision_embeds(model, prompt, grad=grad)
     device = _device_of(model)
     tokens, mask = pad_responses(responses, pad_id)
     rows = []

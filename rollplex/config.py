@@ -123,6 +123,14 @@ class TrainConfig:
                          "rollout_is): the policy loss's policy-gradient term weighted per token by "
                          "min(π_old/π_rollout, C), C ≥ 1, π_rollout the decode engine's log-probs (the loss reads "
                          "rollout_is_weights); {}: off")
+    lora: dict | None = f(None, doc="LoRA adapters on the policy's language model (peft): {rank: 8, alpha: 16, "
+                          "dropout: 0.0, target_modules: [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
+                          "down_proj]}, missing keys take these values (add lm_head where the head is untrained, as in the "
+                          "embedded model); the reference is the base model with the adapters off (no second "
+                          "copy); null: full fine-tuning")
+    freeze_vision: bool = f(True, doc="keep every vision-tower (*visual*) weight frozen, as EasyR1's "
+                            "freeze_vision_tower; false: the policy's vision tower trains too (its vision forward "
+                            "keeps a graph per micro-batch; the reference keeps its own frozen one)")
 
 
 @dataclass
@@ -434,6 +442,19 @@ def validate(cfg: RunConfig) -> None:
     if cfg.train.clip_ratio_c is not None and cfg.train.clip_ratio_c <= 1:
         raise ConfigError(f"train.clip_ratio_c: {cfg.train.clip_ratio_c} must be above 1 (the dual clip bounds a "
                           f"negative advantage's loss beyond the PPO clip's 1 + clip_eps)")
+    cfg.train.lora = lora_options(cfg.train.lora)
+    if cfg.train.lora is not None and not cfg.train.freeze_vision:
+        raise ConfigError("train.freeze_vision: false trains the whole vision tower, which train.lora does not "
+                          "adapt (its adapters are on the language model); pick one")
+    if not cfg.train.freeze_vision and cfg.train.mini_batches * cfg.train.epochs > 1:
+        raise ConfigError("train.freeze_vision: false trains the vision tower in one optimizer step per batch; "
+                          "with train.mini_batches × train.epochs above 1 leave it true")
+    if cfg.cluster.memory_plan and not cfg.train.freeze_vision:
+        raise ConfigError("cluster.memory_plan: the plan sizes a frozen vision tower, not train.freeze_vision: "
+                          "false; leave one of them off")
+    if cfg.cluster.memory_plan and cfg.train.lora is not None:
+        raise ConfigError("cluster.memory_plan: the plan sizes full fine-tuning (its reference a copy of its own), "
+                          "not train.lora; leave one of them off")
     _validate_eval(cfg)
     if cfg.rollout.chunk_tokens > cfg.rollout.max_new_tokens:
         raise ConfigError(f"rollout.chunk_tokens: {cfg.rollout.chunk_tokens} exceeds rollout.max_new_tokens "
@@ -453,6 +474,38 @@ def _validate_address(address: str) -> None:
         raise ConfigError(f"cluster.scheduler: {address!r}: protocol {m['scheme']!r} is not one of tcp, tls")
     if not 1 <= int(m["port"]) <= 65535:
         raise ConfigError(f"cluster.scheduler: {address!r}: port {int(m['port'])} is not in 1..65535")
+
+
+LORA_DEFAULTS = {"rank": 8, "alpha": 16.0, "dropout": 0.0,
+                 "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+
+
+def lora_options(value: dict | None) -> dict | None:
+    """``train.lora`` with its missing keys filled in, each key checked by name (None: LoRA off)."""
+    if value is None:
+        return None
+    for key in value:
+        if key not in LORA_DEFAULTS:
+            raise ConfigError(f"unknown field train.lora.{key}{_suggest(str(key), list(LORA_DEFAULTS))}")
+    out = {**LORA_DEFAULTS, **value}
+    rank = _check_type("train.lora.rank", out["rank"], int)
+    if rank < 1:
+        raise ConfigError(f"train.lora.rank: {rank} is below the minimum 1")
+    if rank > 65536:
+        raise ConfigError(f"train.lora.rank: {rank} is above the maximum 65536")
+    alpha = _check_type("train.lora.alpha", out["alpha"], float)
+    if alpha <= 0:
+        raise ConfigError(f"train.lora.alpha: {alpha} must be above 0 (the adapter's update is scaled by alpha/rank)")
+    if alpha > 1e6:
+        raise ConfigError(f"train.lora.alpha: {alpha} is above the maximum 1000000.0")
+    dropout = _check_type("train.lora.dropout", out["dropout"], float)
+    if not 0 <= dropout < 1:
+        raise ConfigError(f"train.lora.dropout: {dropout} is not in [0, 1)")
+    targets = _check_type("train.lora.target_modules", out["target_modules"], list)
+    if not targets or not all(isinstance(t, str) and t for t in targets):
+        raise ConfigError(f"train.lora.target_modules: expected a non-empty list of module names such as q_proj, "
+                          f"got {targets!r}")
+    return {"rank": rank, "alpha": alpha, "dropout": dropout, "target_modules": list(targets)}
 
 
 # The embedded task's walk-through (README): a warm-up that teaches the answer format and a stop once

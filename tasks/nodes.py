@@ -102,7 +102,8 @@ def sample_key(seq: FinishedSequence) -> tuple[str, int]:
 @register_task("vit_encode")
 def vit_encode(ctx, node, inputs):
     prompts = [inputs[v] for v in node.inputs]
-    visions = vlm.vision_embeds_batch(ctx.model(node.model), prompts)
+    # grad: a vision tower that trains; the graph lives until the backward of the loss that reads it.
+    visions = vlm.vision_embeds_batch(ctx.model(node.model), prompts, grad=bool(node.args.get("grad")))
     return dict(zip(node.outputs, visions))
 
 
@@ -464,7 +465,8 @@ def optimizer_step(ctx, node, inputs):
 
 @register_task("weight_sync")
 def weight_sync(ctx, node, inputs):
-    # The vision tower is frozen, so only the trainable weights travel.
+    # Only what training changes travels (with LoRA adapters: the targets, merged), less the vision
+    # tower, which decode engines never run: vit_encode feeds them.
     weights = ctx.train_engine(node.model).state_dict_for_sync(trainable_only=True)
     ctx.decode_engine.load_weights(weights)
     return {node.outputs[0]: {"version": ctx.iteration + 1}}

@@ -45,7 +45,33 @@ def test_each_chunk_trains_the_groups_it_finished_and_the_step_normalises():
     schedule(g, "rollplex").lint()
 
 
-@pytest.mark.parametrize("alg, kw, why", [(ppo, {}, "trains ['actor', 'critic']"),
+def _actor_and_critic():
+    """Two trained models and no node of its own: per group, but not the policy alone."""
+    from rollplex import Algorithm
+
+    alg = Algorithm("two_models")
+    alg.policy("actor")
+    alg.critic("critic", copy_of="actor")
+    alg.score("critic", as_="values", grad=True)
+    alg.score("actor", as_="logprobs", grad=True)
+
+    @alg.advantage(scope="group")
+    def advantages(rewards):
+        return rewards - rewards.mean()
+
+    @alg.loss(agg="token-mean")
+    def policy_loss(logprobs, advantages):
+        return -logprobs * advantages.unsqueeze(-1), {}
+
+    @alg.loss(model="critic", agg="token-mean")
+    def value_loss(values, rewards):
+        return (values - rewards.unsqueeze(-1)) ** 2, {}
+
+    return alg
+
+
+@pytest.mark.parametrize("alg, kw, why", [(ppo, {}, "nodes of its own (gae_returns)"),
+                                          (_actor_and_critic(), {}, "trains ['actor', 'critic']"),
                                           (grpo, dict(train_fusion=False), None),
                                           (grpo, dict(stage_fusion=False), "needs stage fusion")])
 def test_algorithms_or_shapes_that_are_not_per_group_train_after_decode_and_say_why(alg, kw, why):
@@ -181,7 +207,7 @@ def test_a_fused_run_trains_and_logs_like_any_run(tmp_path):
 
 def test_a_session_says_why_an_algorithm_cannot_train_in_the_window(tmp_path):
     cfg = load_config(None, [*OVERRIDES, "algorithm=ppo", "schedule=rollplex", "train.train_fusion=true"])
-    assert "trains ['actor', 'critic']" in Session(cfg, tmp_path / "run").train_fusion_off
+    assert "nodes of its own (gae_returns)" in Session(cfg, tmp_path / "run").train_fusion_off
     assert Session(load_config(None, [*OVERRIDES, "schedule=rollplex", "train.train_fusion=true"]),
                    tmp_path / "run2").train_fusion_off is None
 

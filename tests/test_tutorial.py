@@ -71,3 +71,7 @@ def test_every_command_of_the_tutorial_runs(tmp_path):
     assert len((run / "eval" / "iter_000004.jsonl").read_text().splitlines()) == 8 * 2
     assert any((run / "tensorboard").glob("events.out.tfevents.*"))
     assert {p.name for p in (run / "plots").iterdir()} == {"curves.png", "time_by_kind.png", "gantt_iter_000003.png"}
+    # the LoRA run: its reference holds nothing of its own, its checkpoint the merged model and the adapter
+    assert re.search(r"^lora: rank 4, alpha 16 on \d+ layers .* ref is the base with the adapters off, on the "
+                     r"policy's weights: 0 bytes of its own", log, re.M)
+    assert "model.safetensors" in log and "adapter_model.safetensors" in log

@@ -63,9 +63,12 @@ class ModelDims:
         per = 2 if self.checkpointing else 34
         return int(per * self.hidden * self.layers * tokens * self.dtype_bytes / 2)
 
-    def vision_bytes(self, tokens: float) -> int:
-        """A prompt's merged vision-tower output, in the LM's hidden size."""
-        return int(tokens * self.hidden * self.dtype_bytes)
+    def vision_bytes(self, tokens: float, grad: bool = False) -> int:
+        """A prompt's merged vision-tower output, in the LM's hidden size; with ``grad`` (a vision
+        tower that trains) the activations its backward keeps, sized as the LM's over the vision
+        tokens: the ViT is not in these dimensions, and Qwen2.5-VL's runs 4x the tokens at about a
+        third of the width, the same order."""
+        return int(tokens * self.hidden * self.dtype_bytes) + (self.activation_bytes(tokens) if grad else 0)
 
     def prefix_bytes(self, tokens: float, grad: bool = False) -> int:
         """A prompt's prefix: its KV, the fp32 last-position logits, and with ``grad`` its activations."""
@@ -110,6 +113,10 @@ class BatchShape:
     mini_batches: int = 1
     epochs: int = 1
     ranks: int = 1
+    # The trained models' vision towers train too (train.freeze_vision: false): each of their forwards
+    # with grad reads a vision forward with grad of its own micro-batch, and the rollout reads the
+    # policy's vision output, not the frozen reference's.
+    trains_vision: bool = False
 
     @property
     def fused(self) -> bool:
@@ -282,12 +289,41 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
 
     for p in range(P):
         g.add_input(f"prompt_p{p}", nbytes=shape.vision_tokens * 4 * 14 * 14 * 3 * 4, role="prompt", prompts=(p,))
+    # Vision. A frozen tower is one forward per prompt that every model shares. One that trains gives
+    # three: the policy's without grad for the rollout (at the iteration's start, before any update);
+    # the frozen reference's own (they differ after the first step); and, per micro-batch, each trained
+    # model's with grad, kept until that micro-batch's backward (made beside its prefix, below). The
+    # rollout does not read the policy's vision output with grad, which would keep every micro-batch's
+    # vision graph alive from the first decode chunk on.
     vision = alg.vision_model
-    for ps in shape.node_groups(grad=False):
-        add(f"vit_{span(ps)}", "vit_encode", [f"prompt_p{p}" for p in ps], [f"vis_p{p}" for p in ps], model=vision,
-            role=role_of(vision), args={"prompts": list(ps)},
-            **{f"vis_p{p}": dev(dims.vision_bytes(shape.vision_tokens), "vision", model=vision,
-                                prompts=(p,)) for p in ps})
+    rollout_vision = policy if shape.trains_vision else vision
+
+    def vision_stem(model: str) -> str:
+        """The vision values a model's forwards read: ``{stem}_p{p}``."""
+        if not shape.trains_vision:
+            return "vis"
+        if not alg.models[model].trainable:  # the frozen copies share the first one's (as the tower does)
+            return f"vis_{vision if not alg.models[vision].trainable else model}"
+        return "vis" if model == policy and not any(s.grad for s in alg.scores if s.model == model) else f"vis_{model}"
+
+    def vision_nodes(model: str, groups, grad: bool, stem: str | None = None, **args) -> list[str]:
+        stem, made = stem or vision_stem(model), []
+        for ps in groups:
+            if f"{stem}_p{ps[0]}" in g.values:
+                continue
+            node = f"vit_{span(ps)}" if stem == "vis" else f"vit_{model}_{span(ps)}"
+            add(node, "vit_encode", [f"prompt_p{p}" for p in ps], [f"{stem}_p{p}" for p in ps], model=model,
+                role=role_of(model), args={"prompts": list(ps), **({"grad": True} if grad else {}), **args},
+                **{f"{stem}_p{p}": dev(dims.vision_bytes(shape.vision_tokens, grad), "vision", model=model,
+                                       prompts=(p,)) for p in ps})
+            made.append(node)
+        return made
+
+    vision_nodes(rollout_vision, shape.node_groups(grad=False), grad=False, stem="vis")
+    if shape.trains_vision:  # the frozen models' (and any trained model's read without grad)
+        for s in alg.scores:
+            if not alg.models[s.model].trainable or vision_stem(s.model) == f"vis_{s.model}" and not s.grad:
+                vision_nodes(s.model, shape.node_groups(grad=False), grad=False)
 
     # Decode: chunk 0 prefills every prompt from its vision embeddings; each chunk advances ≤ K tokens.
     # With stage fusion each chunk also hands on the groups that finished in it (``handoff_c``) and
@@ -353,17 +389,23 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
             if grad and s.model in early_models:
                 args["feeds_advantage"] = True
             responses = [f"responses_p{p}" for p in ps]
+            early_arg = {"feeds_advantage": True} if "feeds_advantage" in args else {}
+            # A trained vision tower's forward with grad for this micro-batch's prompts, chained with
+            # the forwards whose graphs the same backward walks.
+            chain = ("suffix", s.as_) if not shape.prefix_sharing else ("prefix", s.model)
+            if grad and shape.trains_vision:
+                grad_nodes.setdefault(chain, []).extend(vision_nodes(s.model, [ps], grad=True, **early_arg))
+            vis = [f"{vision_stem(s.model)}_p{p}" for p in ps]
             if not shape.prefix_sharing:
                 add(f"score_{s.as_}_{span(ps)}", "suffix_score",
-                    [f"prompt_p{p}" for p in ps] + [f"vis_p{p}" for p in ps] + responses,
+                    [f"prompt_p{p}" for p in ps] + vis + responses,
                     outs, model=s.model, role=role, args={**args, "full_sequence": True}, **score_info)
                 if grad:
                     grad_nodes.setdefault(("suffix", s.as_), []).append(f"score_{s.as_}_{span(ps)}")
                 continue
             kvs = [f"prefix_{s.model}_p{p}" for p in ps]
             if kvs[0] not in g.values:  # two scores of one model share its prefix
-                early_arg = {"feeds_advantage": True} if "feeds_advantage" in args else {}
-                add(f"prefix_{s.model}_{span(ps)}", "prefix", [f"prompt_p{p}" for p in ps] + [f"vis_p{p}" for p in ps],
+                add(f"prefix_{s.model}_{span(ps)}", "prefix", [f"prompt_p{p}" for p in ps] + vis,
                     kvs, model=s.model, role=role, args={"prompts": list(ps), "grad": grad, **early_arg},
                     **{kv: dev(dims.prefix_bytes(shape.prompt_tokens, grad), "kv", model=s.model, prompts=(p,))
                        for p, kv in zip(ps, kvs)})
@@ -475,12 +517,15 @@ def _compile_train_fusion(g: IterationGraph, alg: Algorithm, shape: BatchShape, 
     for c in range(shape.chunks):
         outs = [f"{name}_c{c}" for name in per_chunk] + [loss_name(policy, policy, c)]
         # A group's samples were scored by the frozen models in this chunk or earlier ones.
-        inputs = ([f"prompt_p{p}" for p in range(P)] + [f"vis_p{p}" for p in range(P)]
+        # A vision tower that trains runs with grad inside the node, on the groups it trains.
+        vis = [] if shape.trains_vision else [f"vis_p{p}" for p in range(P)]
+        inputs = ([f"prompt_p{p}" for p in range(P)] + vis
                   + [f"{s.as_}_c{k}" for s in frozen for k in range(c + 1)] + [f"handoff_c{c}"])
         add(f"train_c{c}", "loss", inputs, outs, model=policy,
             args={"prompts": list(range(P)), "handoff_chunk": c, "handed_chunks": [c], "handed": "groups",
                   "as": score.as_, "frozen": [s.as_ for s in frozen], "agg": alg.loss_fn.options["agg"],
-                  "micro_batch_groups": shape.micro_batch_groups},
+                  "micro_batch_groups": shape.micro_batch_groups,
+                  **({"vision_grad": True} if shape.trains_vision else {})},
             **{f"{name}_c{c}": {**info, "prompts": every, "chunk": c} for name, info in per_chunk.items()},
             **{loss_name(policy, policy, c): host(64, "loss", model=policy, prompts=every, chunk=c)})
         losses.append(loss_name(policy, policy, c))

@@ -80,10 +80,13 @@ def _serial_barriers(graph: IterationGraph) -> None:
         if node.kind in phase_of:
             # The trained model's forwards belong to training: they keep graphs for the backward, so
             # serial runtimes run them per micro-batch right before it, not all in the scoring phase.
-            # Unless the advantage reads them (a critic's values for GAE): then they are scoring.
-            train = (node.kind in ("prefix", "suffix_score") and node.args.get("grad")
-                     and not node.args.get("feeds_advantage"))
-            by_phase.setdefault(phase_of["loss"] if train else phase_of[node.kind], []).append(node.name)
+            # Unless the advantage reads them (a critic's values for GAE): then they are scoring, a
+            # trained vision tower's forward for them too.
+            graph_kept = node.kind in ("vit_encode", "prefix", "suffix_score") and node.args.get("grad")
+            phase = phase_of[node.kind]
+            if graph_kept:
+                phase = phase_of["prefix"] if node.args.get("feeds_advantage") else phase_of["loss"]
+            by_phase.setdefault(phase, []).append(node.name)
     phases = [by_phase[k] for k in sorted(by_phase)]
     for before, after in zip(phases, phases[1:]):
         # Only the last nodes of a phase need an edge: everything else precedes them already.

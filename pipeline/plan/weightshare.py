@@ -332,14 +332,51 @@ def run_sides(decode_engine: str, train_engine: str, dtype: str, zero_stage: int
             RolloutSide(1, dtype, fused=SHARING_ENGINES.get(decode_engine, True)))
 
 
-def sharing_refusal(decode_engine: str, train_engine: str, zero_stage: int) -> str | None:
+def sharing_refusal(decode_engine: str, train_engine: str, zero_stage: int, lora: bool = False) -> str | None:
     """Why a run cannot share weights between these engines, or None."""
     if decode_engine not in SHARING_ENGINES:
         return f"decode engine {decode_engine!r} cannot run on the trainer's storage (engines that can: " \
                f"{', '.join(SHARING_ENGINES)})"
     if train_engine == "deepspeed" and zero_stage >= 3:
         return ZERO3_NOTE
+    if lora and decode_engine == "torch-graph":
+        return ("with train.lora, torch-graph reads the trainer's weights by name, not through the adapters: it "
+                "decodes its own copy, the adapters merged at each sync")
     return None
+
+
+def with_lora(plan: GangPlan, layouts: Sequence[TensorLayout], targets: Sequence[str], decode_engine: str) -> GangPlan:
+    """A plan under LoRA adapters on ``targets`` (module names such as q_proj). An engine that runs the
+    trainer's module (hf) serves the adapters on the shared base: nothing changes. vLLM keeps its own
+    copy of every tensor a target is part of (a fused group, its bias): the trainer renames the
+    target's layer. Those are reloaded at each sync, the targets' weights merged; the rest, aliased,
+    never changes."""
+    if decode_engine == "hf":  # torch-graph shares nothing under LoRA (sharing_refusal)
+        return plan
+    wanted = set(targets)
+
+    def module(hf: str) -> str:
+        parts = hf.split(".")
+        return parts[-2] if len(parts) > 1 else ""
+
+    touched = {lay.name: any(module(p.hf) in wanted and p.hf.endswith(".weight") for p in lay.parts)
+               for lay in layouts if not lay.name.startswith("visual.") and any(module(p.hf) in wanted for p in lay.parts)}
+    gpus = []
+    for g in plan.gpus:
+        decisions = []
+        for d in g.decisions:
+            if d.tensor in touched:
+                merged = touched[d.tensor]
+                d = replace(d, kind="rebuild", how="merge" if merged else "copy", aliased=0, local=d.nbytes,
+                            gathered=0, trainable=True, view=None,
+                            reason="a LoRA target: the adapters merged at each sync" if merged else
+                            "beside a LoRA target in one fused layer: reloaded with it at each sync")
+            elif d.trainable:
+                d = replace(d, trainable=False)  # frozen under LoRA
+            decisions.append(d)
+        gpus.append(replace(g, decisions=tuple(decisions)))
+    note = f"LoRA on {', '.join(targets)}: those tensors are the decode engine's own copies, the adapters merged"
+    return replace(plan, gpus=tuple(gpus), notes=plan.notes + (note,))
 
 
 def annotate(graph, plan: GangPlan | None, reason: str = "") -> None:
@@ -358,17 +395,21 @@ def annotate(graph, plan: GangPlan | None, reason: str = "") -> None:
 
 
 def annotate_run(graphs, model_path: str, decode_engine: str, train_engine: str, dtype: str, zero_stage: int,
-                 mode: str) -> GangPlan | None:
+                 mode: str, lora_targets: Sequence[str] = ()) -> GangPlan | None:
     """Plan a ``rollplex train`` run's sharing (one GPU, TP 1) once and annotate the weight_sync
-    nodes of each of its ``graphs`` (one per schedule it may run)."""
+    nodes of each of its ``graphs`` (one per schedule it may run); ``lora_targets``: train.lora's."""
     from rollplex.engines.modelspec import from_config
     from rollplex.engines.tensorlayouts import actor_layouts
 
-    why = "engines.weight_sharing is off" if mode == "off" else sharing_refusal(decode_engine, train_engine, zero_stage)
+    why = "engines.weight_sharing is off" if mode == "off" else sharing_refusal(decode_engine, train_engine,
+                                                                                zero_stage, bool(lora_targets))
     plan = None
     if not why:
         trainer, rollout = run_sides(decode_engine, train_engine, dtype, zero_stage)
-        plan = plan_gang(actor_layouts(from_config(model_path)), trainer, rollout)
+        layouts = actor_layouts(from_config(model_path))
+        plan = plan_gang(layouts, trainer, rollout)
+        if lora_targets:
+            plan = with_lora(plan, unfuse(layouts) if not rollout.fused else layouts, lora_targets, decode_engine)
     for graph in graphs:
         annotate(graph, plan, why or "")
     return plan

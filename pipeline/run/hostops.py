@@ -14,9 +14,13 @@ def _warmup(host, examples: list, lr: float) -> float:
     from rollplex.engines import vlm
     from rollplex.tasks.data import warmup_target_ids
 
+    from rollplex.engines.torch_train import is_vision_param
+
     policy = host.algorithm.rollout_model
     engine = host.train_engine(policy)
-    vision_model = host.model(host.algorithm.vision_model)
+    # A vision tower that trains (train.freeze_vision: false) is the policy's, and learns here too.
+    trains_vision = any(p.requires_grad and is_vision_param(n) for n, p in engine.module.named_parameters())
+    vision_model = engine.module if trains_vision else host.model(host.algorithm.vision_model)
     engine.set_lr(lr)
     targets = [warmup_target_ids(host.tokenizer, t) for _, t in examples]
     total = sum(len(ids) for ids in targets)
@@ -26,7 +30,7 @@ def _warmup(host, examples: list, lr: float) -> float:
     vocab = engine.module.config.get_text_config().vocab_size
     for run in vlm.batches_within([len(ids) for ids in targets], vocab, grad=True):
         prompts = [examples[i][0] for i in run]
-        visions = vlm.vision_embeds_batch(vision_model, prompts)
+        visions = vlm.vision_embeds_batch(vision_model, prompts, grad=trains_vision)
         states = vlm.prefix_forward_batch(engine.module, prompts, visions, grad=True)
         scored = vlm.suffix_logprobs_batch(engine.module, states, [[targets[i]] for i in run],
                                           pad_id=host.spec.settings.pad_id, grad=True)
@@ -48,19 +52,38 @@ def _sync_decode(host) -> None:
 
 
 def _adopt_reference(host, directory: str) -> None:
-    """Make the frozen copies of the policy equal to it now, and save it for resumed runs."""
+    """Make the frozen copies of the policy equal to it now, and save it for resumed runs. With LoRA
+    the adapters are folded into the base, which the reference is (it has no weights of its own)."""
     alg = host.algorithm
     policy = host.train_engine(alg.rollout_model)
-    weights = dict(policy.state_dict_for_sync())
+    policy.fold_adapter()
+    weights = None
     for name, decl in alg.models.items():
         # A critic trains its own weights; a model on an engine of its own (a reward model) keeps its.
         if decl.copy_of == alg.rollout_model and not decl.trainable and decl.engine is None:
-            host.engines[name].model.load_state_dict(weights)
+            if not getattr(host.engines[name], "shares_weights", False):
+                weights = weights if weights is not None else dict(policy.state_dict_for_sync())
+                host.engines[name].model.load_state_dict(weights)
             host.register_frozen(name)  # cached prefixes of the old weights no longer match
     import torch
 
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:  # one writer per run
-        policy.module.save_pretrained(directory)
+    main = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0  # one writer per run
+    policy.export(directory, is_main_process=main)
+
+
+def _lora_sizes(host) -> dict | None:
+    """The policy's adapter and base sizes (engines.lora.sizes), None without LoRA; and per frozen
+    copy of the policy (the reference) the bytes it holds outside the policy's own storage."""
+    from rollplex.engines import lora
+    from rollplex.pipeline.run.worker import shares_policy_base
+
+    alg = host.algorithm
+    policy = host.train_engine(alg.rollout_model)
+    if getattr(policy, "peft", None) is None:
+        return None
+    copies = {m: lora.own_bytes(host.engines[m].model, policy.module) for m in host.spec.frozen
+              if m in alg.models and shares_policy_base(alg.models[m], alg.rollout_model)}
+    return {**lora.sizes(policy.module), "copies": copies}
 
 
 def _save(host, directory: str, pids: set[int]) -> None:

@@ -58,8 +58,9 @@ def check_servable(model_path: str, decode_engine: str, device: str) -> None:
         raise EngineError(f"model.path: {model_path}/config.json has no vision_config (a Qwen2.5-VL needs one)")
 
 
-def parameter_counts(model_path: str) -> tuple[int, int]:
-    """(all parameters, trainable ones: all but the frozen vision tower), counted on the meta device."""
+def parameter_counts(model_path: str, freeze_vision: bool = True, lora: dict | None = None) -> tuple[int, int]:
+    """(all parameters, trainable ones: all but a frozen vision tower; with LoRA the adapters'),
+    counted on the meta device."""
     import torch
     from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
 
@@ -67,7 +68,14 @@ def parameter_counts(model_path: str) -> tuple[int, int]:
     with torch.device("meta"):
         model = Qwen2_5_VLForConditionalGeneration._from_config(config)
     total = sum(p.numel() for p in model.parameters())
-    trainable = sum(p.numel() for n, p in model.named_parameters() if "visual" not in n)
+    if lora is not None:
+        from rollplex.engines.lora import target_names
+
+        modules = dict(model.named_modules())
+        layers = [modules[n] for n in target_names(model, lora["target_modules"])]
+        adapters = sum(lora["rank"] * (m.in_features + m.out_features) for m in layers)  # A and B
+        return total + adapters, adapters
+    trainable = sum(p.numel() for n, p in model.named_parameters() if not freeze_vision or "visual" not in n)
     return total, trainable
 
 

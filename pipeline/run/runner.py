@@ -34,7 +34,7 @@ from rollplex.pipeline.run import checkpoints
 from rollplex.pipeline.run.faults import point
 from rollplex.fsio import append_line, atomic_write_text
 from rollplex.pipeline.run import evaluation
-from rollplex.pipeline.run.hostops import _adopt_reference, _end_warmup, _restore, _sync_decode, _warmup
+from rollplex.pipeline.run.hostops import _adopt_reference, _end_warmup, _lora_sizes, _restore, _sync_decode, _warmup
 from rollplex.pipeline.run.loggers import WANDB_ID, Loggers, check_installed
 from rollplex.pipeline.run.session import Session, resolve_device
 from rollplex.pipeline.plan.trace import chrome_trace, seconds_by_kind
@@ -107,10 +107,16 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = 
         log(session.memory_plan.describe())
     elif cfg.cluster.memory_budget_gib is not None:  # without a plan, everything stays resident
         from rollplex.pipeline.run import preflight
+        from rollplex.pipeline.run.worker import shares_policy_base
 
+        # LoRA's reference is the policy's base: not a copy.
+        alg = session.algorithm
+        copies = [m for m in spec.frozen if not (cfg.train.lora is not None and m in alg.models
+                                                 and shares_policy_base(alg.models[m], alg.rollout_model))]
         preflight.check_memory_budget(cfg.cluster.memory_budget_gib, preflight.memory_terms(
-            *preflight.parameter_counts(session.model_path), 4 if cfg.model.dtype == "float32" else 2,
-            session.train_engine, len(spec.frozen), spec.decode_options.get("kv_cache_bytes", 0),
+            *preflight.parameter_counts(session.model_path, cfg.train.freeze_vision, cfg.train.lora),
+            4 if cfg.model.dtype == "float32" else 2,
+            session.train_engine, len(copies), spec.decode_options.get("kv_cache_bytes", 0),
             None if session.weight_plan is None else session.weight_plan.per_gpu("extra")))
     where = session.device if session.worker_processes else f"{session.device} (in-process worker)"
     log(f"rollplex: {session.algorithm.name} on {where}, schedule={cfg.schedule}, "
@@ -123,7 +129,9 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = 
     elif cfg.engines.weight_sharing != "off":  # asked for, but these engines cannot (ZeRO-3, say): say why
         from rollplex.pipeline.plan.weightshare import sharing_refusal
 
-        log(f"weight sharing off: {sharing_refusal(session.decode_engine, session.train_engine, cfg.train.zero_stage)}")
+        why = sharing_refusal(session.decode_engine, session.train_engine, cfg.train.zero_stage,
+                              cfg.train.lora is not None)
+        log(f"weight sharing off: {why}")
     if session.train_fusion_off:  # asked for, but this algorithm or shape cannot: say why
         log(f"train fusion off: {session.train_fusion_off}; the policy trains after decode")
     if session.ref_cache_off:
@@ -224,6 +232,21 @@ def cluster_security(cfg: RunConfig):
                     require_encryption=True)
 
 
+def lora_line(options: dict, sizes: dict) -> str:
+    """One line: the adapters, and per frozen copy of the policy the bytes of its own (measured on the
+    worker's tensors) against the full copy it would be without LoRA."""
+    share = sizes["adapter_params"] / max(sizes["adapter_params"] + sizes["base_params"], 1)
+    line = (f"lora: rank {options['rank']}, alpha {options['alpha']:g} on {sizes['targets']} layers "
+            f"({', '.join(options['target_modules'])}): {sizes['adapter_params']:,} trainable parameters ({share:.1%})")
+    if not sizes["copies"]:
+        return line + "; no frozen copy of the policy in this algorithm"
+    full = sizes["base_bytes"]
+    for model, own in sizes["copies"].items():
+        line += (f"; {model} is the base with the adapters off, on the policy's weights: {own:,} bytes of its "
+                 f"own, {full - own:,} bytes ({(full - own) / 2**20:.1f} MiB) saved against a copy")
+    return line
+
+
 def _start_from(cfg: RunConfig, session: Session, executor, watch, state, metrics_path: Path, log, stop,
                 recovering: bool) -> tuple[int, list[dict]]:
     """Bring the driver (loader, RNG, metrics) and every host's engines to ``state``, a checkpoint or
@@ -282,6 +305,8 @@ def _train_loop(cfg: RunConfig, session: Session, client, state, metrics_path: P
     executor = DaskExecutor(client, ranks, cfg.cluster.lowering, installed=session.graphs)
     watch = WorkerWatch(client)
     log(f"engines ready in {time.time() - t0:.1f}s")
+    if cfg.train.lora is not None:
+        log(lora_line(cfg.train.lora, executor.call(_lora_sizes)))
     loggers = Loggers(cfg, run_dir, fresh=state is None, logged=checkpoints.metric_rows(metrics_path))
     failed = True
     try:

@@ -216,8 +216,29 @@ def iteration_spec(cfg: RunConfig, dims, prompt_tokens: int, vision_tokens: int,
         grad_prefix_lookahead=cfg.train.grad_prefix_lookahead,
         mini_batches=cfg.train.mini_batches,
         epochs=cfg.train.epochs,
+        trains_vision=not cfg.train.freeze_vision,
     )
     return IterationSpec(shape, engines, policy, world, cfg.cluster.tp_rollout)
+
+
+def check_lora(cfg: RunConfig, model_path: str, train_engine: str) -> None:
+    """train.lora against the model and the train engine, before any worker starts: its targets
+    name linear layers of the language model (checked on the meta device), and ZeRO-3 is out."""
+    import torch
+    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
+
+    from rollplex.engines.lora import target_names
+
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        raise ConfigError("train.lora: needs peft, which is not installed (pip install 'rollplex[lora]')") from None
+    if train_engine == "deepspeed" and cfg.train.zero_stage == 3:
+        raise ConfigError("train.lora: ZeRO-3 would partition the frozen base model as well, which the merged "
+                          "weight sync and export do not gather; use train.zero_stage 0, 1 or 2")
+    with torch.device("meta"):
+        model = Qwen2_5_VLForConditionalGeneration._from_config(AutoConfig.from_pretrained(model_path))
+    target_names(model, cfg.train.lora["target_modules"])
 
 
 class Session:
@@ -290,6 +311,8 @@ class Session:
         spec = iteration_spec(cfg, dims, prompt_tokens, vision_tokens, self.device, choice)
         shape = spec.shape
         self.max_positions = check_sequence_length(cfg, hf_config, max(prompt_tokens, self.eval_prompt_tokens))
+        if cfg.train.lora is not None:
+            check_lora(cfg, self.model_path, self.train_engine)
         if cfg.train.train_fusion and self.train_engine != "torch":
             raise ConfigError(f"train.train_fusion: the {self.train_engine} train engine cannot rescale its "
                               "accumulated gradients at the step; set engines.train: torch or train.train_fusion: false")
@@ -331,7 +354,8 @@ class Session:
         from rollplex.pipeline.plan.weightshare import annotate_run  # weight_sync nodes: what is aliased, rebuilt
 
         self.weight_plan = annotate_run(self.graphs.values(), self.model_path, self.decode_engine, self.train_engine,
-                                        cfg.model.dtype, cfg.train.zero_stage, cfg.engines.weight_sharing)
+                                        cfg.model.dtype, cfg.train.zero_stage, cfg.engines.weight_sharing,
+                                        lora_targets=(cfg.train.lora or {}).get("target_modules", ()))
 
     def checkpoint(self, executor, iteration: int, reward: float | None, pids: set[int]) -> Path:
         """The actor and optimizer (from the worker) plus the processor files, so that the
@@ -395,6 +419,7 @@ class Session:
                          "zero_stage": cfg.train.zero_stage, "accumulation_steps": micro_batches,
                          # weight sharing with vLLM: DeepSpeed's flat buffer holds q|k|v, gate|up adjacent
                          "fusion_order": cfg.engines.weight_sharing != "off" and self.decode_engine == "vllm",
+                         "freeze_vision": cfg.train.freeze_vision, "lora": cfg.train.lora,
                          **cfg.engines.train_options}
         longest = min(self.max_positions, max(256, max(self.shape.prompt_tokens, self.eval_prompt_tokens)
                                               + cfg.rollout.max_new_tokens + 64))

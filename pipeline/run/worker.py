@@ -94,6 +94,12 @@ class HostSpec:
     graphs: dict = field(default_factory=dict)
 
 
+def shares_policy_base(decl, policy: str) -> bool:
+    """Whether a frozen model is a copy of the policy as RL began (the reference), not a model of its
+    own (an engine or a checkpoint of its own: a reward model)."""
+    return decl.copy_of == policy and not decl.trainable and decl.engine is None and decl.path is None
+
+
 class WorkerHost:
     """``engines``/``decode``/``streams``/``partitions`` may be given ready-made (benchmarks build them
     once and run several policies on them); otherwise they are built from the spec."""
@@ -134,16 +140,27 @@ class WorkerHost:
         self.engines: dict[str, Any] = dict(engines or {})
         if engines is None:
             # A model may name its own engine and checkpoint (ModelDecl.engine/path); a critic's
-            # value head travels as an option. Frozen copies start from the reference.
-            decls = self.algorithm.models
+            # value head travels as an option. Frozen copies start from the reference. LoRA adapts
+            # the policy alone: its base is the reference, and its frozen copies are that base with
+            # the adapters off, on the policy's own weights (engines/lora.py).
+            decls, policy = self.algorithm.models, self.algorithm.rollout_model
             for model in spec.trainable:
                 decl = decls.get(model)
                 options = {**spec.train_options, **({"head": decl.head} if decl and decl.head != "lm" else {})}
+                if model != policy:
+                    options.pop("lora", None)
+                base = spec.reference_path if options.get("lora") else spec.model_path
                 self.engines[model] = build((decl and decl.engine) or spec.train_engine, "train",
-                                            (decl and decl.path) or spec.model_path, options)
+                                            (decl and decl.path) or base, options)
+            adapted = getattr(self.engines.get(policy), "peft", None) is not None
             for model in spec.frozen:
                 decl = decls.get(model)
                 options = {"head": decl.head} if decl and decl.head != "lm" else {}
+                if adapted and decl is not None and shares_policy_base(decl, policy):
+                    from rollplex.engines.lora import without_adapters
+
+                    options = {**options, "module": without_adapters(self.engines[policy].module),
+                               "shares_weights": True}
                 self.engines[model] = build((decl and decl.engine) or spec.score_engine, "score",
                                             (decl and decl.path) or spec.reference_path, options)
         self.sharing_note = ""
@@ -213,7 +230,8 @@ class WorkerHost:
         train = self.engines.get(self.algorithm.rollout_model)
         if spec.weight_sharing == "off" or train is None or getattr(train, "role", "") != "train":
             return spec.decode_options
-        why = sharing_refusal(spec.decode_engine, spec.train_engine, int(spec.train_options.get("zero_stage", 0)))
+        why = sharing_refusal(spec.decode_engine, spec.train_engine, int(spec.train_options.get("zero_stage", 0)),
+                              bool(spec.train_options.get("lora")))
         if why:
             self.sharing_note = f"weight sharing off: {why}"
             return spec.decode_options
@@ -495,7 +513,7 @@ def execute_node(host: WorkerHost, node: Node, iteration: int, inputs: dict[str,
     start = time.time()
     try:
         # Named after the kind so that a profile (rollplex bench --profile) sums device time per kind.
-        keeps_graph = node.kind in ("prefix", "suffix_score") and bool(node.args.get("grad"))
+        keeps_graph = node.kind in ("vit_encode", "prefix", "suffix_score") and bool(node.args.get("grad"))
         with host.on_stream(node.stream, keeps_graph=keeps_graph) as sms, \
                 torch.profiler.record_function(f"node:{node.kind}"):
             outputs = task_for(node.kind)(NodeContext(host, iteration, values), node, inputs)
