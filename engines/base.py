@@ -228,6 +228,18 @@ class TrainEngine(ABC):
 # --------------------------------------------------------------------------------------------------
 # registry
 @dataclass(frozen=True)
+class Option:
+    """One option a user may give an engine (``engines.decode_options`` / ``train_options``): its type,
+    bounds or choices, and ``check(value) -> problem or None`` for what those cannot say."""
+
+    kind: type | tuple[type, ...]
+    lo: float | None = None
+    hi: float | None = None
+    choices: tuple = ()
+    check: Callable[[Any], str | None] | None = None
+
+
+@dataclass(frozen=True)
 class EngineSpec:
     name: str
     role: str
@@ -235,6 +247,7 @@ class EngineSpec:
     requires: tuple[str, ...] = ()  # importable modules the engine needs
     description: str = ""
     devices: tuple[str, ...] = ("cpu", "cuda")
+    options: Mapping[str, Option] = field(default_factory=dict)  # what users may set; nothing else is taken
 
     def installed(self) -> bool:
         return all(importlib.util.find_spec(m) is not None for m in self.requires)
@@ -264,6 +277,46 @@ def register_engine(spec: EngineSpec) -> EngineSpec:
         raise EngineError(f"engine {spec.name!r} is registered already (role {_ENGINES[spec.name].role})")
     _ENGINES[spec.name] = spec
     return spec
+
+
+def check_options(spec: EngineSpec, options: Mapping[str, Any], where: str,
+                  elsewhere: Mapping[str, str] | None = None) -> None:
+    """Refuse a user's options for ``spec`` by name (``where``.key): an option the engine does not take
+    (``elsewhere``: keys that are set by another field, which it names), a value of another type, out
+    of bounds, not one of the choices, or not finite."""
+    import math
+
+    from rollplex.errors import ConfigError
+
+    for key, value in options.items():
+        option = spec.options.get(key)
+        if option is None:
+            if elsewhere and key in elsewhere:
+                raise ConfigError(f"{where}.{key}: set {elsewhere[key]} instead (it is the one the engine reads)")
+            known = ", ".join(sorted(spec.options)) or "none"
+            raise ConfigError(f"{where}.{key}: engine {spec.name!r} takes no option {key!r}; its options: {known}")
+        kinds = option.kind if isinstance(option.kind, tuple) else (option.kind,)
+        if not any(_has_kind(value, kind) for kind in kinds):
+            names = " or ".join(k.__name__ for k in kinds)
+            raise ConfigError(f"{where}.{key}: expected {names}, got {type(value).__name__} {value!r}")
+        numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if numeric and not math.isfinite(value):
+            raise ConfigError(f"{where}.{key}: expected a finite number, got {value}")
+        if numeric and option.lo is not None and value < option.lo:
+            raise ConfigError(f"{where}.{key}: {value} is below the minimum {option.lo}")
+        if numeric and option.hi is not None and value > option.hi:
+            raise ConfigError(f"{where}.{key}: {value} is above the maximum {option.hi}")
+        if option.choices and value not in option.choices:
+            raise ConfigError(f"{where}.{key}: {value!r} is not one of {', '.join(map(str, option.choices))}")
+        problem = option.check(value) if option.check else None
+        if problem:
+            raise ConfigError(f"{where}.{key}: {problem}")
+
+
+def _has_kind(value: Any, kind: type) -> bool:
+    if kind in (int, float) and isinstance(value, bool):  # YAML's true is not a number here
+        return False
+    return isinstance(value, (int, float)) if kind is float else isinstance(value, kind)
 
 
 def get_engine(name: str, role: str | None = None) -> EngineSpec:

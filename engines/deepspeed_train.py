@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -48,12 +47,6 @@ DS_SUBDIR = "deepspeed"  # DeepSpeed's own checkpoint (optimizer state, fp32 mas
 DS_TAG = "state"
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_distributed(device: torch.device) -> None:
     """One process group per process; a launcher's (or vLLM's) environment and group win."""
     import deepspeed
@@ -62,10 +55,11 @@ def init_distributed(device: torch.device) -> None:
         for var, default in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
             os.environ.setdefault(var, default)
         if "MASTER_PORT" not in os.environ:
-            # No launcher: a one-rank group on a free port, named here rather than in MASTER_PORT,
-            # which every process this one starts (Dask workers) would inherit and try to listen on.
-            torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                                 init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+            # No launcher: a one-rank group on loopback, named here rather than in MASTER_PORT, which
+            # every process this one starts (Dask workers) would inherit and try to listen on.
+            from rollplex.runtime import init_local_group
+
+            init_local_group(device.type)
     _skip_shared_memory_comm_build()
     # Idempotent; adopts an existing torch.distributed group instead of creating one.
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo",

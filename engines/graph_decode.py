@@ -47,6 +47,7 @@ from rollplex.engines.base import (
     EngineContext,
     EngineSpec,
     FinishedSequence,
+    Option,
     register_engine,
 )
 from rollplex.engines.decode_attention import PREFIX_MEMBERS
@@ -621,10 +622,26 @@ class GraphDecodeEngine(DecodeEngine):
         return out
 
 
+def _batch_sizes(sizes: list) -> str | None:
+    if not sizes or not all(isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= 2**20 for b in sizes):
+        return f"expected a list of batch sizes (whole numbers 1..{2**20}), got {sizes!r}"
+    return None
+
+
+def _compile_mode(mode) -> str | None:
+    if mode in (True, False, "true", "default", "max-autotune-no-cudagraphs"):
+        return None
+    return f"{mode!r} is not one of true, false, default, max-autotune-no-cudagraphs"
+
+
 SPEC = register_engine(EngineSpec(
     name="torch-graph",
     role="decode",
     factory=GraphDecodeEngine,
     requires=("transformers",),
     description="static-KV torch engine: grouped-query attention, in-step sampling, CUDA graphs per batch size",
+    options={"max_num_seqs": Option(int, 1, 2**20), "max_model_len": Option(int, 1, 2**20),
+             "graph_batch_sizes": Option(list, check=_batch_sizes), "cuda_graphs": Option(bool),
+             "steps_per_graph": Option(int, 1, 1024), "compile": Option((bool, str), check=_compile_mode),
+             "attention": Option(str, choices=("auto", "split-kv", "sdpa"))},
 ))

@@ -30,6 +30,7 @@ from rollplex.engines.base import (
     EngineContext,
     EngineSpec,
     FinishedSequence,
+    Option,
     register_engine,
 )
 from rollplex.errors import EngineError
@@ -419,4 +420,5 @@ SPEC = register_engine(EngineSpec(
     factory=TorchDecodeEngine,
     requires=("transformers",),
     description="transformers/torch decode with shared prefills and batched left-padded KV",
+    options={"max_num_seqs": Option(int, 1, 2**20), "attn_implementation": Option(str, choices=("sdpa", "eager"))},
 ))

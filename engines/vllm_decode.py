@@ -10,6 +10,7 @@ Traps handled here (see shared/STACK.md):
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Iterable, Sequence
 
@@ -21,6 +22,7 @@ from rollplex.engines.base import (
     EngineContext,
     EngineSpec,
     FinishedSequence,
+    Option,
     register_engine,
 )
 from rollplex.engines.torch_decode import eos_token_ids
@@ -47,7 +49,8 @@ def collapse_pads(ids: Sequence[int], pad_ids: Iterable[int]) -> tuple[list[int]
 
 class VLLMDecodeEngine(DecodeEngine):
     """Options: max_model_len, max_num_seqs, kv_cache_bytes, enforce_eager (True), limit_images (1),
-    limit_videos (0), enable_prefix_caching (True), vllm_kwargs (passed to ``LLM`` unchanged),
+    limit_videos (0), enable_prefix_caching (True), vllm_kwargs (passed to ``LLM`` unchanged, once
+    checked: ``_engine_args``),
     share_model (a colocated trainer's HF module: vLLM then runs on its storage, see ``_share``)."""
 
     def __init__(self, ctx: EngineContext) -> None:
@@ -81,6 +84,10 @@ class VLLMDecodeEngine(DecodeEngine):
         kwargs.update(opts.get("vllm_kwargs", {}))
         if torch.device(ctx.device).type == "cpu":
             _rank_tokens_eagerly()
+        # vLLM adopts this process's group; one of its own would listen on every interface.
+        from rollplex.runtime import init_local_group
+
+        init_local_group(torch.device(ctx.device).type)
         self._lock = threading.Lock()
         with self._lock:
             self.llm = LLM(**kwargs)
@@ -262,10 +269,78 @@ def _finished(out) -> list[FinishedSequence]:
     return sorted(done, key=lambda f: f.index)
 
 
+# Engine arguments the constructor sets from a field of its own, or that Rollplex depends on: given in
+# vllm_kwargs they would override it in silence (a `logprobs_mode` of raw logits skews every ratio).
+_SET_ELSEWHERE = {
+    "model": "model.path", "dtype": "model.dtype", "seed": "seed",
+    "max_model_len": "engines.decode_options.max_model_len", "max_num_seqs": "engines.decode_options.max_num_seqs",
+    "kv_cache_memory_bytes": "engines.decode_options.kv_cache_bytes",
+    "enforce_eager": "engines.decode_options.enforce_eager",
+    "enable_prefix_caching": "engines.decode_options.enable_prefix_caching",
+    "limit_mm_per_prompt": "engines.decode_options.limit_images and limit_videos",
+}
+_RESERVED = {"logprobs_mode": "the log-probs of the distribution sampled from (processed_logprobs), which "
+                              "importance ratios need",
+             "enable_mm_embeds": "image embeddings handed over from vit_encode"}
+
+
+def _engine_args(kwargs: dict) -> str | None:
+    """vllm_kwargs go to ``LLM`` as they are: each must name one of vLLM's engine arguments that
+    Rollplex does not set itself, with a value the vLLM config field of its name takes."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    known = {f.name for f in dataclasses.fields(EngineArgs)}
+    unknown = sorted(str(k) for k in kwargs if k not in known)
+    if unknown:
+        return f"vLLM has no engine argument {', '.join(map(repr, unknown))}"
+    for key, value in kwargs.items():
+        if key in _SET_ELSEWHERE:
+            return f"{key}: set {_SET_ELSEWHERE[key]} instead (the engine passes it to vLLM)"
+        if key in _RESERVED:
+            return f"{key}: Rollplex sets it, to {_RESERVED[key]}"
+        problem = _refused_by_vllm_config(key, value)
+        if problem:
+            return f"{key}: {problem}"
+    return None
+
+
+def _refused_by_vllm_config(key: str, value) -> str | None:
+    """What vLLM says of ``value`` for its engine argument ``key``: the argument's own type (a
+    kv_cache_dtype is one of a list) and the bounds of the config fields of its name (pydantic
+    dataclasses: gpu_memory_utilization in (0, 1], say), checked here rather than as a traceback from
+    inside the engine's construction. Speculative decoding's config repeats some names for its draft
+    model and is left out."""
+    import inspect
+    from typing import Annotated
+
+    import pydantic
+    import vllm.config
+    from vllm.engine.arg_utils import EngineArgs
+
+    argument = next(f for f in dataclasses.fields(EngineArgs) if f.name == key)
+    checks = [("EngineArgs", argument.type)]
+    for name, cls in sorted(vars(vllm.config).items()):
+        info = getattr(cls, "__pydantic_fields__", {}).get(key) if inspect.isclass(cls) else None
+        if info is not None and name != "SpeculativeConfig":
+            checks.append((name, Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation))
+    for name, annotation in checks:
+        try:
+            pydantic.TypeAdapter(annotation).validate_python(value)
+        except pydantic.ValidationError as exc:
+            return f"vLLM's {name} refuses {value!r}: {exc.errors()[0]['msg']}"
+        except Exception:  # noqa: BLE001 - a type pydantic cannot build alone (a string, a callable): vLLM's to check
+            continue
+    return None
+
+
 SPEC = register_engine(EngineSpec(
     name="vllm",
     role="decode",
     factory=VLLMDecodeEngine,
     requires=("vllm",),
     description="vLLM in-process engine with precomputed image embeddings and in-place weight reload",
+    options={"max_model_len": Option(int, 1, 2**20), "max_num_seqs": Option(int, 1, 2**20),
+             "kv_cache_bytes": Option(int, 1, 2**50), "enforce_eager": Option(bool), "limit_images": Option(int, 0, 64),
+             "limit_videos": Option(int, 0, 64), "enable_prefix_caching": Option(bool),
+             "vllm_kwargs": Option(dict, check=_engine_args)},
 ))

@@ -31,7 +31,7 @@ def _config_from(args, base: Path | None = None) -> "object":
         overrides.append(f"cluster.workers={args.workers}")
     if getattr(args, "dashboard", False):
         overrides.append("cluster.dashboard=true")
-    cfg = load_config(config_path, overrides)
+    cfg = load_config(config_path, overrides, checksummed=base is not None and config_path == base)
     if dag_file is not None:
         cfg.algorithm = dag_file  # a path, taken as is (not through YAML)
     return cfg
@@ -50,8 +50,11 @@ def cmd_train(args) -> int:
     cfg = _config_from(args)
     out = Path(args.out or f"runs/{cfg.algorithm.replace('/', '_').removesuffix('.py')}-seed{cfg.seed}")
     saved = out / "config.yaml"
-    if args.resume and saved.is_file() and not (args.config or "").endswith((".yaml", ".yml")):
-        cfg = _config_from(args, base=saved)  # continue the run as configured; flags and --set still apply
+    if args.resume and not (args.config or "").endswith((".yaml", ".yml")):
+        if saved.is_file():
+            cfg = _config_from(args, base=saved)  # continue the run as configured; flags and --set still apply
+        elif (out / "checkpoints").is_dir():
+            raise ConfigError(f"--resume: {saved} is missing; give the run's config file as the first argument")
     request_cuda_allocator(cfg.cluster.cuda_allocator)  # before torch loads, here and in the workers
 
     from rollplex.pipeline.run.runner import train
@@ -60,6 +63,19 @@ def cmd_train(args) -> int:
     print(f"done: {summary.iterations} iterations, mean reward of the last 10 {summary.final_reward:.3f}, "
           f"{summary.seconds_per_iteration:.3f} s/iteration → {summary.run_dir}")
     return 0
+
+
+def _output_file(path: str, flag: str) -> None:
+    """Refuse an output path that names the wrong kind of thing, before any work."""
+    import os
+
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{flag} {path}: is a directory; give a file name")
+    if not p.parent.is_dir():
+        raise ConfigError(f"{flag} {path}: {p.parent} is not a directory")
+    if not os.access(p.parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {path}: {p.parent} is not writable (a read-only file system, or no permission)")
 
 
 def _resume_dir(resume: bool | str | None, out: str | None) -> str | None:
@@ -78,6 +94,8 @@ def cmd_graph(args) -> int:
     from rollplex.pipeline.compile.render import render
     from rollplex.pipeline.run.session import Session
 
+    if args.out is not None:
+        _output_file(args.out, "--out")
     cfg = _config_from(args)
     session = Session(cfg, Path("."))
     if args.out is None:
@@ -124,8 +142,16 @@ def cmd_engines(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """A bad argument is one line and exit 2, like every other bad input; --help prints the usage.
+    Subcommands' parsers are of this class too (argparse makes them with the parent's class)."""
+
+    def error(self, message: str):
+        self.exit(2, f"rollplex: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rollplex", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="rollplex", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     def common(p):

@@ -19,15 +19,18 @@ from typing import Any
 import yaml
 
 from rollplex.errors import ConfigError
+from rollplex.yamlio import AmbiguousYAML, Dumper, Loader
 
 
-def _range(lo: float | None = None, hi: float | None = None, choices: tuple | None = None, doc: str = ""):
-    return {"lo": lo, "hi": hi, "choices": choices, "doc": doc}
+def _range(lo: float | None = None, hi: float | None = None, choices: tuple | None = None, doc: str = "",
+           above: bool = False):
+    return {"lo": lo, "hi": hi, "choices": choices, "doc": doc, "above": above}
 
 
-def f(default: Any, lo=None, hi=None, choices=None, doc: str = ""):
-    """A config field with its default, allowed range or choices, and a one-line description."""
-    meta = _range(lo, hi, choices, doc)
+def f(default: Any, lo=None, hi=None, choices=None, doc: str = "", above: bool = False):
+    """A config field with its default, allowed range (``above``: strictly above ``lo``) or choices, and
+    a one-line description. Every number has both bounds: what its consumer (an engine, numpy) takes."""
+    meta = _range(lo, hi, choices, doc, above)
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -45,7 +48,7 @@ class TaskConfig:
     name: str = f("synthetic", choices=("synthetic",), doc="prompt source")
     kinds: list = f(["colour"], doc="synthetic question kinds: colour, shape, count")
     image_size: int = f(112, lo=28, hi=1024, doc="synthetic image side in pixels (multiple of 28): 16 vision tokens")
-    size: int = f(512, lo=1, doc="number of distinct synthetic items")
+    size: int = f(512, lo=1, hi=2**24, doc="number of distinct synthetic items")
     reward: str = f("exact_match", doc="reward: a registered name (exact_match, math_answer) or module:function "
                     "or path/to/file.py:function, fn(text, answer) -> float")
 
@@ -64,7 +67,8 @@ class DataConfig:
     on_bad_row: str = f("reject", choices=("skip", "reject"),
                         doc="a row with a missing/unreadable image, empty prompt or no answer: reject (exit 2, "
                         "naming file and row) or skip (logged, counted in metrics)")
-    max_prompt_tokens: int = f(0, lo=0, doc="longer prompts are bad rows; 0: the longest of the first 32 rows")
+    max_prompt_tokens: int = f(0, lo=0, hi=2**20,
+                               doc="longer prompts are bad rows; 0: the longest of the first 32 rows")
     val_path: str | None = f(None, doc="validation prompts (eval.every), a file or folder like data.path in the same "
                              "columns; null: on the embedded task, held-out items it never trains on")
 
@@ -76,7 +80,7 @@ class RolloutConfig:
     max_new_tokens: int = f(8, lo=1, hi=65536, doc="response length cap")
     chunk_tokens: int = f(4, lo=1, hi=65536, doc="K: tokens per decode_chunk node")
     temperature: float = f(1.0, lo=0.0, hi=10.0, doc="sampling temperature (0 = greedy)")
-    top_p: float = f(1.0, lo=0.0, hi=1.0, doc="nucleus sampling mass")
+    top_p: float = f(1.0, lo=0.0, hi=1.0, above=True, doc="nucleus sampling mass, in (0, 1]")
 
 
 @dataclass
@@ -85,9 +89,9 @@ class TrainConfig:
     betas: list = f([0.9, 0.999], doc="AdamW betas")
     eps: float = f(1e-8, lo=0.0, hi=1.0, doc="AdamW epsilon")
     weight_decay: float = f(0.0, lo=0.0, hi=1.0, doc="AdamW decoupled weight decay")
-    grad_clip: float = f(1.0, lo=0.0, doc="max gradient norm; 0 disables clipping")
-    micro_batch_groups: int = f(2, lo=1, doc="prompt groups per loss/backward node")
-    prompts_per_node: int = f(0, lo=0, doc="prompts per vit_encode/prefix/suffix_score node (one batched "
+    grad_clip: float = f(1.0, lo=0.0, hi=1e6, doc="max gradient norm; 0 disables clipping")
+    micro_batch_groups: int = f(2, lo=1, hi=65536, doc="prompt groups per loss/backward node")
+    prompts_per_node: int = f(0, lo=0, hi=65536, doc="prompts per vit_encode/prefix/suffix_score node (one batched "
                               "forward); 0 = auto: enough prompts that a node's work outweighs its dispatch")
     zero_stage: int = f(2, lo=0, hi=3, doc="DeepSpeed ZeRO stage")
     prefix_sharing: bool = f(True, doc="score the prompt prefix once per group (else full sequences)")
@@ -98,23 +102,23 @@ class TrainConfig:
                            "in the decode window, micro_batch_groups at a time, its gradient normalised at "
                            "the step (needs engines.train: "
                            "torch and a per-group algorithm; otherwise the graph trains after decode)")
-    window_chunks: int = f(0, lo=0, doc="with stage fusion and no train fusion, the decode chunks from this one "
-                           "on are scored by one node after the last chunk (one forward instead of one per "
+    window_chunks: int = f(0, lo=0, hi=65536, doc="with stage fusion and no train fusion, the decode chunks from this "
+                           "one on are scored by one node after the last chunk (one forward instead of one per "
                            "chunk, for the chunks that end after the decode window); 0 = one node per chunk")
-    grad_prefix_lookahead: int = f(0, lo=0, doc="the policy's prefix forward of micro-batch m waits for the "
+    grad_prefix_lookahead: int = f(0, lo=0, hi=65536, doc="the policy's prefix forward of micro-batch m waits for the "
                                    "loss of micro-batch m - N, so at most N micro-batches of its graphs are "
                                    "held beside the one training; 0 = no bound (all may run in the decode window)")
-    ref_cache_gib: float = f(1.0, lo=0.0, doc="host memory for frozen models' prefixes, reused across "
+    ref_cache_gib: float = f(1.0, lo=0.0, hi=2**20, doc="host memory for frozen models' prefixes, reused across "
                              "epochs (0 disables)")
     mini_batches: int = f(1, lo=1, hi=65536, doc="M: the iteration's prompt groups split into M mini-batches, one "
                           "optimizer step each (verl ppo_mini_batch_size, TRL steps_per_generation); each later "
                           "mini-batch is scored anew under the updated weights against the rollout-time old_logprobs")
     epochs: int = f(1, lo=1, hi=1024, doc="E: passes over the mini-batches per iteration, M × E optimizer steps in "
                     "all (verl ppo_epochs, TRL num_iterations)")
-    clip_ratio_c: float | None = f(None, lo=1.0, doc="dual clip (verl clip_ratio_c, e.g. 3): the policy loss of a "
-                                   "negative-advantage token is at most c·|A| however far its ratio grows; for the "
-                                   "algorithms whose loss takes clip_ratio_c (grpo, dapo, ppo, reinforce_pp); "
-                                   "null: off")
+    clip_ratio_c: float | None = f(None, lo=1.0, hi=1e6, doc="dual clip (verl clip_ratio_c, e.g. 3): the policy "
+                                   "loss of a negative-advantage token is at most c·|A| however far its ratio "
+                                   "grows; for the algorithms whose loss takes clip_ratio_c (grpo, dapo, ppo, "
+                                   "reinforce_pp); null: off")
     rollout_is: dict = f({}, doc="{cap: C}: truncated importance sampling for the decode engine's mismatch (verl "
                          "rollout_is): the policy loss's policy-gradient term weighted per token by "
                          "min(π_old/π_rollout, C), C ≥ 1, π_rollout the decode engine's log-probs (the loss reads "
@@ -131,25 +135,26 @@ class TrainConfig:
 
 @dataclass
 class WarmupConfig:
-    steps: int | None = f(None, lo=0, doc="supervised answer-format steps toward random valid answers before RL, "
-                          "whose result becomes the reference (0 disables); null: 40 on the embedded task "
-                          "(README), 0 on data.path")
-    batch_size: int = f(32, lo=1, doc="warm-up examples per step")
+    steps: int | None = f(None, lo=0, hi=10**9, doc="supervised answer-format steps toward random valid answers "
+                          "before RL, whose result becomes the reference (0 disables); null: 40 on the embedded "
+                          "task (README), 0 on data.path")
+    batch_size: int = f(32, lo=1, hi=65536, doc="warm-up examples per step")
     lr: float = f(2e-3, lo=0.0, hi=1.0, doc="warm-up learning rate")
 
 
 @dataclass
 class EvalConfig:
-    every: int = f(0, lo=0, doc="validate after every N-th RL iteration and after the last (0: never): decode "
+    every: int = f(0, lo=0, hi=10**9, doc="validate after every N-th RL iteration and after the last (0: never): decode "
                    "and reward only, on the current policy, no update")
     before_train: bool = f(False, doc="also validate the policy RL starts from (after any warm-up)")
-    prompts: int = f(32, lo=0, doc="validation prompts: the first N rows of data.val_path (0: all of them), or "
+    prompts: int = f(32, lo=0, hi=2**24, doc="validation prompts: the first N rows of data.val_path (0: all of them), or "
                      "N held-out items of the embedded task (items task.size.. the training loader never visits)")
     samples: int = f(1, lo=1, hi=1024, doc="responses per validation prompt; pass@k is logged for k = 1 and k = "
                      "this (the unbiased estimator)")
     temperature: float = f(0.0, lo=0.0, hi=10.0, doc="validation sampling temperature (0 = greedy; above 0 it "
                            "samples with rollout.top_p)")
-    pass_reward: float = f(1.0, doc="a response passes (for pass@k) when its reward is at least this")
+    pass_reward: float = f(1.0, lo=-1e9, hi=1e9,
+                           doc="a response passes (for pass@k) when its reward is at least this")
 
 
 @dataclass
@@ -191,7 +196,7 @@ class ClusterConfig:
                           "iteration (one task per iteration on its worker, whose streams run the nodes); auto: "
                           "iteration with one worker, nodes with data-parallel ranks")
     dashboard: bool = f(False, doc="serve the Dask dashboard")
-    memory_budget_gib: float | None = f(None, lo=0.0, doc="memory per device the engines may hold; checked "
+    memory_budget_gib: float | None = f(None, lo=0.0, hi=2**20, doc="memory per device the engines may hold; checked "
                                         "before they start (null: no check)")
     sm_partitions: bool = f(False, doc="rollplex schedule on CUDA: while decode and compute-stream work run "
                             "together each gets its own SMs (green contexts), the split re-chosen per decode "
@@ -209,8 +214,8 @@ class ClusterConfig:
 
 @dataclass
 class CheckpointConfig:
-    every: int = f(25, lo=0, doc="iterations between checkpoints (0: only the last)")
-    keep_last: int = f(2, lo=1, doc="checkpoints kept besides the best")
+    every: int = f(25, lo=0, hi=10**9, doc="iterations between checkpoints (0: only the last)")
+    keep_last: int = f(2, lo=1, hi=10**6, doc="checkpoints kept besides the best")
 
 
 @dataclass
@@ -243,20 +248,6 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
-# ------------------------------------------------------------------------------------------------
-class _Loader(yaml.SafeLoader):
-    """YAML 1.1 reads ``1e-4`` (no dot) as a string; here it is a float, as in YAML 1.2 and Python."""
-
-
-class _Dumper(yaml.SafeDumper):
-    """Quotes strings such as ``"1e-4"`` so that they load back as strings."""
-
-
-_EXP_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9]+$")
-for _cls in (_Loader, _Dumper):
-    _cls.add_implicit_resolver("tag:yaml.org,2002:float", _EXP_FLOAT, list("-+0123456789."))
-
-
 def _suggest(name: str, known: list[str]) -> str:
     close = difflib.get_close_matches(name, known, n=1)
     return f"; did you mean {close[0]!r}?" if close else f"; known fields: {', '.join(known)}"
@@ -275,7 +266,8 @@ def _check_type(path: str, value: Any, annotation: Any) -> Any:
             try:
                 return _check_type(path, value, option)
             except ConfigError:
-                pass
+                if isinstance(value, option) and not isinstance(value, bool):
+                    raise  # of the right type, but not a value it takes (nan, an empty string)
         names = " or ".join(getattr(o, "__name__", str(o)) for o in inner)
         raise ConfigError(f"{path}: expected {names}, got {type(value).__name__} {value!r}")
     if annotation is bool:
@@ -295,6 +287,8 @@ def _check_type(path: str, value: Any, annotation: Any) -> Any:
             return number
     elif annotation is str:
         if isinstance(value, str):
+            if not value.strip():  # else `model.path: ""` ran the embedded model, as if null were meant
+                raise ConfigError(f"{path}: is empty; give a value (or null where the field takes one)")
             return value
     elif annotation is list:
         if isinstance(value, (list, tuple)):
@@ -333,6 +327,8 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
             shown = ", ".join(str(c).lower() if isinstance(c, bool) else str(c) for c in meta["choices"])
             raise ConfigError(f"{path}: {value!r} is not one of {shown}")
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if meta.get("above") and value <= meta["lo"]:
+                raise ConfigError(f"{path}: {value} is not above {meta['lo']}")
             if meta.get("lo") is not None and value < meta["lo"]:
                 raise ConfigError(f"{path}: {value} is below the minimum {meta['lo']}")
             if meta.get("hi") is not None and value > meta["hi"]:
@@ -348,7 +344,9 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
     if not key.strip():
         raise ConfigError(f"--set {item!r}: empty key")
     try:
-        value = yaml.load(raw, Loader=_Loader) if raw.strip() else ""
+        value = yaml.load(raw, Loader=Loader) if raw.strip() else ""
+    except AmbiguousYAML as exc:
+        raise ConfigError(f"--set {item!r}: {exc.problem}") from None
     except (yaml.YAMLError, ValueError, RecursionError):  # ValueError: e.g. 2001-13-01 looks like a date
         value = raw
     return key.strip().split("."), value
@@ -369,23 +367,31 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
-def read_yaml(path: str | Path) -> dict:
+def read_yaml(path: str | Path, checksummed: bool = False) -> dict:
     p = Path(path)
     if not p.exists():
         raise ConfigError(f"config file {p} does not exist")
+    if p.is_dir():
+        raise ConfigError(f"config file {p} is a directory, not a YAML file")
     try:
         text = p.read_text(encoding="utf-8")  # dump_config's files are written as UTF-8
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"config file {p} cannot be read: {exc}") from None
+    if checksummed:
+        header, _, body = text.partition("\n")
+        if header != _checksum_header(body):
+            raise ConfigError(f"{p} fails its checksum: it was edited or damaged since the run wrote it; restore "
+                              "it, or give the run's config file as the first argument")
     try:
-        data = yaml.load(text, Loader=_Loader)
+        data = yaml.load(text, Loader=Loader)
     except (ValueError, RecursionError) as exc:  # a constructor failed, e.g. the date 2001-13-01
         raise ConfigError(f"{p}: malformed YAML: {exc or type(exc).__name__}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError(f"{p}: malformed YAML{where}: {problem}") from None
+        what = "ambiguous" if isinstance(exc, AmbiguousYAML) else "malformed"
+        raise ConfigError(f"{p}: {what} YAML{where}: {problem}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -393,8 +399,11 @@ def read_yaml(path: str | Path) -> dict:
     return data
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    data = read_yaml(path) if path is not None else {}
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                checksummed: bool = False) -> RunConfig:
+    """``checksummed``: ``path`` is a run's config.yaml (``run_config_text``), refused unless its
+    checksum holds."""
+    data = read_yaml(path, checksummed) if path is not None else {}
     data = apply_overrides(data, list(overrides or []))
     cfg = _build(RunConfig, data, "")
     validate(cfg)
@@ -418,6 +427,8 @@ def validate(cfg: RunConfig) -> None:
     if cfg.data.path is None and cfg.rollout.prompts_per_iteration > cfg.task.size:
         raise ConfigError(f"rollout.prompts_per_iteration: {cfg.rollout.prompts_per_iteration} exceeds task.size "
                           f"({cfg.task.size}): the dataset holds fewer prompts than one iteration needs")
+    if cfg.cluster.scheduler is not None:
+        _validate_address(cfg.cluster.scheduler)
     _validate_tls(cfg.cluster)
     if cfg.cluster.lowering == "iteration" and cfg.cluster.workers > 1:
         raise ConfigError(f"cluster.lowering: 'iteration' runs a whole iteration on one worker; with "
@@ -450,6 +461,21 @@ def validate(cfg: RunConfig) -> None:
                           f"({cfg.rollout.max_new_tokens})")
 
 
+_ADDRESS = re.compile(r"(?:(?P<scheme>[a-z0-9]+)://)?(?P<host>\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):(?P<port>[0-9]+)")
+
+
+def _validate_address(address: str) -> None:
+    """A scheduler address as Dask takes it: [tcp:// or tls://]HOST:PORT."""
+    m = _ADDRESS.fullmatch(address)
+    if m is None:
+        raise ConfigError(f"cluster.scheduler: {address!r} is not a Dask address; expected tcp://HOST:PORT "
+                          "(or tls://HOST:PORT)")
+    if m["scheme"] not in (None, "tcp", "tls"):
+        raise ConfigError(f"cluster.scheduler: {address!r}: protocol {m['scheme']!r} is not one of tcp, tls")
+    if not 1 <= int(m["port"]) <= 65535:
+        raise ConfigError(f"cluster.scheduler: {address!r}: port {int(m['port'])} is not in 1..65535")
+
+
 LORA_DEFAULTS = {"rank": 8, "alpha": 16.0, "dropout": 0.0,
                  "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
 
@@ -465,9 +491,13 @@ def lora_options(value: dict | None) -> dict | None:
     rank = _check_type("train.lora.rank", out["rank"], int)
     if rank < 1:
         raise ConfigError(f"train.lora.rank: {rank} is below the minimum 1")
+    if rank > 65536:
+        raise ConfigError(f"train.lora.rank: {rank} is above the maximum 65536")
     alpha = _check_type("train.lora.alpha", out["alpha"], float)
     if alpha <= 0:
         raise ConfigError(f"train.lora.alpha: {alpha} must be above 0 (the adapter's update is scaled by alpha/rank)")
+    if alpha > 1e6:
+        raise ConfigError(f"train.lora.alpha: {alpha} is above the maximum 1000000.0")
     dropout = _check_type("train.lora.dropout", out["dropout"], float)
     if not 0 <= dropout < 1:
         raise ConfigError(f"train.lora.dropout: {dropout} is not in [0, 1)")
@@ -550,15 +580,59 @@ def _validate_tls(c: ClusterConfig) -> None:
     if missing:
         raise ConfigError(f"{', '.join(missing)}: TLS needs all of cluster.tls_ca_file, tls_cert and tls_key")
     for name, value in given.items():
-        if not Path(value).is_file():
+        if not Path(value).exists():
             raise ConfigError(f"cluster.{name}: {value} does not exist")
+        if not Path(value).is_file():
+            raise ConfigError(f"cluster.{name}: {value} is not a file (a PEM file is expected)")
     if not (c.scheduler or "").startswith("tls://"):
         raise ConfigError(f"cluster.scheduler: TLS options need a tls://HOST:PORT scheduler address, got "
                           f"{c.scheduler!r} (a LocalCluster stays on loopback and needs no TLS)")
 
 
 def dump_config(cfg: RunConfig) -> str:
-    return yaml.dump(cfg.to_dict(), Dumper=_Dumper, sort_keys=False)
+    return yaml.dump(cfg.to_dict(), Dumper=Dumper, sort_keys=False)
+
+
+def _checksum_header(body: str) -> str:
+    import hashlib
+
+    return f"# rollplex run config; sha256 of the lines below: {hashlib.sha256(body.encode()).hexdigest()}"
+
+
+def run_config_text(cfg: RunConfig) -> str:
+    """A run directory's config.yaml: the resolved config under a checksum line, which a resume
+    verifies before it reads the rest (``load_config(..., checksummed=True)``)."""
+    body = dump_config(cfg)
+    return f"{_checksum_header(body)}\n{body}"
+
+
+# Fields a resume may change: how long a run goes on, how often it checkpoints, how it reaches its
+# cluster, how its device memory is held and where its metrics are sent besides metrics.jsonl; none
+# enters what an iteration computes (validation may: it samples from the engines' generators). Every other field
+# defines the run, and a resume refuses a change to it by name (a new learning rate would be recorded
+# while the optimizer kept the old one; a new batch size would change the batch mid-run).
+MAY_CHANGE_ON_RESUME = frozenset({
+    "iterations", "stop_at_reward", "checkpoint.every", "checkpoint.keep_last", "cluster.scheduler",
+    "cluster.dashboard", "cluster.tls_ca_file", "cluster.tls_cert", "cluster.tls_key", "cluster.processes",
+    "cluster.cuda_allocator", "cluster.memory_budget_gib", "cluster.memory_plan", "logging.backends",
+    "logging.wandb_project",
+})
+
+
+def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted paths to leaves (a dict field's own keys too: params.kl_coef); an empty dict adds none."""
+    if not isinstance(data, dict):
+        return {prefix.rstrip("."): data}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        out.update(_flat(value, f"{prefix}{key}."))
+    return out
+
+
+def config_changes(before: dict, after: dict) -> dict[str, tuple[Any, Any]]:
+    """{field: (before, after)} of the fields whose values differ between two ``to_dict()`` configs."""
+    a, b = _flat(before), _flat(after)
+    return {k: (a.get(k), b.get(k)) for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)}
 
 
 def _type_name(hint: Any) -> str:
@@ -577,7 +651,7 @@ def describe_fields(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, 
             rows += describe_fields(hint, f"{prefix}{fl.name}.")
             continue
         default = fl.default if fl.default is not dataclasses.MISSING else fl.default_factory()
-        shown = yaml.dump(default, Dumper=_Dumper, default_flow_style=True, width=10**6).strip().removesuffix("...")
+        shown = yaml.dump(default, Dumper=Dumper, default_flow_style=True, width=10**6).strip().removesuffix("...")
         kind = _type_name(hint)
         if fl.metadata.get("choices"):
             kind = " | ".join(str(c).lower() if isinstance(c, bool) else str(c) for c in fl.metadata["choices"])

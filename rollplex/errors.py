@@ -55,6 +55,43 @@ class Interrupted(RollplexError):
         return (Interrupted, (str(self), self.exit_code - 128))
 
 
+class UserCodeError(RollplexError):
+    """A function of the algorithm's DAG file (or a reward of the user's) raised, or returned what its
+    node cannot use. One line names the node and the function's file and line; ``trace`` keeps the
+    traceback, which the runner writes to the run directory's errors.log."""
+
+    def __init__(self, message: str, trace: str = "") -> None:
+        super().__init__(message)
+        self.trace = trace
+
+    def __reduce__(self):  # crosses process boundaries through Dask; keep only plain data
+        return (UserCodeError, (str(self), self.trace))
+
+
+def function_site(fn) -> str:
+    """``name() at file.py:line`` of a function (a ``functools.partial``'s too)."""
+    import os
+
+    fn = getattr(fn, "func", fn)
+    code = getattr(fn, "__code__", None)
+    where = f" at {os.path.basename(code.co_filename)}:{code.co_firstlineno}" if code is not None else ""
+    return f"{getattr(fn, '__name__', type(fn).__name__)}(){where}"
+
+
+def user_frame(tb, files: frozenset[str], directories: tuple[str, ...] = ()) -> str | None:
+    """``file.py:line in function()`` of the innermost traceback frame in one of ``files`` or under one
+    of ``directories`` (real paths): the user's code. None when no frame is."""
+    import os
+
+    found = None
+    while tb is not None:
+        path = os.path.realpath(tb.tb_frame.f_code.co_filename)
+        if path in files or path.startswith(directories):
+            found = f"{os.path.basename(path)}:{tb.tb_lineno} in {tb.tb_frame.f_code.co_name}()"
+        tb = tb.tb_next
+    return found
+
+
 class WorkerLost(RuntimeError):
     """A Dask worker that hosted engines died or was replaced; its engine state is gone (internal:
     the runner rolls back to the last checkpoint and replays)."""

@@ -18,6 +18,7 @@ import torch
 
 from rollplex.engines import vlm
 from rollplex.tasks import mismatch
+from rollplex.tasks.returns import loss_values
 from rollplex.tasks.nodes import by_prompt, count_of, group_advantages, group_rewards, join_samples, loss_metrics, \
     summed_loss, the, with_role
 
@@ -72,8 +73,7 @@ def train_handoff(ctx, node, inputs) -> dict:
             if "rollout_is_weights" in decl.reads:
                 values["rollout_is_weights"] = mismatch.rollout_is_weights(s.rollout_is_cap, values[f"old_{as_}"],
                                                                            [responses])
-            result = decl.call(values, ctx.params)
-            per_token, metrics = result if isinstance(result, tuple) else (result, {})
+            per_token, metrics = loss_values(decl.fn, decl.call(values, ctx.params), values["mask"])
             if "rollout_is_weights" in decl.reads and s.rollout_is_cap is not None:
                 metrics = {**metrics, "rollout_is_weight": values["rollout_is_weights"]}
             contribution = summed_loss(per_token, values["mask"], agg)

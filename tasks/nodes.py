@@ -19,6 +19,7 @@ from rollplex.errors import GraphError
 from rollplex.engines import vlm
 from rollplex.tasks import mismatch
 from rollplex.tasks.registry import register_task
+from rollplex.tasks.returns import advantage_tensor, loss_values, reward_value
 
 
 @dataclass
@@ -314,13 +315,15 @@ def reward(ctx, node, inputs):
 def group_rewards(ctx, prompt, responses: Responses) -> torch.Tensor:
     """[G]: the reward function on each decoded response of one prompt."""
     texts = [ctx.decode_text(ids) for ids in responses.token_ids]
-    return torch.tensor([float(ctx.reward_fn(text, prompt.answer)) for text in texts], dtype=torch.float32)
+    return torch.tensor([reward_value(ctx.reward_fn, ctx.reward_fn(text, prompt.answer)) for text in texts],
+                        dtype=torch.float32)
 
 
 def group_advantages(ctx, values: dict[str, Any], width: int) -> torch.Tensor:
     """A group-scoped advantage function on one group's values: [G], or [G, R] cut to the group's
     own response width R."""
-    adv = torch.as_tensor(ctx.algorithm.advantage_fn.call(values, ctx.params), dtype=torch.float32).detach()
+    decl = ctx.algorithm.advantage_fn
+    adv = advantage_tensor(decl.fn, decl.call(values, ctx.params), (ctx.settings.samples,)).detach()
     return adv[..., :width] if adv.dim() == 2 else adv
 
 
@@ -405,7 +408,8 @@ def advantage(ctx, node, inputs):
     widths = [r.mask().shape[-1] for r in values["responses"]]
     if decl.options["scope"] == "group":
         return {node.outputs[0]: group_advantages(ctx, {k: v[0] for k, v in values.items()}, widths[0])}
-    adv = torch.as_tensor(decl.call({k: join_groups(v, "stack") for k, v in values.items()}, ctx.params))
+    adv = advantage_tensor(decl.fn, decl.call({k: join_groups(v, "stack") for k, v in values.items()}, ctx.params),
+                           (len(node.args["prompts"]), ctx.settings.samples))
     return {node.outputs[0]: {p: (adv[i][..., : widths[i]] if adv.dim() == 3 else adv[i]).detach().float()
                               for i, p in enumerate(node.args["prompts"])}}
 
@@ -433,8 +437,7 @@ def loss(ctx, node, inputs):
     if weighted:
         old = values[f"old_{ctx.algorithm.policy_logprobs()}"]
         values["rollout_is_weights"] = mismatch.rollout_is_weights(ctx.settings.rollout_is_cap, old, bound["responses"])
-    result = decl.call(values, ctx.params)
-    per_token, metrics = result if isinstance(result, tuple) else (result, {})
+    per_token, metrics = loss_values(decl.fn, decl.call(values, ctx.params), mask)
     if weighted and ctx.settings.rollout_is_cap is not None:
         metrics = {**metrics, "rollout_is_weight": values["rollout_is_weights"]}
     agg = decl.options["agg"]

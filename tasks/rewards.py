@@ -138,8 +138,10 @@ def _import_reward(ref: str) -> RewardFn:
     try:
         if where.endswith(".py"):
             path = Path(where)
-            if not path.is_file():
+            if not path.exists():
                 raise ConfigError(f"reward {ref!r}: {path} does not exist")
+            if not path.is_file():
+                raise ConfigError(f"reward {ref!r}: {path} is a directory, not a Python file")
             key = "rollplex_user_reward_" + hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:10]
             module = sys.modules.get(key)
             if module is None:

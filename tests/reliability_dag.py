@@ -1,5 +1,9 @@
 """GRPO whose reward varies with the sampled text, so that every iteration moves the tiny untrained
-model's weights; ``nan_at`` makes the loss (or only its gradient) NaN at that loss call."""
+model's weights. ``ROLLPLEX_TEST_NAN_AT=N`` makes the loss (or, with ``ROLLPLEX_TEST_NAN_IN=grad``,
+only its gradient) NaN at its call N, counting from 0: from the environment, not params, so that a
+resume without the fault keeps the run's config."""
+import os
+
 import torch
 
 from rollplex import Algorithm
@@ -23,9 +27,9 @@ def advantages(rewards, eps: float = 1e-6):
 
 
 @algorithm.loss(agg="token-mean")
-def policy_loss(logprobs, old_logprobs, ref_logprobs, advantages, clip_eps: float = 0.2, kl_coef: float = 0.04,
-                nan_at: int = -1, nan_in: str = "loss"):
+def policy_loss(logprobs, old_logprobs, ref_logprobs, advantages, clip_eps: float = 0.2, kl_coef: float = 0.04):
     CALLS[0] += 1
+    nan_at, nan_in = int(os.environ.get("ROLLPLEX_TEST_NAN_AT", -1)), os.environ.get("ROLLPLEX_TEST_NAN_IN", "loss")
     ratio = torch.exp(logprobs - old_logprobs)
     adv = advantages.unsqueeze(-1)
     surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)

@@ -3,6 +3,7 @@ trip, and fuzzing that nothing but ConfigError ever escapes. CPU only."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import os
 import math
 import tempfile
@@ -258,8 +259,8 @@ def test_top_level_must_be_a_mapping(tmp_path, text, kind):
 def test_missing_unreadable_and_non_utf8_files(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.yaml")
-    with pytest.raises(ConfigError, match="cannot be read"):
-        load_config(tmp_path)  # a directory
+    with pytest.raises(ConfigError, match="is a directory, not a YAML file"):
+        load_config(tmp_path)
     bad = tmp_path / "latin1.yaml"
     bad.write_bytes("task:\n  reward: caf\xe9\n".encode("latin-1"))
     with pytest.raises(ConfigError, match="cannot be read"):
@@ -280,6 +281,7 @@ def test_dump_load_round_trip(tmp_path):
 
 FIELD_NAMES = sorted({part for path, *_ in describe_fields() for part in path.split(".")})
 SAFE_FLOATS = st.floats(allow_nan=False)
+NAMES = st.text().filter(str.strip)  # a string field takes any text but a blank one
 PARAM_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**63), 2**63) | SAFE_FLOATS | st.text(max_size=10),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
@@ -287,10 +289,9 @@ PARAM_VALUES = st.recursive(
 
 
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), temperature=st.floats(0.0, 10.0), top_p=st.floats(0.0, 1.0),
+@given(seed=st.integers(0, 2**31 - 1), temperature=st.floats(0.0, 10.0), top_p=st.floats(0.0, 1.0, exclude_min=True),
        lr=st.floats(0.0, 1.0), kinds=st.lists(st.sampled_from(["colour", "shape", "count"]), min_size=1),
-       reward=st.text(), path=st.none() | st.text(), params=st.dictionaries(st.text(max_size=8), PARAM_VALUES,
-                                                                            max_size=4),
+       reward=NAMES, path=st.none() | NAMES, params=st.dictionaries(st.text(max_size=8), PARAM_VALUES, max_size=4),
        stop=st.none() | st.floats(0.0, 1.0), schedule=st.sampled_from(["serial", "rollplex"]))
 def test_any_valid_config_round_trips(seed, temperature, top_p, lr, kinds, reward, path, params, stop, schedule):
     cfg = RunConfig(seed=seed, schedule=schedule, params=params, stop_at_reward=stop)
@@ -376,3 +377,133 @@ def test_an_unknown_cuda_allocator_is_named():
         request_cuda_allocator("fast")
     with pytest.raises(ConfigError, match="cluster.cuda_allocator"):
         load_config(None, ["cluster.cuda_allocator=fast"])
+
+
+# -- classes of bad input: every number bounded, unknown keys refused in option dicts too, YAML that
+# -- reads two ways refused -------------------------------------------------------------------------
+def _numeric_fields(cls=RunConfig, prefix=""):
+    import typing
+
+    for fl in dataclasses.fields(cls):
+        hint = typing.get_type_hints(cls)[fl.name]
+        if dataclasses.is_dataclass(hint):
+            yield from _numeric_fields(hint, f"{prefix}{fl.name}.")
+        elif {int, float} & set(typing.get_args(hint) or (hint,)) and hint is not bool:
+            yield f"{prefix}{fl.name}", fl.metadata, int in (typing.get_args(hint) or (hint,))
+
+
+NUMERIC = list(_numeric_fields())
+
+
+def test_every_number_in_the_config_has_both_bounds():
+    assert len(NUMERIC) > 30
+    unbounded = [path for path, meta, _ in NUMERIC if meta.get("lo") is None or meta.get("hi") is None]
+    assert unbounded == []
+
+
+@pytest.mark.parametrize("path,meta,integer", NUMERIC, ids=[p for p, _, _ in NUMERIC])
+def test_every_number_refuses_what_lies_outside_its_bounds_by_name(path, meta, integer):
+    step = 1 if integer else 1e-3 * max(1.0, abs(meta["hi"]))
+    bad = [meta["hi"] + step, meta["lo"] - step, ".nan", ".inf", "-.inf"] + ([meta["lo"]] if meta.get("above") else [])
+    for value in bad:
+        with pytest.raises(ConfigError) as err:
+            load_config(None, [f"{path}={value}"])
+        assert assert_one_line(err).startswith(f"{path}: "), (value, str(err.value))
+    if not meta.get("above"):  # the bounds themselves are taken (a cross-field check aside)
+        for value in (meta["lo"], meta["hi"]):
+            try:
+                load_config(None, [f"{path}={value}"])
+            except ConfigError as exc:
+                assert "the minimum" not in str(exc) and "the maximum" not in str(exc), str(exc)
+
+
+def _string_fields(cls=RunConfig, prefix=""):
+    import typing
+
+    for fl in dataclasses.fields(cls):
+        hint = typing.get_type_hints(cls)[fl.name]
+        if dataclasses.is_dataclass(hint):
+            yield from _string_fields(hint, f"{prefix}{fl.name}.")
+        elif str in (typing.get_args(hint) or (hint,)):
+            yield f"{prefix}{fl.name}"
+
+
+STRINGS = list(_string_fields())
+
+
+@pytest.mark.parametrize("path", STRINGS)
+def test_every_string_refuses_an_empty_one_by_name(path):
+    """An empty path is not null: `model.path: ""` used to run the embedded model instead."""
+    assert len(STRINGS) > 20
+    for value in ("", "'  '"):
+        with pytest.raises(ConfigError) as err:
+            load_config(None, [f"{path}={value}"])
+        assert assert_one_line(err) == f"{path}: is empty; give a value (or null where the field takes one)"
+
+
+def test_a_value_of_the_right_type_that_a_union_refuses_is_named_for_what_it_is():
+    with pytest.raises(ConfigError, match=r"^stop_at_reward: expected a number, got nan$"):
+        load_config(None, ["stop_at_reward=.nan"])
+
+
+@pytest.mark.parametrize("text, says", [
+    ("seed: 1\nseed: 2\n", "key 'seed' appears twice in one mapping (lines 1 and 2)"),
+    ("engines:\n  overrides: {decode_chunk: hf, decode_chunk: vllm}\n", "key 'decode_chunk' appears twice"),
+    ("cluster:\n  processes: yes\n", "yes is true in YAML 1.1 and the string 'yes' in YAML 1.2"),
+    ("train:\n  prefix_sharing: Off\n", "Off is false in YAML 1.1"),
+    ("seed: 010\n", "010 is 8 in YAML 1.1 and 10 in YAML 1.2"),
+    ("seed: 0o10\n", "0o10 is the string '0o10' in YAML 1.1 and 8 in YAML 1.2"),
+    ("seed: 0b11\n", "0b11 is 3 in YAML 1.1 and the string '0b11' in YAML 1.2"),
+    ("iterations: 1:30\n", "1:30 is 90 in YAML 1.1 and the string '1:30' in YAML 1.2"),
+])
+def test_yaml_that_reads_two_ways_is_refused_by_line(tmp_path, text, says):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError, match=re.escape(says)) as err:
+        load_config(path)
+    assert assert_one_line(err).startswith(f"{path}: ambiguous YAML at line ")
+
+
+def test_quoted_and_unambiguous_forms_still_load(tmp_path):
+    cfg = load_config(write(tmp_path, 'cluster:\n  processes: true\ndata:\n  prompt_key: "no"\nseed: 00\n'))
+    assert (cfg.cluster.processes, cfg.data.prompt_key, cfg.seed) == (True, "no", 0)
+
+
+def _registered_engines():
+    import rollplex.engines  # noqa: F401 - registers the builtin engines
+    from rollplex.engines.base import engines_for
+
+    return [spec for spec in engines_for() if spec.role in ("decode", "train")]
+
+
+WRONG = {bool: "maybe", int: "many", float: "x", str: 3, dict: 1, list: 2}
+
+
+@pytest.mark.parametrize("spec", _registered_engines(), ids=lambda s: s.name)
+def test_every_engine_refuses_options_it_does_not_take_and_values_of_a_wrong_type(spec):
+    from rollplex.engines.base import check_options
+
+    with pytest.raises(ConfigError, match=rf"^x\.nope: engine {spec.name!r} takes no option 'nope'"):
+        check_options(spec, {"nope": 1}, "x")
+    for key, option in spec.options.items():
+        kind = option.kind[0] if isinstance(option.kind, tuple) else option.kind
+        with pytest.raises(ConfigError, match=rf"^x\.{key}: ") as err:
+            check_options(spec, {key: WRONG[kind] if kind is not str or not option.choices else "neither"}, "x")
+        assert_one_line(err)
+        if option.lo is not None:
+            with pytest.raises(ConfigError, match=rf"^x\.{key}: .* below the minimum"):
+                check_options(spec, {key: option.lo - 1}, "x")
+
+
+def test_every_hyperparameter_of_the_builtin_algorithms_takes_its_defaults_type_only():
+    from rollplex.pipeline.run.algorithms import builtin_algorithms, load_algorithm
+    from rollplex.pipeline.run.session import check_hyperparameters
+
+    for name in builtin_algorithms():
+        algorithm = load_algorithm(name)
+        for key, default in algorithm.hyperparameters().items():
+            check_hyperparameters(algorithm, {key: default})
+            for wrong in ("abc", float("nan"), float("inf"), True, [1]):
+                if type(wrong) is type(default) and wrong == wrong and abs(wrong) != float("inf"):
+                    continue
+                with pytest.raises(ConfigError, match=rf"^params\.{key}: "):
+                    check_hyperparameters(algorithm, {key: wrong})

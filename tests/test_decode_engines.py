@@ -525,3 +525,25 @@ def test_vllm_on_cpu_samples_batches_larger_than_one_prefill_step(model_dir, pro
             assert together[r.request_id].token_ids == alone[r.request_id + "-alone"].token_ids
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    ({"block_size": "abc"}, "block_size: vLLM's EngineArgs refuses 'abc': Input should be a valid integer"),
+    ({"gpu_memory_utilization": 5}, "gpu_memory_utilization: vLLM's CacheConfig refuses 5: Input should be less than"),
+    ({"kv_cache_dtype": "fp9"}, "kv_cache_dtype: vLLM's EngineArgs refuses 'fp9': Input should be 'auto'"),
+    ({"tensor_parallel_size": 0}, "tensor_parallel_size: vLLM's ParallelConfig refuses 0"),
+    ({"logprobs_mode": "raw_logprobs"}, "logprobs_mode: Rollplex sets it"),
+    ({"max_num_seqs": 4}, "max_num_seqs: set engines.decode_options.max_num_seqs instead"),
+    ({"block_size": 32, "gpu_memory_utilization": 0.5, "kv_cache_dtype": "auto", "max_num_batched_tokens": 256}, None),
+])
+def test_vllm_kwargs_are_checked_as_vllm_would_before_the_engine_starts(kwargs, says):
+    """vLLM refused these from inside its constructor, a traceback after the cluster had started."""
+    pytest.importorskip("vllm")
+    from vllm.engine.arg_utils import EngineArgs
+
+    from rollplex.engines.vllm_decode import _RESERVED, _SET_ELSEWHERE, _engine_args
+
+    problem = _engine_args(kwargs)
+    assert (problem is None) if says is None else problem.startswith(says), problem
+    arguments = {f.name for f in dataclasses.fields(EngineArgs)}
+    assert set(_SET_ELSEWHERE) | set(_RESERVED) <= arguments  # each still names an argument of this vLLM

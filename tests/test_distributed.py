@@ -59,8 +59,8 @@ class StockCluster:
                                         "--no-dashboard"], **quiet)]
         for i in range(workers):
             self.procs.append(subprocess.Popen(
-                [str(BIN / "dask"), "worker", self.address, "--name", f"rank-{i}", "--nthreads", "3",
-                 "--resources", "decode=1,compute=1,host=1,rank=1", "--no-dashboard", "--host", "127.0.0.1"],
+                [str(BIN / "dask"), "worker", self.address, "--name", f"rank-{i}", "--nthreads", "1",
+                 "--resources", "rank=1", "--no-dashboard", "--host", "127.0.0.1"],
                 **quiet))
 
     def close(self) -> None:

@@ -1,4 +1,6 @@
-"""`rollplex train --scheduler tcp://...` on a cluster started with the stock Dask commands."""
+"""`rollplex train --scheduler tcp://...` on a cluster started with the stock Dask commands: a worker
+as `dask worker ADDRESS --nthreads 1 --resources GPU=1` starts it, which the run gives its stream
+threads and resources while it runs and hands back afterwards."""
 from __future__ import annotations
 
 import json
@@ -12,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from reliability_harness import worker_start_environment
+from socket_watch import SocketWatch, sockets_of
 
 BIN = Path(sys.executable).parent
 
@@ -37,8 +40,8 @@ def stock_cluster(tmp_path):
     env = {**os.environ, "DASK_TEMPORARY_DIRECTORY": str(tmp_path), "DASK_CONFIG": str(tmp_path / "dask-config")}
     scheduler = subprocess.Popen([str(BIN / "dask"), "scheduler", "--host", "127.0.0.1", "--port", str(port),
                                   "--no-dashboard"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    worker = subprocess.Popen([str(BIN / "dask"), "worker", address, "--nthreads", "3", "--resources",
-                               "decode=1,compute=1,host=1", "--no-dashboard", "--host", "127.0.0.1"],
+    worker = subprocess.Popen([str(BIN / "dask"), "worker", address, "--nthreads", "1", "--resources", "GPU=1",
+                               "--no-dashboard", "--host", "127.0.0.1"],
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         from distributed import Client
@@ -47,7 +50,7 @@ def stock_cluster(tmp_path):
         with Client(address, timeout="30s") as client:
             while not client.scheduler_info()["workers"] and time.time() < deadline:
                 time.sleep(0.2)
-        yield address
+        yield address, (scheduler.pid, worker.pid)
     finally:
         for proc in (worker, scheduler):
             proc.terminate()
@@ -56,36 +59,52 @@ def stock_cluster(tmp_path):
 
 
 def test_train_on_a_stock_dask_cluster(stock_cluster, tmp_path):
+    """The default engines (vLLM, DeepSpeed) train on the stock worker, and every socket the run opens
+    there (DeepSpeed's process group, vLLM's) or in the driver stays on loopback, as the scheduler is."""
+    address, cluster_pids = stock_cluster
     out = tmp_path / "run"
-    result = subprocess.run(
-        [str(BIN / "rollplex"), "train", "--scheduler", stock_cluster, "--iterations", "2", "--out", str(out),
+    driver = subprocess.Popen(
+        [str(BIN / "rollplex"), "train", "--scheduler", address, "--iterations", "2", "--out", str(out),
          "--no-progress", "--set", "warmup.steps=1", "--set", "stop_at_reward=null"],
-        capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    watch = SocketWatch(driver.pid, *cluster_pids, before=sockets_of(*cluster_pids))
+    _, stderr = driver.communicate(timeout=300)
+    assert driver.returncode == 0, stderr[-3000:]
+    watch.thread.join(5)
+    opened_by_worker = [k for k in watch.listening() if k[0] not in (driver.pid, cluster_pids[0])]
+    assert opened_by_worker, watch.seen  # the watch saw the worker's process group store at least
+    assert watch.off_loopback() == [], watch.off_loopback()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows if r["phase"] == "rl"] == [0, 1]
     from distributed import Client
 
-    with Client(stock_cluster, timeout="30s") as client:
+    with Client(address, timeout="30s") as client:
         env = worker_start_environment(client)
+        def threads_and_resources(dask_worker=None):  # nested: pickled by value, tests/ is not importable there
+            return dask_worker.state.nthreads, dict(dask_worker.state.total_resources)
+
+        [(threads, resources)] = client.run(threads_and_resources).values()
     assert "MALLOC_TRIM_THRESHOLD_" not in env  # the documented config reached the stock nanny
     assert env["OMP_NUM_THREADS"] == os.environ["OMP_NUM_THREADS"]
+    assert threads == 1 and resources == {"GPU": 1, "decode": 0, "compute": 0, "host": 0}  # as it was started
 
 
-def test_a_worker_without_stream_resources_is_refused(tmp_path):
+def test_a_worker_with_two_units_of_a_stream_is_refused(tmp_path):
+    """Two units of `decode` would let Dask run two decode tasks at once, which vLLM cannot take."""
     port = _free_port()
     address = f"tcp://127.0.0.1:{port}"
     scheduler = subprocess.Popen([str(BIN / "dask"), "scheduler", "--host", "127.0.0.1", "--port", str(port),
                                   "--no-dashboard"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    worker = subprocess.Popen([str(BIN / "dask"), "worker", address, "--nthreads", "1", "--no-dashboard",
-                               "--host", "127.0.0.1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    worker = subprocess.Popen([str(BIN / "dask"), "worker", address, "--nthreads", "1", "--resources", "decode=2",
+                               "--no-dashboard", "--host", "127.0.0.1"], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
     try:
         time.sleep(4)
         result = subprocess.run([str(BIN / "rollplex"), "train", "--scheduler", address, "--iterations", "1",
                                  "--out", str(tmp_path / "run"), "--set", "warmup.steps=0"],
                                 capture_output=True, text=True, timeout=120)
-        assert result.returncode == 2
-        assert "lacks resources" in result.stderr and "--resources" in result.stderr
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.count("\n") == 1 and "declares decode=2" in result.stderr, result.stderr
         assert not (tmp_path / "run").exists()  # nothing written
     finally:
         worker.terminate()

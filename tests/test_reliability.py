@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
-from reliability_harness import HF_TORCH, Launch, assert_intact, metric_rows, worker_start_environment
+from reliability_harness import HF_TORCH, Launch, assert_intact, metric_rows, run_to_end, worker_start_environment
 
 from rollplex.errors import CheckpointError, ConfigError, RollplexError
 from rollplex.pipeline.run import checkpoints
@@ -31,8 +32,8 @@ def nan_runs(tmp_path_factory) -> dict[str, tuple[Path, Launch]]:
     root = tmp_path_factory.mktemp("nan")
     out: dict[str, tuple[Path, Launch]] = {}
     for where in ("loss", "grad"):
-        launch = Launch(root / where, [*HF_TORCH, *ONE_MICRO_BATCH, "--set", f"params.nan_at={NAN_AT}",
-                                       "--set", f"params.nan_in={where}"])
+        launch = Launch(root / where, [*HF_TORCH, *ONE_MICRO_BATCH],
+                        env={"ROLLPLEX_TEST_NAN_AT": str(NAN_AT), "ROLLPLEX_TEST_NAN_IN": where})
         launch.finish()
         out[where] = (root / where, launch)
     return out
@@ -56,11 +57,69 @@ def test_nan_stops_the_iteration_before_its_update_and_keeps_the_last_checkpoint
 
 def test_resume_after_a_nan_continues_from_the_last_good_checkpoint(nan_runs):
     run_dir, _ = nan_runs["loss"]
-    launch = Launch(run_dir, [*HF_TORCH, *ONE_MICRO_BATCH, "--set", "params.nan_at=-1"])
+    launch = Launch(run_dir, [*HF_TORCH, *ONE_MICRO_BATCH])
     assert launch.finish() == 0, launch.log()
     assert any(line.startswith(f"it    {NAN_AT} ") for line in launch.lines), launch.log()
     rl = [r["iteration"] for r in metric_rows(run_dir) if r["phase"] == "rl"]
     assert rl == list(range(6))
+
+
+def test_a_resume_may_run_longer_and_the_change_is_recorded_where_it_took_effect(tmp_path):
+    """iterations may change on --resume (it defines how long, not what, the run computes); the row of
+    the first iteration run under the new value says so, and config.yaml holds it, checksummed."""
+    from rollplex.config import load_config
+
+    run_dir = tmp_path / "run"
+    run_to_end(run_dir, HF_TORCH)
+    launch = run_to_end(run_dir, [*HF_TORCH, "--iterations", "8"])
+    rl = [r for r in metric_rows(run_dir) if r["phase"] == "rl"]
+    assert [r["iteration"] for r in rl] == list(range(8))
+    assert [(r["iteration"], r["config_changed"]) for r in rl if "config_changed" in r] == [(6, {"iterations": [6, 8]})]
+    assert "--resume: iterations 6 → 8 from iteration 6 (recorded in metrics.jsonl)" in launch.lines, launch.log()
+    assert load_config(run_dir / "config.yaml", checksummed=True).iterations == 8
+
+
+def _resume_from(config: dict):
+    from rollplex.pipeline.run.checkpoints import CheckpointState
+
+    return CheckpointState(4, Path("run/checkpoints/iter_000004"), {}, {}, None, config)
+
+
+def test_a_resume_refuses_a_change_to_any_field_but_those_that_may_change_naming_each():
+    """Nested keys of the dict fields are fields too: a new hyperparameter or engine option is named."""
+    from rollplex.config import MAY_CHANGE_ON_RESUME, RunConfig, load_config
+    from rollplex.pipeline.run.runner import resume_changes
+
+    before = RunConfig().to_dict()
+    said: list[str] = []
+    changed = resume_changes(load_config(None, ["iterations=9", "checkpoint.every=2", "cluster.memory_plan=true"]),
+                             _resume_from(before), said.append)
+    assert changed == {"checkpoint.every": (25, 2), "cluster.memory_plan": (False, True), "iterations": (300, 9)}
+    assert said[-1] == "--resume: iterations 300 → 9 from iteration 5 (recorded in metrics.jsonl)"
+    for overrides, named in [(["train.lr=0.1"], "train.lr (0.001 → 0.1)"),
+                             (["params={kl_coef: 0.5}"], "params.kl_coef (None → 0.5)"),
+                             (["engines.decode_options={max_num_seqs: 4}", "iterations=9"],
+                              "engines.decode_options.max_num_seqs (None → 4) would change"),
+                             (["cluster.threads=2", "seed=1"],
+                              "cluster.threads (1 → 2), seed (0 → 1) would change")]:
+        with pytest.raises(ConfigError, match=r"^--resume: " + re.escape(named)):
+            resume_changes(load_config(None, overrides), _resume_from(before), said.append)
+    leaves = set(_leaf_fields(before))
+    assert MAY_CHANGE_ON_RESUME <= leaves, MAY_CHANGE_ON_RESUME - leaves  # each names a field
+    assert len(leaves) > 3 * len(MAY_CHANGE_ON_RESUME)
+
+
+def _leaf_fields(data: dict, prefix: str = "") -> list[str]:
+    return [name for key, value in data.items() for name in
+            (_leaf_fields(value, f"{prefix}{key}.") if isinstance(value, dict) and value else [f"{prefix}{key}"])]
+
+
+def test_a_resume_of_a_checkpoint_that_records_no_config_is_refused():
+    from rollplex.config import RunConfig
+    from rollplex.pipeline.run.runner import resume_changes
+
+    with pytest.raises(CheckpointError, match="iter_000004 records no config"):
+        resume_changes(RunConfig(), _resume_from(None), print)
 
 
 # -- security defaults ---------------------------------------------------------------------------
@@ -178,6 +237,46 @@ def test_a_corrupt_newest_checkpoint_is_refused_naming_the_fallback(tmp_path):
         checkpoints.latest(tmp_path)
 
 
+@pytest.mark.parametrize("name", ["after_warmup", "iter_000001"])
+def test_a_checkpoint_of_any_name_without_its_manifest_is_reported(tmp_path, name):
+    """The warm-up's checkpoint as much as an iteration's: one that lost its manifest is named, not
+    skipped (which would resume from an older state, or from the start, in silence)."""
+    for iteration in (checkpoints.WARMUP, 0, 1):
+        _save(tmp_path, iteration, None, keep_last=5)
+    (tmp_path / "checkpoints" / name / "manifest.json").unlink()
+    fallback = "iter_000001" if name == "after_warmup" else "iter_000000"
+    with pytest.raises(CheckpointError, match=rf"{name} has no manifest.json.*resume from {fallback}$"):
+        checkpoints.latest(tmp_path)
+
+
+@pytest.mark.parametrize("added", ["extra.bin", "deepspeed/state/zero_pp_rank_1_mp_rank_00_optim_states.pt"])
+def test_a_file_the_manifest_does_not_list_is_refused(tmp_path, added):
+    """DeepSpeed loads its partitions by a glob, so a file added beside the verified ones would be read."""
+    newest = _save(tmp_path, 0, None)
+    (newest / added).parent.mkdir(parents=True, exist_ok=True)
+    (newest / added).write_bytes(b"cos\nsystem\n(S'touch pwned'\ntR.")
+    with pytest.raises(CheckpointError, match=rf"iter_000000: {re.escape(added)} is not in manifest.json"):
+        checkpoints.latest(tmp_path)
+
+
+@pytest.mark.parametrize("damage", ["flip", "remove"])
+def test_the_wandb_run_id_a_resume_reads_is_checked_against_the_checkpoint(tmp_path, damage):
+    """Written once, when the run starts: a flipped byte would send the resumed run's metrics to
+    another W&B run, a missing file to a new one."""
+    (tmp_path / "wandb_id").write_text("0123456789ab\n")
+    _save(tmp_path, 0, None)
+    state = checkpoints.latest(tmp_path)
+    checkpoints.verify_side_files(tmp_path, state, {"wandb_id"})
+    if damage == "flip":
+        (tmp_path / "wandb_id").write_text("0123456789aa\n")
+    else:
+        (tmp_path / "wandb_id").unlink()
+    checkpoints.verify_side_files(tmp_path, state, set())  # not read when W&B is off
+    says = "fails its checksum against iter_000000" if damage == "flip" else "is missing; iter_000000 recorded it"
+    with pytest.raises(CheckpointError, match=rf"wandb_id {says}"):
+        checkpoints.verify_side_files(tmp_path, state, {"wandb_id"})
+
+
 def test_stale_temporaries_of_killed_writers_are_cleaned(tmp_path):
     good = _save(tmp_path, 0, None)
     for stale in ("checkpoints/.tmp-iter_000001-99", "checkpoints/.trash-iter_000000-98", ".reference-tmp"):
@@ -199,3 +298,24 @@ def test_truncated_metrics_drop_later_rows_and_a_torn_line_and_keep_warmup(tmp_p
     checkpoints.truncate_metrics(path, 1)
     assert [json.loads(line)["iteration"] for line in path.read_text().splitlines()] == [-1, 0, 1]
     assert checkpoints.rl_rewards(path) == [0.0, 0.1]
+
+
+def test_the_kept_metrics_are_the_rows_the_checkpoint_saw_and_its_own_validation_after_it(tmp_path):
+    """Checkpoint 1 records the digest of metrics.jsonl as it stood: the rows up to RL iteration 1 and
+    validation 1. Validation 2 (of checkpoint 1's policy) is written after it, so it is kept but cannot
+    be in that digest; any row the digest covers, edited, is refused."""
+    import hashlib
+
+    path = tmp_path / "metrics.jsonl"
+    row = {"rl": lambda i: {"iteration": i, "phase": "rl", "reward_mean": i / 10},
+           "eval": lambda i: {"iteration": i, "phase": "eval", "val/reward_mean": i / 10}}
+    seen = [row["eval"](0), row["rl"](0), row["rl"](1)]
+    digest = hashlib.sha256("".join(json.dumps(r) + "\n" for r in seen).encode()).hexdigest()
+    later = [row["eval"](2), row["rl"](2), row["eval"](3)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in seen + later))
+    kept = checkpoints.kept_metrics(path, 1, digest, "iter_000001")
+    assert [(r["phase"], r["iteration"]) for r in map(json.loads, kept.splitlines())] == [
+        ("eval", 0), ("rl", 0), ("rl", 1), ("eval", 2)]
+    path.write_text(path.read_text().replace('"val/reward_mean": 0.0', '"val/reward_mean": 0.5'))
+    with pytest.raises(CheckpointError, match="its rows up to iter_000001 are not the ones that checkpoint recorded"):
+        checkpoints.kept_metrics(path, 1, digest, "iter_000001")

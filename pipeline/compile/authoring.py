@@ -392,6 +392,22 @@ class Algorithm:
             params.update(decl.params)
         return params
 
+    def hyperparameter_types(self) -> dict[str, Any]:
+        """Name → the annotation a function gives the hyperparameter (``clip_ratio_c: float | None``),
+        for those annotated where it can be resolved; a default of None says nothing of the type."""
+        import typing
+
+        types: dict[str, Any] = {}
+        for decl in self._functions():
+            try:
+                hints = typing.get_type_hints(decl.fn)
+            except Exception:  # noqa: BLE001 - an annotation naming what the DAG file never imported
+                continue
+            for name in decl.params:
+                if name in hints:
+                    types.setdefault(name, hints[name])
+        return types
+
     def __repr__(self) -> str:
         models = ", ".join(f"{m.name}{'' if m.trainable else ' (frozen)'}" for m in self.models.values())
         return f"<Algorithm {self.name}: models [{models}], scores {[s.as_ for s in self.scores]}>"

@@ -41,6 +41,8 @@ def load_algorithm(ref: str) -> Algorithm:
         path = Path(ref)
         if not path.exists():
             raise GraphError(f"DAG file {path} does not exist")
+        if not path.is_file():
+            raise GraphError(f"DAG file {path} is a directory, not a Python file")
         name = "rollplex_user_dag_" + hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:10]
         if name in sys.modules:
             return _pick(sys.modules[name], str(path))

@@ -1,11 +1,12 @@
 """Start or join the Dask cluster, and install Rollplex's engines on its workers.
 
 Without an address, a ``LocalCluster`` bound to loopback is started (and stopped with the run).
-With ``--scheduler tcp://HOST:PORT`` Rollplex joins a cluster started by the stock
-``dask scheduler`` and ``dask worker --nthreads 3 --resources "decode=1,compute=1,host=1"`` commands.
-Each worker declares one unit of resource per stream and runs one thread per stream: ``decode`` (the
+With ``--scheduler tcp://HOST:PORT`` Rollplex joins a cluster started by the stock ``dask scheduler``
+and ``dask worker`` commands. Rollplex runs one thread per stream on each worker and gives each stream
+one unit of a Dask resource of its name, so Dask never runs two tasks on one stream: ``decode`` (the
 decode engine), ``compute`` (forward/backward work) and ``host`` (rewards, advantages, reports, which
-then never wait behind model work).
+then never wait behind model work). A stock worker (``dask worker ADDRESS --nthreads 1 --resources
+GPU=1``) gets them from the plugin as it joins, and has its own back when the run ends.
 """
 from __future__ import annotations
 
@@ -14,12 +15,12 @@ import logging
 from collections.abc import Iterator
 
 import dask
+from distributed import Worker
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from rollplex.errors import EngineError, RollplexError
 from rollplex.pipeline.run.worker import STREAMS, HostSpec
 
-WORKER_FLAGS = '--nthreads 3 --resources "decode=1,compute=1,host=1"'
 PLUGIN_NAME = "rollplex-engines"
 
 
@@ -30,23 +31,56 @@ class RollplexPlugin(WorkerPlugin):
 
     def __init__(self, spec: HostSpec) -> None:
         self.spec = spec
+        self._lent: tuple | None = None  # what give_streams changed on this worker, for teardown
 
-    def setup(self, worker) -> None:
+    async def setup(self, worker) -> None:
         from rollplex import runtime
         from rollplex.pipeline.run.worker import install_host
 
         from rollplex.pipeline.run.recovery import quiet_task_errors
 
+        self._lent = await give_streams(worker)
         runtime.configure(threads=self.spec.threads, device=self.spec.device)
         quiet_task_errors()  # the driver reports a failed node once; the worker's log would repeat it
         if self.spec.world_size > 1:
             return  # ranks need a process group first: form_ranks builds the engines
         install_host(self.spec, name=worker.name if isinstance(worker.name, str) else f"worker{worker.name}")
 
-    def teardown(self, worker) -> None:
+    async def teardown(self, worker) -> None:
         from rollplex.pipeline.run.worker import uninstall_host
 
         uninstall_host()
+        if self._lent is not None:
+            await take_back_streams(worker, *self._lent)
+
+
+async def give_streams(worker) -> tuple:
+    """Make a worker able to run Rollplex's tasks: a thread per stream, and one unit of each stream's
+    resource it does not declare (a declared one is checked by ``_check_worker_resources``). Returns
+    (executor it had, its thread count, resources added) for ``take_back_streams``."""
+    from distributed.threadpoolexecutor import ThreadPoolExecutor
+
+    state = worker.state
+    had_executor, had_threads = None, state.nthreads
+    if state.nthreads < len(STREAMS):
+        # The default executor's threads run tasks, and the worker starts at most nthreads at once.
+        had_executor = worker.executors["default"]
+        worker.executors["default"] = ThreadPoolExecutor(len(STREAMS), thread_name_prefix="Dask-Default-Threads")
+        state.nthreads = len(STREAMS)
+    added = [s for s in STREAMS if s not in state.total_resources]
+    if added:
+        await worker.set_resources(**{s: 1 for s in added})
+    return had_executor, had_threads, added
+
+
+async def take_back_streams(worker, executor, threads: int, added: list[str]) -> None:
+    """Undo ``give_streams`` on a worker that outlives the run."""
+    if executor is not None:
+        ours, worker.executors["default"] = worker.executors["default"], executor
+        worker.state.nthreads = threads
+        ours.shutdown(wait=False)
+    if added:
+        await worker.set_resources(**{s: 0 for s in added})
 
 
 def worker_process_environ(threads: int) -> dict:
@@ -60,6 +94,14 @@ def worker_process_environ(threads: int) -> dict:
     """
     # Dask's MKL_NUM_THREADS/OPENBLAS_NUM_THREADS=1 are left out: unset, they follow OpenMP's count.
     return {"distributed.nanny.pre-spawn-environ": {"MALLOC_TRIM_THRESHOLD_": None, "OMP_NUM_THREADS": str(threads)}}
+
+
+class _InProcessWorker(Worker):
+    """A worker in the driver's process. Its HTTP server (health, metrics) would take its host from
+    the worker's address, which is inproc:// here, and so listen on every interface: loopback instead."""
+
+    def __init__(self, *args, dashboard_address=None, **kwargs) -> None:
+        super().__init__(*args, dashboard_address=dashboard_address or "127.0.0.1:0", **kwargs)
 
 
 @contextlib.contextmanager
@@ -89,7 +131,7 @@ def connect(address: str | None, workers: int, threads: int, processes: bool = T
             resources={**{s: 1 for s in STREAMS}, **gpu},
             processes=processes,
             # Loopback only. In-process workers take the scheduler's inproc address, which refuses a host.
-            **({"host": "127.0.0.1"} if processes else {}),
+            **({"host": "127.0.0.1"} if processes else {"worker_class": _InProcessWorker}),
             # The scheduler serves HTTP (health, metrics) even without the dashboard; a random port keeps
             # two runs on one machine from fighting over 8787.
             dashboard_address="127.0.0.1:8787" if dashboard else "127.0.0.1:0",
@@ -104,16 +146,18 @@ def connect(address: str | None, workers: int, threads: int, processes: bool = T
 
 
 def _check_worker_resources(client) -> None:
-    info = client.scheduler_info()
-    workers = info.get("workers", {})
+    """Refuse what the plugin cannot make work: no workers, or a worker that declares a stream's
+    resource in another quantity (two units would let Dask run two tasks on one stream at once)."""
+    workers = client.scheduler_info().get("workers", {})
     if not workers:
-        raise RollplexError("the Dask cluster has no workers; start them with "
-                            f"`dask worker ADDRESS {WORKER_FLAGS}`")
+        raise RollplexError("the Dask cluster has no workers; start them with `dask worker ADDRESS`")
     for address, w in workers.items():
-        missing = [s for s in STREAMS if w.get("resources", {}).get(s, 0) < 1]
-        if missing:
-            raise RollplexError(f"Dask worker {address} lacks resources {missing}; start it with "
-                                f"{WORKER_FLAGS}")
+        wrong = {s: q for s in STREAMS if (q := w.get("resources", {}).get(s, 1)) != 1}
+        if wrong:
+            declared = ", ".join(f"{s}={q:g}" for s, q in wrong.items())
+            raise RollplexError(f"Dask worker {address} declares {declared}; each stream runs one task at a "
+                                f"time, so start it with 1 of each of {', '.join(STREAMS)} or none (Rollplex "
+                                f"then adds them)")
 
 
 def uninstall_engines(client) -> None:
@@ -163,6 +207,7 @@ def _join_group(spec: HostSpec, rank: int, world: int, master: str, port: int, l
     import torch
 
     from rollplex.pipeline.run.worker import install_host
+    from rollplex.runtime import init_process_group
 
     os.environ.update(MASTER_ADDR=master, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(local_rank))
@@ -170,9 +215,8 @@ def _join_group(spec: HostSpec, rank: int, world: int, master: str, port: int, l
     if device.startswith("cuda") and torch.cuda.device_count() > 1:
         device = f"cuda:{local_rank % torch.cuda.device_count()}"
         torch.cuda.set_device(device)
-    torch.distributed.init_process_group("nccl" if device.startswith("cuda") else "gloo",
-                                         init_method=f"tcp://{master}:{port}", rank=rank, world_size=world,
-                                         timeout=datetime.timedelta(seconds=RANK_TIMEOUT_S))
+    init_process_group("nccl" if device.startswith("cuda") else "gloo", master, port, rank, world,
+                       datetime.timedelta(seconds=RANK_TIMEOUT_S))
     install_host(dataclasses.replace(spec, device=device), name=f"rank{rank}")
     return os.getpid()
 

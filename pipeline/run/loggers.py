@@ -35,14 +35,26 @@ GROUPS = {
 GROUP_OF = {key: group for group, keys in GROUPS.items() for key in keys}
 NOT_SCALARS = ("iteration", "phase", "schedule", "warmup_step")
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
+WANDB_ID = "wandb_id"  # the W&B run a resumed run continues (checkpoints record its digest)
 
 
 def check_installed(backends: list[str]) -> None:
-    """Refuse a backend whose package is missing, before anything starts."""
+    """Refuse a backend that cannot start, before anything does: its package missing, or W&B online
+    without an API key (``wandb.init`` otherwise raised it once the engines had started)."""
     for name in backends:
         package = PACKAGES.get(name)
         if package and importlib.util.find_spec(package) is None:
             raise ConfigError(f"logging.backends: {name} needs the {package} package (pip install {package})")
+    if "wandb" in backends and os.environ.get("WANDB_MODE", "online") not in ("offline", "disabled", "dryrun"):
+        import wandb
+
+        try:
+            wandb.login(verify=False)  # the key from WANDB_API_KEY or netrc (a terminal may be asked); no network
+        except Exception as exc:  # noqa: BLE001 - wandb's UsageError and whatever its login raises
+            said = str(exc).strip().splitlines()
+            raise ConfigError(f"logging.backends: wandb cannot log in ({type(exc).__name__}: "
+                              f"{said[0] if said else ''}); run `wandb login`, set WANDB_API_KEY, or set "
+                              "WANDB_MODE=offline") from None
 
 
 def tag(key: str, phase: str) -> str:
@@ -105,7 +117,7 @@ class WandbLog:
     def __init__(self, cfg, run_dir: Path, fresh: bool, logged: list[dict]) -> None:
         import wandb
 
-        id_file = run_dir / "wandb_id"
+        id_file = run_dir / WANDB_ID
         self.seen: set[tuple[str, int]] = set()
         if fresh or not id_file.is_file():  # a new W&B run; a resumed one continues its own
             run_id = secrets.token_hex(6)  # W&B ids: lowercase letters and digits

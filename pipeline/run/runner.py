@@ -10,6 +10,7 @@ Run directory layout:
     checkpoints/iter_NNNNNN/    the actor in HF format + optimizer, RNG and data-loader state
     checkpoints/after_warmup/   the same after the warm-up, before RL iteration 0 (when there is one)
     reference/                  the warmed-up policy, the reference (after a warm-up; else model.path)
+    errors.log                  the traceback of each error in the user's code (the console has one line)
 Every model folder holds the processor files too, so it loads alone in transformers.
 Every file is written atomically (temp file + rename); ``--resume`` continues from the last
 complete checkpoint and truncates later metric rows, so the sequence has no gaps or duplicates.
@@ -26,19 +27,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rollplex.config import RunConfig, dump_config, resolve_task_defaults
-from rollplex.errors import Interrupted, NodeFailure, NonFiniteError, RollplexError, WorkerLost
+from rollplex.config import MAY_CHANGE_ON_RESUME, RunConfig, config_changes, resolve_task_defaults, run_config_text
+from rollplex.errors import (CheckpointError, ConfigError, Interrupted, NodeFailure, NonFiniteError, RollplexError,
+                             UserCodeError, WorkerLost)
 from rollplex.pipeline.run import checkpoints
 from rollplex.pipeline.run.faults import point
 from rollplex.fsio import append_line, atomic_write_text
 from rollplex.pipeline.run import evaluation
 from rollplex.pipeline.run.hostops import _adopt_reference, _end_warmup, _lora_sizes, _restore, _sync_decode, _warmup
-from rollplex.pipeline.run.loggers import Loggers, check_installed
+from rollplex.pipeline.run.loggers import WANDB_ID, Loggers, check_installed
 from rollplex.pipeline.run.session import Session, resolve_device
 from rollplex.pipeline.plan.trace import chrome_trace, seconds_by_kind
 
 
 MOVING_WINDOW = 10  # iterations averaged for stop_at_reward and the summary's final reward
+ERRORS_LOG = "errors.log"  # tracebacks of errors in the user's code, which the console gets as one line
 
 
 @dataclass
@@ -70,14 +73,23 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = 
     check_installed(cfg.logging.backends)
     runtime.configure(threads=cfg.cluster.threads, device=resolve_device(cfg))
     run_dir = Path(run_dir)
+    check_run_dir(run_dir)
     state = None
-    metrics_path = run_dir / "metrics.jsonl"
+    metrics_path = run_dir / checkpoints.METRICS
     if resume:
         state = checkpoints.latest(run_dir)  # verified; a corrupt one is refused here
         if state is None:  # killed before the first checkpoint: nothing to keep, start again
             log(f"--resume: {run_dir} has no complete checkpoint yet; starting the run from the beginning")
     elif metrics_path.exists():
         raise RollplexError(f"{run_dir} already holds a run; pass --resume to continue it or pick another --out")
+    changed: dict = {}
+    if state is not None:  # what else the resume reads, checked before anything starts
+        changed = resume_changes(cfg, state, log)
+        checkpoints.kept_metrics(metrics_path, state.iteration, state.metrics_sha256, state.directory.name)
+        checkpoints.verify_side_files(run_dir, state, {WANDB_ID} if "wandb" in cfg.logging.backends else set())
+        checkpoints.verify_states(run_dir)
+        if (run_dir / checkpoints.REFERENCE).exists():
+            checkpoints.verify_reference(run_dir)
     session = Session(cfg, run_dir)
     session.loader.log = log
     for bad in getattr(session.task, "bad_rows", [])[:20]:
@@ -159,13 +171,45 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = 
         run_dir.mkdir(parents=True, exist_ok=True)
         checkpoints.clean_stale(run_dir)
         checkpoints.retain(run_dir, cfg.checkpoint.keep_last)
-        atomic_write_text(run_dir / "config.yaml", dump_config(cfg))
+        atomic_write_text(run_dir / "config.yaml", run_config_text(cfg))
         atomic_write_text(run_dir / "graph.txt", str(session.graph) + "\n")
         try:
-            return _train_loop(cfg, session, client, state, metrics_path, progress, log, t0, stop, ranks)
+            return _train_loop(cfg, session, client, state, metrics_path, progress, log, t0, stop, ranks, changed)
         finally:
             if cfg.cluster.scheduler:
                 uninstall_engines(client)
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """Refuse a run directory that cannot be one before anything starts: a file, or a place where it
+    cannot be written (a read-only file system, no permission). Creates nothing."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"--out {run_dir}: is a file, not a run directory")
+    existing = run_dir
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"--out {run_dir}: {existing} is a file, so the run directory cannot be made in it")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {run_dir}: {existing} is not writable (a read-only file system, or no permission)")
+
+
+def resume_changes(cfg: RunConfig, state, log) -> dict:
+    """The fields a resume changes ({field: (before, after)}) against the config its checkpoint
+    recorded: refused by name where they define the run (``MAY_CHANGE_ON_RESUME``), else logged."""
+    if state.config is None:
+        raise CheckpointError(f"checkpoint {state.directory} records no config (an earlier Rollplex wrote it), so a "
+                              "resume cannot check it continues the same run; start the run again")
+    changed = config_changes(state.config, cfg.to_dict())
+    defining = {k: v for k, v in changed.items() if k not in MAY_CHANGE_ON_RESUME}
+    if defining:
+        shown = ", ".join(f"{k} ({a!r} → {b!r})" for k, (a, b) in defining.items())
+        raise ConfigError(f"--resume: {shown} would change what the run computes; {state.directory.name} was "
+                          f"written with the first value{'s' * (len(defining) > 1)}; start a new run (another "
+                          "--out) to change it")
+    for k, (a, b) in changed.items():
+        log(f"--resume: {k} {a!r} → {b!r} from iteration {state.iteration + 1} (recorded in metrics.jsonl)")
+    return changed
 
 
 def dashboard_link(client) -> str:
@@ -225,15 +269,22 @@ def _start_from(cfg: RunConfig, session: Session, executor, watch, state, metric
         return 0, []
     session.loader.load_state_dict(state.loader)
     checkpoints.restore_rng(state.rng)
-    checkpoints.truncate_metrics(metrics_path, state.iteration)
-    reference = session.run_dir / "reference"
-    watch.on_each(_restore, str(state.directory),
-                  str(reference) if recovering and (reference / "config.json").exists() else None)
+    checkpoints.truncate_metrics(metrics_path, state.iteration, state.metrics_sha256, state.directory.name)
+    reference = session.run_dir / checkpoints.REFERENCE
+    reload = recovering and (reference / "config.json").exists()
+    if reload:
+        checkpoints.verify_reference(session.run_dir)
+    watch.on_each(_restore, str(state.directory), str(reference) if reload else None)
     return state.iteration + 1, checkpoints.rl_rows(metrics_path)
 
 
 def _failure(exc: BaseException, where: str, run_dir: Path) -> BaseException:
-    """A NaN/Inf refusal becomes one line naming the iteration; anything else stays as it is."""
+    """A NaN/Inf refusal becomes one line naming the iteration, and an error in the user's code one line
+    naming the iteration, node and code, its traceback appended to errors.log; anything else stays."""
+    if isinstance(exc, UserCodeError):
+        log_path = run_dir / ERRORS_LOG
+        append_line(log_path, f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {where}: {exc}\n{exc.trace.rstrip()}")
+        return UserCodeError(f"{where}: {exc} (traceback in {log_path})")
     detail = exc.detail if isinstance(exc, NodeFailure) else ""
     if isinstance(exc, FloatingPointError) or detail.startswith("FloatingPointError"):
         done = checkpoints.latest_name(run_dir)
@@ -244,7 +295,9 @@ def _failure(exc: BaseException, where: str, run_dir: Path) -> BaseException:
 
 
 def _train_loop(cfg: RunConfig, session: Session, client, state, metrics_path: Path, progress: bool, log,
-                t0: float, stop, ranks: list[str] | None = None) -> RunSummary:
+                t0: float, stop, ranks: list[str] | None = None, changed: dict | None = None) -> RunSummary:
+    """``changed``: fields this resume changed ({field: (before, after)}), recorded in the row of the
+    first iteration run under them."""
     from rollplex.pipeline.run.executor import DaskExecutor
     from rollplex.pipeline.run.recovery import WorkerWatch
 
@@ -257,7 +310,8 @@ def _train_loop(cfg: RunConfig, session: Session, client, state, metrics_path: P
     loggers = Loggers(cfg, run_dir, fresh=state is None, logged=checkpoints.metric_rows(metrics_path))
     failed = True
     try:
-        summary = _iterate(cfg, session, executor, watch, loggers, state, metrics_path, progress, log, stop)
+        summary = _iterate(cfg, session, executor, watch, loggers, state, metrics_path, progress, log, stop,
+                           changed or {})
         failed = False
         return summary
     finally:
@@ -265,7 +319,7 @@ def _train_loop(cfg: RunConfig, session: Session, client, state, metrics_path: P
 
 
 def _iterate(cfg: RunConfig, session: Session, executor, watch, loggers, state, metrics_path: Path, progress: bool,
-             log, stop) -> RunSummary:
+             log, stop, changed: dict) -> RunSummary:
     from tqdm import tqdm
 
     from rollplex.pipeline.run import faults
@@ -273,6 +327,7 @@ def _iterate(cfg: RunConfig, session: Session, executor, watch, loggers, state, 
     from rollplex.pipeline.run.recovery import drop_tracebacks, quiet_task_errors
 
     run_dir, client = session.run_dir, executor.client
+    changed_at = state.iteration + 1 if state else 0  # a rollback below may move ``state`` on
     validation = evaluation.Validation(cfg, session.eval_task, run_dir) if session.eval_task is not None else None
 
     def validate(policy: int) -> None:  # the policy that samples RL iteration `policy`
@@ -317,6 +372,8 @@ def _iterate(cfg: RunConfig, session: Session, executor, watch, loggers, state, 
                            "seconds_by_kind": seconds_by_kind(result.events),
                            "peak_memory_bytes": result.peak_memory_bytes, "reward_chance": session.task.chance,
                            **session.loader.metrics()}
+                if changed and iteration == changed_at:
+                    metrics["config_changed"] = {k: list(v) for k, v in changed.items()}
                 append_line(metrics_path, json.dumps(metrics, sort_keys=True))
                 loggers.log(metrics)
                 point("iteration:written")
@@ -352,6 +409,8 @@ def _iterate(cfg: RunConfig, session: Session, executor, watch, loggers, state, 
         except Exception as exc:
             lost = str(exc) if isinstance(exc, WorkerLost) else watch.lost()
             if lost is None:
+                bar.leave = False
+                bar.close()  # cleared: the error's one line is all the console keeps
                 raise _failure(exc, where, run_dir) from exc
             if stop.requested:
                 raise _interrupted(stop, run_dir, None) from None
@@ -443,6 +502,7 @@ def _run_warmup(cfg: RunConfig, session: Session, executor, metrics_path: Path, 
     shutil.rmtree(staging, ignore_errors=True)
     executor.call(_adopt_reference, str(staging))
     session.processor.save_pretrained(str(staging))  # so that reference/ loads alone, like a checkpoint
+    checkpoints.write_manifest(staging)  # a resume verifies the reference before its frozen models load it
     shutil.rmtree(target, ignore_errors=True)
     os.replace(staging, target)
     log(f"warm-up done: loss {loss:.3f}; the reference model is now the warmed-up policy")

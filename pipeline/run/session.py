@@ -40,6 +40,12 @@ def resolve_engines(cfg: RunConfig, device: str) -> tuple[str, str, str]:
         if not spec.installed():
             raise EngineError(f"engines.{role}: engine {name!r} is not installed "
                               f"(missing {', '.join(spec.missing())})")
+    from rollplex.engines.base import check_options
+
+    check_options(get_engine(decode), cfg.engines.decode_options, "engines.decode_options")
+    check_options(get_engine(train), cfg.engines.train_options, "engines.train_options",
+                  elsewhere={k: f"train.{k}" for k in ("lr", "betas", "eps", "weight_decay", "grad_clip",
+                                                        "zero_stage")})
     for kind, name in cfg.engines.overrides.items():
         from rollplex.pipeline.compile.ir import get_kind
 
@@ -49,6 +55,69 @@ def resolve_engines(cfg: RunConfig, device: str) -> tuple[str, str, str]:
         except RollplexError as exc:
             raise EngineError(f"engines.overrides.{kind}: {exc}") from None
     return decode, train, cfg.engines.score
+
+
+def check_hyperparameters(algorithm, params: dict) -> None:
+    """Each of ``params`` names a hyperparameter of ``algorithm`` and has its default's type (a default
+    of None: its annotation's, ``float | None``): a number for a number (finite), a bool for a bool, a
+    string for a string. A loss given ``kl_coef: abc`` otherwise failed inside its first node, after the
+    engines had started."""
+    defaults = algorithm.hyperparameters()
+    unknown = sorted(set(params) - set(defaults))
+    if unknown:
+        known = ", ".join(sorted(defaults)) or "none"
+        raise ConfigError(f"params: {unknown} are not hyperparameters of {algorithm.name} (known: {known})")
+    annotated = algorithm.hyperparameter_types()
+    for name, value in params.items():
+        default = defaults[name]
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if default is None:  # the annotation says what it takes (float | None), if there is one
+            kinds = _annotated_kinds(annotated.get(name))
+            fits = kinds is None or any(_is_kind(value, kind) for kind in kinds)
+            shown = " or ".join("null" if k is type(None) else k.__name__ for k in kinds or ())
+        else:
+            fits = _is_kind(value, type(default))
+            shown = f"{type(default).__name__} like its default {default!r}"
+        if not fits:
+            raise ConfigError(f"params.{name}: expected {shown}, got {type(value).__name__} {value!r}")
+        if number and not math.isfinite(value):
+            raise ConfigError(f"params.{name}: expected a finite number, got {value}")
+
+
+def _annotated_kinds(annotation) -> tuple[type, ...] | None:
+    """The plain types of a hyperparameter's annotation (``float | None`` → float, NoneType); None when
+    there is none, or it names something else (a Literal, a generic), which is then not checked here."""
+    import types
+    import typing
+
+    if annotation is None:
+        return None
+    members = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) \
+        else (annotation,)
+    return members if all(isinstance(m, type) and m in (bool, int, float, str, type(None)) for m in members) else None
+
+
+def _is_kind(value, kind: type) -> bool:
+    """A value given for a hyperparameter of type ``kind``: a float takes an int, a bool is no number."""
+    if kind in (int, float):
+        return isinstance(value, int if kind is int else (int, float)) and not isinstance(value, bool)
+    return type(value) is kind
+
+
+def check_sequence_length(cfg: RunConfig, hf_config, prompt_tokens: int) -> int:
+    """A prompt and its response fit the model's positions and the decode engine's max_model_len
+    (else vLLM refuses at construction and the torch engines fail mid-rollout). Returns the former."""
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    positions = int(getattr(text, "max_position_embeddings", 0) or 2**20)
+    longest = prompt_tokens + cfg.rollout.max_new_tokens
+    if longest > positions:
+        raise ConfigError(f"rollout.max_new_tokens: {cfg.rollout.max_new_tokens} new tokens after prompts of "
+                          f"{prompt_tokens} is {longest}, past the model's max_position_embeddings ({positions})")
+    asked = cfg.engines.decode_options.get("max_model_len")
+    if asked is not None and asked < longest:
+        raise ConfigError(f"engines.decode_options.max_model_len: {asked} is shorter than a prompt and its response "
+                          f"({prompt_tokens} + rollout.max_new_tokens {cfg.rollout.max_new_tokens})")
+    return positions
 
 
 def check_group_size(algorithm, samples: int) -> None:
@@ -92,6 +161,8 @@ def resolve_worker_processes(processes: bool | str, workers: int, device: str, s
 def resolve_model_path(cfg: RunConfig) -> str:
     if cfg.model.path:
         path = Path(cfg.model.path)
+        if path.is_file():
+            raise RollplexError(f"model.path: {path} is a file; expected an HF model directory")
         if not (path / "config.json").exists():
             raise RollplexError(f"model.path: {path} has no config.json (expected an HF model directory)")
         return str(path)
@@ -180,10 +251,7 @@ class Session:
         # What needs only the config and the DAG file is checked first: a typo is refused in a second
         # or two, not after transformers' imports (about 8 s on a slow 2-core host).
         self.algorithm = load_algorithm(cfg.algorithm)
-        unknown = sorted(set(cfg.params) - set(self.algorithm.hyperparameters()))
-        if unknown:
-            known = ", ".join(sorted(self.algorithm.hyperparameters())) or "none"
-            raise RollplexError(f"params: {unknown} are not hyperparameters of {self.algorithm.name} (known: {known})")
+        check_hyperparameters(self.algorithm, cfg.params)
         if cfg.train.clip_ratio_c is not None:
             if "clip_ratio_c" not in self.algorithm.hyperparameters():
                 raise ConfigError(f"train.clip_ratio_c: the loss of {self.algorithm.name} has no dual clip (it takes "
@@ -242,6 +310,7 @@ class Session:
                               dict(cfg.engines.overrides))
         spec = iteration_spec(cfg, dims, prompt_tokens, vision_tokens, self.device, choice)
         shape = spec.shape
+        self.max_positions = check_sequence_length(cfg, hf_config, max(prompt_tokens, self.eval_prompt_tokens))
         if cfg.train.lora is not None:
             check_lora(cfg, self.model_path, self.train_engine)
         if cfg.train.train_fusion and self.train_engine != "torch":
@@ -298,7 +367,7 @@ class Session:
                 self.processor.save_pretrained(str(Path(directory) / model))
 
         return checkpoints.save(self.run_dir, iteration, write, loader=self.loader.state_dict(),
-                                keep_last=self.cfg.checkpoint.keep_last, reward=reward)
+                                keep_last=self.cfg.checkpoint.keep_last, reward=reward, config=self.cfg.to_dict())
 
     def plan_memory(self, graph, schedule_name: str):
         """Offload/prefetch nodes so one device fits ``cluster.memory_budget_gib`` (pipeline/plan/residency.py)."""
@@ -352,7 +421,8 @@ class Session:
                          "fusion_order": cfg.engines.weight_sharing != "off" and self.decode_engine == "vllm",
                          "freeze_vision": cfg.train.freeze_vision, "lora": cfg.train.lora,
                          **cfg.engines.train_options}
-        longest = max(256, max(self.shape.prompt_tokens, self.eval_prompt_tokens) + cfg.rollout.max_new_tokens + 64)
+        longest = min(self.max_positions, max(256, max(self.shape.prompt_tokens, self.eval_prompt_tokens)
+                                              + cfg.rollout.max_new_tokens + 64))
         sequences = self.shape.prompts * self.shape.samples
         # Size the decode KV pool from the batch: vLLM's CPU default reserves a share of host memory.
         kv_bytes = max(32 << 20, 2 * self.dims.kv_bytes(longest) * sequences)

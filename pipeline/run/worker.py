@@ -21,9 +21,10 @@ from typing import Any
 
 import torch
 
-from rollplex.errors import NodeFailure, RollplexError
+from rollplex.errors import NodeFailure, RollplexError, UserCodeError
 from rollplex.pipeline.compile.ir import Node, Value
 from rollplex.pipeline.run.partitions import WindowSharing
+from rollplex.pipeline.run.usercode import node_error, user_files
 
 STREAMS = ("decode", "compute", "host")  # a worker's streams; Dask resources of the same names
 
@@ -124,6 +125,7 @@ class WorkerHost:
         else:  # fn(text, answer, **hyperparameters): the config's params override the defaults
             extra = {k: spec.settings.params.get(k, v) for k, v in decl.params.items()}
             self.reward_fn = functools.partial(decl.fn, **extra) if extra else decl.fn
+        self.user_files = user_files(self.algorithm, self.reward_fn)  # whose frames make an error the user's
         from transformers import AutoTokenizer
         from transformers.utils import logging as hf_logging
 
@@ -515,10 +517,12 @@ def execute_node(host: WorkerHost, node: Node, iteration: int, inputs: dict[str,
         with host.on_stream(node.stream, keeps_graph=keeps_graph) as sms, \
                 torch.profiler.record_function(f"node:{node.kind}"):
             outputs = task_for(node.kind)(NodeContext(host, iteration, values), node, inputs)
+    except UserCodeError as exc:
+        raise node_error(node.name, node.kind, exc, host.user_files) from None
     except (RollplexError, NodeFailure):
         raise
     except Exception as exc:  # FloatingPointError from a non-finite loss or gradient included
-        raise NodeFailure(node.name, node.kind, exc) from exc
+        raise node_error(node.name, node.kind, exc, host.user_files) from exc
     end = time.time()
     waited = host.last_stream_wait()
     host.record({"name": node.name, "cat": node.kind, "ph": "X", "ts": start * 1e6, "dur": (end - start) * 1e6,

@@ -1,0 +1,29 @@
+"""Every socket a run opens stays on loopback when no remote scheduler is given.
+
+A real `rollplex train` (the default engines: in-process vLLM, DeepSpeed) runs while a thread lists
+the inet sockets of every process of its group (the driver, the nanny's worker processes) every
+few milliseconds: Dask's comms and HTTP servers, torch's TCPStore, gloo's pairs, vLLM's.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from reliability_harness import Launch
+from socket_watch import SocketWatch
+
+
+RUNS = {"in-process": [], "worker-process": ["--set", "cluster.processes=true"],
+        "data-parallel ranks": ["--workers", "2"]}  # two worker processes in one process group
+
+
+@pytest.mark.parametrize("where", list(RUNS))
+def test_a_default_run_opens_no_socket_outside_loopback(tmp_path: Path, where: str):
+    launch = Launch(tmp_path / "run", ["--iterations", "1", *RUNS[where]])
+    watch = SocketWatch(launch.proc.pid)
+    assert launch.finish() == 0, launch.log()
+    watch.thread.join(5)
+    # The watch saw the run: the scheduler and its HTTP server, the worker, the process group's store.
+    pids = {k[0] for k in watch.listening()}
+    assert len(watch.listening()) >= 5 and (where == "in-process") == (pids == {launch.proc.pid}), watch.seen
+    assert watch.off_loopback() == [], watch.off_loopback()
