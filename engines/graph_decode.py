@@ -643,5 +643,7 @@ SPEC = register_engine(EngineSpec(
     options={"max_num_seqs": Option(int, 1, 2**20), "max_model_len": Option(int, 1, 2**20),
              "graph_batch_sizes": Option(list, check=_batch_sizes), "cuda_graphs": Option(bool),
              "steps_per_graph": Option(int, 1, 1024), "compile": Option((bool, str), check=_compile_mode),
-             "attention": Option(str, choices=("auto", "split-kv", "sdpa"))},
+             "attention": Option(str, choices=("auto", "split-kv", "sdpa")), "shared_prefix": Option(bool),
+             "prefix_slots": Option(int, 1, 2**20), "max_prompt_len": Option(int, 1, 2**20),
+             "max_response_len": Option(int, 1, 2**20)},
 ))
