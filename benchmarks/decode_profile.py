@@ -29,8 +29,11 @@ def main() -> None:
     ap.add_argument("--fuse", default="on", choices=("off", "on", "both"),
                     help="q|k|v and gate|up as one buffer each, projected in one matmul per group (what a "
                          "run sharing the trainer's weights does); both: separate first, then fused")
-    ap.add_argument("--attention", default="split-kv", choices=("sdpa", "split-kv", "both"),
-                    help="the step's attention (engines/decode_attention.py); both: sdpa first")
+    ap.add_argument("--attention", default="split-kv",
+                    help="the step's attention (engines/decode_attention.py), or several in turn, comma-separated: "
+                         "sdpa, split-kv, fused (rotary and cache write in the kernel); both: sdpa,split-kv")
+    ap.add_argument("--kernels", action="store_true",
+                    help="per configuration, the kernels of replayed step graphs: launches and µs per step by name")
     ap.add_argument("--max-len", type=int, default=0,
                     help="KV slots per row (default prompt + 300); the bench's is prompt + max new tokens")
     ap.add_argument("--samples", type=int, default=1, help="rows per prompt (G); B / G distinct prompts")
@@ -59,8 +62,8 @@ def main() -> None:
 
     tiles = [tuple(int(x) for x in t.split("x")) for t in args.split_kv_tiles.split(",") if t]
     tiles = tiles or [(decode_attention.BLOCK, decode_attention.NUM_WARPS)]
-    attentions = [("sdpa", None)] if args.attention in ("sdpa", "both") else []
-    attentions += [("split-kv", t) for t in tiles] if args.attention != "sdpa" else []
+    names = ["sdpa", "split-kv"] if args.attention == "both" else args.attention.split(",")
+    attentions = [(a, t) for a in names for t in ([None] if a == "sdpa" else tiles)]
     max_len = args.max_len or args.prompt_len + 300
     prefix_tiles = [tuple(int(x) for x in t.split("x")) for t in args.prefix_tiles.split(",") if t]
     prefix_tiles = prefix_tiles or [(decode_attention.PREFIX_TOKENS_PER_SPLIT, decode_attention.PREFIX_WARPS)]
@@ -100,7 +103,10 @@ def main() -> None:
         print(f"{label}: {per_step * 1e3:6.2f} ms/step, {need / per_step / 1e12:5.2f} TB/s = "
               f"{need / per_step / args.bandwidth:5.1%} of {args.bandwidth / 1e12:.1f} TB/s; "
               f"{n / per_step:8.0f} tok/s; KV cache {engine_kv_bytes(engine) / 2**30:.2f} GiB")
-        if (n == sizes[-1] and compiled == modes[-1] and fused == fusions[-1] and (attention, tile) == attentions[-1]
+        if args.kernels:
+            print(kernel_table(engine, per_step))
+        if (not args.kernels and n == sizes[-1] and compiled == modes[-1] and fused == fusions[-1]
+                and (attention, tile) == attentions[-1]
                 and (shared, choice) == prefixes[-1]):
             engine.use_graphs = False
             from torch.profiler import ProfilerActivity, profile
@@ -110,6 +116,28 @@ def main() -> None:
                 torch.cuda.synchronize()
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18))
         engine.close()
+
+
+def kernel_table(engine, per_step: float, steps: int = 16) -> str:
+    """The kernels of ``steps`` replayed step graphs (CUPTI records each node of a graph launch):
+    launches and device µs per step by kernel name, and what of the step no kernel covers."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.step(steps)
+        torch.cuda.synchronize()
+    kernels: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0:
+            kernels.setdefault(e.name, []).append(e.device_time_total)
+    rows = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))
+    busy = sum(sum(v) for v in kernels.values()) / steps
+    lines = [f"  {'µs/step':>8} {'launches/step':>13}  kernel"]
+    lines += [f"  {sum(v) / steps:8.1f} {len(v) / steps:13.1f}  {name[:110]}" for name, v in rows[:40]]
+    lines.append(f"  kernels busy {busy:.0f} µs of {per_step * 1e6:.0f} µs per step "
+                 f"({sum(len(v) for v in kernels.values()) / steps:.0f} launches); gaps {per_step * 1e6 - busy:.0f} µs")
+    return "\n".join(lines)
 
 
 def engine_kv_bytes(engine) -> int:

@@ -1,8 +1,8 @@
 """`rollplex train` against `rollplex bench` at one shape, and how much of a train iteration falls
 outside its nodes.
 
-Both run the same work on one GPU: the 3B preset with random weights in bf16, P = 8 prompts of one
-896×896 image (1,024 merged vision tokens) and about 64 text tokens, G = 8 samples of 256 tokens
+Both run the same work on one GPU: the 3B preset with random weights in bf16, P = 8 prompts (or
+``--prompts``) of one 896×896 image (1,024 merged vision tokens) and about 64 text tokens, G = 8 samples of 256 tokens
 each (random weights almost never stop early; the bench caps every sample at 256), chunks of 32
 tokens, the torch train engine, the compiled torch-graph decode engine, 8 prompts per vit/prefix/
 suffix node and 2 per micro-batch. Train runs ``schedule: auto``, so serial and rollplex (with train
@@ -94,6 +94,8 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=None, help="fewer LM layers (smoke runs)")
     ap.add_argument("--vision-layers", type=int, default=None, help="fewer ViT blocks (smoke runs; train only)")
     ap.add_argument("--side", type=int, default=896, help="image side: (side/28)² merged vision tokens")
+    ap.add_argument("--prompts", type=int, default=8, help="prompts per iteration (P; G is 8)")
+    ap.add_argument("--decode-attention", default="auto", help="the torch-graph engine's attention option")
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--chunk-tokens", type=int, default=32)
     ap.add_argument("--trials", type=int, default=5, help="train iterations per schedule (the first not timed)")
@@ -110,9 +112,9 @@ def main() -> int:
         run(init + (["--layers", str(args.layers)] if args.layers else [])
             + (["--vision-layers", str(args.vision_layers)] if args.vision_layers else []))
     vision = (args.side // 28) ** 2
-    data = write_dataset(work / "data", 8, args.side, prompt_text(model, args.side, vision + 66))
+    data = write_dataset(work / "data", args.prompts, args.side, prompt_text(model, args.side, vision + 66))
     dtype = "bfloat16" if args.device == "cuda" else "float32"
-    shape = ["rollout.prompts_per_iteration=8", "rollout.samples_per_prompt=8",
+    shape = [f"rollout.prompts_per_iteration={args.prompts}", "rollout.samples_per_prompt=8",
              f"rollout.max_new_tokens={args.new_tokens}", f"rollout.chunk_tokens={args.chunk_tokens}", "train.prompts_per_node=8",
              "train.micro_batch_groups=2"]
     train_dir = work / "train"
@@ -122,13 +124,15 @@ def main() -> int:
          "--set", f"schedule_trials={args.trials}", "--set", f"model.path={model}", "--set", f"model.dtype={dtype}",
          "--set", f"model.device={args.device}", "--set", f"data.path={data}", "--set", "warmup.steps=0",
          "--set", "stop_at_reward=null", "--set", "engines.train=torch", "--set", "engines.decode=torch-graph",
-         "--set", "engines.decode_options={compile: %s}" % ("true" if args.device == "cuda" else "false"),
+         "--set", "engines.decode_options={compile: %s, attention: %s}" % (
+             "true" if args.device == "cuda" else "false", args.decode_attention),
          "--set", "train.train_fusion=true", "--set", "checkpoint.every=0"]
         + (["--set", f"cluster.threads={args.threads}"] if args.threads else [])
         + [x for s in shape for x in ("--set", s)])
     bench_dir = work / "bench"
     policies = "serial:ppn=8:mb=2,rollplex:ppn=8:mb=2:tf=1"
     run(["rollplex", "bench", "--model", args.preset, "--device", args.device, "--dtype", dtype,
+         "--prompts", str(args.prompts), "--decode-attention", args.decode_attention,
          "--policies", policies, "--iterations", str(args.bench_iterations), "--max-new-tokens", str(args.new_tokens),
          "--mean-new-tokens", "1000000", "--chunk-tokens", str(args.chunk_tokens), "--vision-tokens", str(vision),
          "--train-engine", "torch", "--out", str(bench_dir)] + (["--layers", str(args.layers)] if args.layers else []))

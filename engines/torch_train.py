@@ -2,8 +2,9 @@
 
 What trains (``load_policy``): the language model, with the vision tower frozen unless the option
 ``freeze_vision`` is false; with ``lora`` (``train.lora``), the adapters alone (engines/lora.py).
-Also holds the helpers the DeepSpeed engine shares: loading the policy, mapping checkpoint names to
-module names, the LoRA-aware sync, save and load, and naming a non-finite gradient.
+Also holds the helpers the DeepSpeed engine shares: loading the policy, a critic's value head and the
+file it is saved in, mapping checkpoint names to module names, the LoRA-aware sync, save and load,
+and naming a non-finite gradient.
 
 Parameter names. ``module.state_dict()`` (transformers 5.19) says ``model.language_model.*`` and
 ``model.visual.*``, while ``save_pretrained`` reverts to the original Qwen release names
@@ -29,16 +30,37 @@ def is_vision_param(name: str) -> bool:
     return "visual" in name
 
 
+VALUE_HEAD_FILE = "value_head.safetensors"  # a critic's value head, beside the folder's model.safetensors
+
+
+class ValueHead(torch.nn.Linear):
+    """A critic's scalar head in place of the LM head: every forward that produced next-token logits
+    [.., V] now produces values [.., 1], so the prefix/suffix forwards serve a critic unchanged.
+    Zero-initialised: the first values are 0 and the head learns before it moves the trunk.
+
+    ``replaced`` keeps the LM head it took the place of (a plain tensor on the host: neither trained
+    nor moved; None where that head was the tied input embedding) for the folder ``export_model``
+    writes: the critic's trunk with that LM head, which plain transformers loads as it loads any
+    Qwen2.5-VL, and this head in ``VALUE_HEAD_FILE`` beside it, which ``load_hf_weights`` reads."""
+
+    def __init__(self, model: torch.nn.Module):
+        lm_head = model.lm_head.weight
+        super().__init__(model.config.get_text_config().hidden_size, 1, bias=False, dtype=lm_head.dtype,
+                         device=lm_head.device)
+        torch.nn.init.zeros_(self.weight)
+        tied = lm_head is model.get_input_embeddings().weight
+        self.replaced = None if tied else lm_head.detach().to("cpu")
+
+
 def with_value_head(model: torch.nn.Module) -> torch.nn.Module:
-    """Replace the LM head by a scalar value head (a critic): every forward that produced next-token
-    logits [.., V] now produces values [.., 1], so the prefix/suffix forwards serve a critic unchanged.
-    Zero-initialised: the first values are 0 and the head learns before it moves the trunk."""
-    text = model.config.get_text_config()
-    head = torch.nn.Linear(text.hidden_size, 1, bias=False, dtype=model.lm_head.weight.dtype,
-                           device=model.lm_head.weight.device)
-    torch.nn.init.zeros_(head.weight)
-    model.lm_head = head
+    """``model`` with a ValueHead in place of its LM head (a critic)."""
+    model.lm_head = ValueHead(model)
     return model
+
+
+def value_head_name(module: torch.nn.Module) -> str | None:
+    """The state-dict name of ``module``'s ValueHead weight (``lm_head.weight``), None without one."""
+    return next((f"{name}.weight" for name, m in module.named_modules() if isinstance(m, ValueHead)), None)
 
 
 def load_policy(ctx: EngineContext):
@@ -141,15 +163,40 @@ def read_safetensors(directory: str | Path) -> dict[str, torch.Tensor]:
 
 
 def load_hf_weights(module: torch.nn.Module, directory: str | Path) -> None:
-    """Copy a save_pretrained checkpoint into ``module`` in place (strict: every tensor, no extras)."""
+    """Copy a save_pretrained checkpoint into ``module`` in place (strict: every tensor, no extras).
+    A critic's value head comes from the folder's VALUE_HEAD_FILE instead of its LM head."""
     mapping = checkpoint_to_module_names(module)
     saved = read_safetensors(directory)
+    head = value_head_name(module)
+    if head is not None:
+        saved_name = next(k for k, v in mapping.items() if v == head)
+        saved[saved_name] = read_value_head(directory, saved.get(saved_name))
     unknown = sorted(set(saved) - set(mapping))
     missing = sorted(set(mapping) - set(saved))
     if unknown or missing:
         raise CheckpointError(f"{directory}: checkpoint does not match the model; "
                               f"unexpected {unknown[:5]}, missing {missing[:5]}")
     module.load_state_dict({mapping[k]: v for k, v in saved.items()}, strict=True)
+
+
+def read_value_head(directory: str | Path, lm_head: torch.Tensor | None) -> torch.Tensor:
+    """A critic folder's value head. A folder written before the head had a file of its own holds it
+    as its [1, hidden] LM head, which is read instead, so such run directories still resume."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(directory) / VALUE_HEAD_FILE
+    if not path.exists():
+        if lm_head is not None and lm_head.shape[0] == 1:
+            return lm_head
+        raise CheckpointError(f"{path} is missing: a critic's folder holds its value head there")
+    try:
+        weight = load_file(str(path)).get("weight")
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"{path}: unreadable ({exc})") from None
+    if weight is None or weight.dim() != 2 or weight.shape[0] != 1:
+        raise CheckpointError(f"{path}: holds no [1, hidden] tensor named 'weight'")
+    return weight
 
 
 class TorchTrainEngine(TrainEngine):
@@ -262,13 +309,27 @@ def sync_state(module: torch.nn.Module, peft_model, trainable_only: bool) -> Ite
 
 def export_model(module: torch.nn.Module, peft_model, directory: str, is_main_process: bool = True,
                  state_dict: dict | None = None) -> None:
-    """The model alone in HF format (``save_pretrained``); with LoRA the merged weights."""
+    """The model alone in HF format (``save_pretrained``); with LoRA the merged weights; a critic
+    as its trunk with the LM head it replaced, and its value head in VALUE_HEAD_FILE (see ValueHead)."""
     if peft_model is not None:
         from rollplex.engines import lora
 
         lora.export(module, directory, is_main_process)
-    else:
+        return
+    head = value_head_name(module)
+    if head is None:
         module.save_pretrained(directory, state_dict=state_dict, is_main_process=is_main_process)
+        return
+    from safetensors.torch import save_file
+
+    state = dict(state_dict if state_dict is not None else module.state_dict())
+    value = state.pop(head)
+    replaced = module.get_submodule(head.removesuffix(".weight")).replaced
+    if replaced is not None:  # else tied: save_pretrained leaves the LM head out, and loading ties it again
+        state[head] = replaced
+    module.save_pretrained(directory, state_dict=state, is_main_process=is_main_process)
+    if is_main_process:
+        save_file({"weight": value.detach().to("cpu").contiguous()}, str(Path(directory) / VALUE_HEAD_FILE))
 
 
 def save_adapter(peft_model, directory: str) -> None:

@@ -75,6 +75,23 @@ def test_serial_and_rollplex_give_the_same_adapters(runs):
 
 
 @pytest.mark.slow
+def test_every_model_folder_of_a_lora_run_loads_alone_in_transformers(runs):
+    """The reference (the base, the warm-up's adapters folded in), the checkpoint after the warm-up and
+    the RL checkpoints (merged): model and processor, without peft."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    run_dir = runs["rollplex"][0]
+    folders = [run_dir / "reference", run_dir / "checkpoints" / "after_warmup",
+               *sorted((run_dir / "checkpoints").glob("iter_*"))]
+    assert len(folders) == 2 + ITERATIONS
+    for folder in folders:
+        processor = AutoProcessor.from_pretrained(folder)
+        model = AutoModelForImageTextToText.from_pretrained(folder)
+        assert processor.tokenizer.convert_tokens_to_ids("<|image_pad|>") == model.config.image_token_id
+        assert not any("lora" in name for name, _ in model.named_parameters()), folder.name
+
+
+@pytest.mark.slow
 def test_the_run_log_shows_the_reference_holds_no_copy_of_the_weights(runs):
     run_dir, lines = runs["rollplex"]
     (line,) = [x for x in lines if x.startswith("lora:")]

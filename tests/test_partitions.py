@@ -215,3 +215,14 @@ def test_compute_work_waits_out_decodes_prefill_and_only_while_decode_runs(monke
     t0 = time.time()
     host.wait_for_prefill(1, poll=0.001, limit=0.05)  # a misread engine costs the limit, not a hang
     assert 0.05 <= time.time() - t0 < 1.0
+
+
+def test_compute_spares_sms_for_decode_only_while_decode_runs():
+    from rollplex.pipeline.run.partitions import WindowSharing, compute_sms
+
+    spare = WindowSharing(compute_spare=32)
+    assert compute_sms(spare, decode_busy=True, total=132) == 100
+    assert compute_sms(spare, decode_busy=False, total=132) is None  # alone, compute takes the whole GPU
+    assert compute_sms(WindowSharing(), decode_busy=True, total=132) is None  # the default spares none
+    assert compute_sms(spare, decode_busy=True, total=0) is None  # no GPU
+    assert compute_sms(WindowSharing(compute_spare=500), decode_busy=True, total=132) == 1

@@ -11,8 +11,9 @@ import pytest
 from rollplex.dags.grpo import grpo
 from rollplex.errors import ConfigError
 from rollplex.pipeline.compile import render as R
+from rollplex.pipeline.compile import svg as S
 from rollplex.pipeline.compile.compiler import BatchShape, EngineChoice, ModelDims, compile_iteration
-from rollplex.pipeline.compile.ir import IterationGraph, Node
+from rollplex.pipeline.compile.ir import IterationGraph, Node, format_bytes
 from rollplex.pipeline.compile.layout import layered_layout, longest_path_layers
 
 SVG = "{http://www.w3.org/2000/svg}"
@@ -120,7 +121,7 @@ def test_dot_labels_bytes_lifetimes_and_clusters():
     assert '"decode" [label="decode\\ndecode_chunk[actor]\\n@vllm · gpu0/decode\\n0.100–0.500s"' in dot
     assert '"suffix" [label="suffix\\nsuffix_score[ref]\\n@hf · rank0/compute · prio 3"' in dot  # placement always
     assert 'label="stream: gpu0/decode"' in dot  # placed graph: clustered by stream by default
-    assert dot.count("subgraph") == len({R._where(n) for n in g})
+    assert dot.count("subgraph") == len({S.lane_of(n) for n in g})
     by_phase = R.to_dot(g, cluster="phase")
     assert by_phase.count("subgraph") == len({n.kind_info.phase for n in g})
     assert "subgraph" not in R.to_dot(g, cluster="none")
@@ -201,7 +202,7 @@ def test_html_is_self_contained_and_embeds_the_table(graph):
         assert facts["members"] == list(grouped.boxes[key].members)
     # One view with the groups, one per group expanded, one of every node; a timeline only when timed.
     views = 2 + len(groups)
-    assert page.count("<svg") == views + (1 if any(R._seconds(n) for n in graph) else 0)
+    assert page.count("<svg") == views + (1 if any(S.seconds_of(n) for n in graph) else 0)
 
 
 def test_json_round_trips_and_matches_lifetimes(graph):
@@ -267,8 +268,8 @@ def test_unknown_format_names_the_allowed_ones(tmp_path):
 
 
 def test_kind_colours_are_fixed():
-    assert R.kind_colour("decode_chunk") == R.KIND_COLOURS["decode_chunk"]
-    assert R.kind_colour("my_plugin_kind") == R.kind_colour("my_plugin_kind") in R._SPARE_COLOURS
+    assert S.kind_colour("decode_chunk") == S.KIND_COLOURS["decode_chunk"]
+    assert S.kind_colour("my_plugin_kind") == S.kind_colour("my_plugin_kind") in S._SPARE_COLOURS
 
 
 def test_overview_groups_per_prompt_nodes_and_labels_edges_with_bytes_and_lifetime():
@@ -284,7 +285,7 @@ def test_overview_groups_per_prompt_nodes_and_labels_edges_with_bytes_and_lifeti
     assert sum(len(b.members) for b in ov.boxes.values()) == len(g)
     edge = next(e for e in ov.edges if ov.boxes[e.src].lines[0] == "prefix[ref] ×8")
     kv = sum(g.values[v].nbytes for v in edge.values)
-    assert edge.label == f"8× {R.format_bytes(kv)} live→suffix_score[ref]"
+    assert edge.label == f"8× {format_bytes(kv)} live→suffix_score[ref]"
     # The accumulation order (loss of micro-batch m before the suffix of m+1) would close a cycle
     # between groups: it is folded out of the grouped picture, which stays a DAG.
     assert [e.reasons for e in ov.folded] == [("accumulation order",)]

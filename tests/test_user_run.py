@@ -132,3 +132,52 @@ def test_the_progress_bar_starts_after_the_warmup(tmp_path, monkeypatch):
     train(cfg, tmp_path / "run", progress=True, log=lambda line: logged.append((time.monotonic(), line)))
     (warmed,) = [t for t, line in logged if line.startswith("warm-up done")]
     assert len(started) == 1 and started[0] > warmed
+
+
+@pytest.mark.slow
+def test_a_ppo_critic_folder_loads_alone_and_rollplex_reads_its_value_head(tmp_path, tiny_model_dir):
+    """The critic's folder in a checkpoint is its trained trunk with the LM head it started from (so
+    plain transformers loads it, no flags) and its [1, hidden] value head in value_head.safetensors,
+    which Rollplex reads back and the manifest covers."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from rollplex.engines.torch_train import VALUE_HEAD_FILE, load_hf_weights, with_value_head
+    from rollplex.errors import CheckpointError
+    from rollplex.pipeline.run.checkpoints import latest
+
+    data = export_synthetic(tmp_path / "data", size=4)
+    (tmp_path / "rewards.py").write_text(REWARD)
+    cfg = load_config(None, [f"data.path={data}", f"model.path={tiny_model_dir}", "iterations=2", "algorithm=ppo",
+                             f"task.reward={tmp_path / 'rewards.py'}:high", "engines.decode=hf",
+                             "engines.train=torch", "rollout.prompts_per_iteration=2",
+                             "rollout.samples_per_prompt=2", "rollout.max_new_tokens=4", "rollout.chunk_tokens=2"])
+    train(cfg, tmp_path / "run", progress=False, log=lambda *a: None)
+    folder = tmp_path / "run" / "checkpoints" / "iter_000001" / "critic"
+    processor = AutoProcessor.from_pretrained(folder)
+    critic = AutoModelForImageTextToText.from_pretrained(folder)
+    assert processor.tokenizer.convert_tokens_to_ids("<|image_pad|>") == critic.config.image_token_id
+    base = AutoModelForImageTextToText.from_pretrained(tiny_model_dir)
+    assert torch.equal(critic.lm_head.weight, base.lm_head.weight)  # the LM head it replaced
+    trunk = [(n, p) for n, p in critic.named_parameters() if "language_model" in n]
+    base_params = dict(base.named_parameters())
+    # The trunk trained (from the second step on: the value head starts at zero).
+    assert any(not torch.equal(p, base_params[n]) for n, p in trunk)
+    head = load_file(str(folder / VALUE_HEAD_FILE))["weight"]
+    assert head.shape == (1, critic.config.get_text_config().hidden_size) and bool(head.abs().sum() > 0)
+    # Rollplex's own loading: the trunk and the value head.
+    mine = with_value_head(AutoModelForImageTextToText.from_pretrained(tiny_model_dir))
+    load_hf_weights(mine, folder)
+    assert torch.equal(mine.lm_head.weight, head)
+    assert all(torch.equal(dict(mine.named_parameters())[n], p) for n, p in trunk)
+    # A critic folder of the earlier layout (the value head as its LM head) still resumes.
+    mine.save_pretrained(tmp_path / "earlier")
+    earlier = with_value_head(AutoModelForImageTextToText.from_pretrained(tiny_model_dir))
+    load_hf_weights(earlier, tmp_path / "earlier")
+    assert torch.equal(earlier.lm_head.weight, head)
+    # The value head is in the checkpoint's manifest: a flipped byte is refused by name.
+    blob = bytearray((folder / VALUE_HEAD_FILE).read_bytes())
+    blob[-1] ^= 1
+    (folder / VALUE_HEAD_FILE).write_bytes(bytes(blob))
+    with pytest.raises(CheckpointError, match=f"critic/{VALUE_HEAD_FILE} fails its checksum"):
+        latest(tmp_path / "run")

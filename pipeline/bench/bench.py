@@ -224,7 +224,8 @@ def window_sharing(cfg: BenchConfig, policy: str):
         return WindowSharing()
     return WindowSharing(partitions=bool(options.get("sp", 0)), decode_sms=options.get("sms", cfg.decode_sms),
                          sm_target=bool(options.get("target", 1)), grad_on_partition=bool(options.get("gp", 0)),
-                         prefill_gate=bool(options.get("pf", 1)), gate_rows=options.get("gate", cfg.gate_rows))
+                         prefill_gate=bool(options.get("pf", 1)), gate_rows=options.get("gate", cfg.gate_rows),
+                         compute_spare=options.get("spare", 0))
 
 
 def _host(cfg: BenchConfig, actor_engine, ref_engine, decode, policy: str, streams: dict, device: str = "",

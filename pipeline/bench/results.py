@@ -38,6 +38,8 @@ VARIANT_KEYS = {"gate": "prefix work waits until decode has at most this many li
                 "gl": "the policy's prefix of micro-batch m waits for the loss of m - N (0, default: no bound)",
                 "tf": "train fusion: 1 trains finished groups inside the window, 0 after it "
                       "(default: --train-fusion)",
+                "spare": "plain streams: while decode runs, compute's matmuls leave this many SMs free "
+                         "(cuBLASLt's SM target; 0, default: none)",
                 "prio": "1: decode's stream at high priority, so the GPU issues its blocks ahead of compute's "
                         "as SMs free up (plain streams; a green context's stream keeps the default)",
                 "gil": "Python's GIL switch interval in µs during the policy's timed iterations (default: "

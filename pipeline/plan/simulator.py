@@ -251,7 +251,7 @@ def write_png(results: dict[str, Result], path: str, gpus_shown: int = 8) -> Non
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from rollplex.pipeline.compile.render import kind_colour
+    from rollplex.pipeline.compile.svg import kind_colour
 
     rows = list(results.values())
     fig, axes = plt.subplots(len(rows), 2, figsize=(16, 2.6 * len(rows) + 0.6), squeeze=False,

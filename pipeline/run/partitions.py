@@ -35,6 +35,19 @@ class WindowSharing:
     # heavy decode leaves little idle compute, and sharing SMs then slows it more than the hidden
     # prefix saves. 0 disables the gate.
     gate_rows: int = 0
+    # Without partitions: while decode runs, compute's matmuls leave this many SMs free (cuBLASLt's
+    # SM target). cuBLAS sizes a Hopper matmul's grid to every SM and its CTAs fill an SM's shared
+    # memory, so a decode kernel launched beside it waits for whole tiles to finish; decode's own
+    # kernels still run on any SM. 0: none spared.
+    compute_spare: int = 0
+
+
+def compute_sms(window: WindowSharing, decode_busy: bool, total: int) -> int | None:
+    """SMs that compute's matmuls target on plain streams: all but ``compute_spare`` while decode
+    runs, else None (no target)."""
+    if not decode_busy or not window.compute_spare or not total:
+        return None
+    return max(1, total - window.compute_spare)
 
 
 # (live decode rows at most, SMs decode keeps); the last row (None) covers any batch.

@@ -403,12 +403,15 @@ class WorkerHost:
                     s = self.partitions.stream(stream)
                     sms = self.partitions.sms_of(stream)
             self._busy[stream] = self._busy.get(stream, 0) + 1
-        from rollplex.pipeline.run.partitions import sm_target
+        from rollplex.pipeline.run.partitions import compute_sms, sm_target
 
-        total = self.partitions.total_sms if self.partitions is not None else 0
+        total = self.partitions.total_sms if self.partitions is not None else self._total_sms()
+        target = sms if stream == "compute" and self.window.sm_target else None
+        if self.partitions is None and stream == "compute":
+            target = compute_sms(self.window, bool(self._busy.get("decode")), total)
         try:
             # Decode replays graphs captured with their own target; compute's eager matmuls need one.
-            with torch.cuda.stream(s), sm_target(sms if stream == "compute" and self.window.sm_target else None, total):
+            with torch.cuda.stream(s), sm_target(target, total):
                 yield sms
             waited = time.time()
             s.synchronize()  # consumers on the other stream may read these outputs next
@@ -417,6 +420,11 @@ class WorkerHost:
         finally:
             with self._lock:
                 self._busy[stream] -= 1
+
+    def _total_sms(self) -> int:
+        if not self.window.compute_spare or self.device.type != "cuda":
+            return 0
+        return torch.cuda.get_device_properties(self.device).multi_processor_count
 
     def close(self) -> None:
         if getattr(self, "env_pool", None) is not None:
