@@ -269,13 +269,10 @@ def suffix_score(ctx, node, inputs):
     responses = [inputs[v].token_ids for v in node.inputs[-n:]]
     head = node.args.get("head", "lm")  # "value": the model's head is scalar, its outputs are values
     if inputs[node.inputs[-1]].multi_turn and not node.args.get("full_sequence"):
-        from rollplex.engines import trajectory
+        from rollplex.tasks.turns import score_trajectories
 
-        states = [inputs[v] for v in node.inputs[:n]]
-        groups = [[trajectory.continuation_of(q) for q in inputs[v].sequences] for v in node.inputs[-n:]]
-        values = (trajectory.head_outputs_batch(model, states, groups, grad=grad) if head == "value" else
-                  trajectory.logprobs_batch(model, states, groups, pad_id=s.pad_id, temperature=s.score_temperature,
-                                            grad=grad))
+        values = score_trajectories(ctx, model, [inputs[v] for v in node.inputs[:n]],
+                                    [inputs[v] for v in node.inputs[-n:]], grad=grad, head=head)
     elif node.args.get("full_sequence"):
         prompts, visions = [inputs[v] for v in node.inputs[:n]], [inputs[v] for v in node.inputs[n:2 * n]]
         values = [vlm.full_sequence_logprobs(model, p, r, pad_id=s.pad_id, temperature=s.score_temperature,
@@ -617,8 +614,5 @@ def report(ctx, node, inputs):
     if "kl" not in metrics:
         metrics["kl"] = 0.0
     # "additive": metrics that are sums over the batch, which a data-parallel gather adds up.
-    # (Multi-turn runs are single-rank: cluster.workers > 1 is refused with rollout.max_turns > 1.)
     additive = ["loss", *sums, *(gap if policy_lp is not None else ())]
     return {node.outputs[0]: {"rows": rows, "metrics": metrics, "additive": additive}}
-
-

@@ -322,6 +322,18 @@ def vit_observation(ctx, node, inputs):
     return {node.outputs[0]: {k: e.image for k, e in zip(keys, embeds)}}
 
 
+def score_trajectories(ctx, model, prefixes: list, responses: list, *, grad: bool, head: str) -> list[torch.Tensor]:
+    """Per-token outputs [G, R] of each group's trajectories on its prompt's prefix (suffix_score)."""
+    from rollplex.engines import trajectory
+
+    s = ctx.settings
+    groups = [[trajectory.continuation_of(q) for q in r.sequences] for r in responses]
+    if head == "value":
+        return trajectory.head_outputs_batch(model, prefixes, groups, grad=grad)
+    return trajectory.logprobs_batch(model, prefixes, groups, pad_id=s.pad_id, temperature=s.score_temperature,
+                                     grad=grad)
+
+
 def join_episodes(ctx, node, inputs):
     """After the last turn: the last answers join their episodes, and each prompt's trajectories are
     handed on as its ``responses``, with the batch's rollout statistics."""
