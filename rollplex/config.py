@@ -676,8 +676,12 @@ def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def config_changes(before: dict, after: dict) -> dict[str, tuple[Any, Any]]:
-    """{field: (before, after)} of the fields whose values differ between two ``to_dict()`` configs."""
+    """{field: (before, after)} of the fields whose values differ between two ``to_dict()`` configs. A
+    field ``before`` lacks (it was written before the field existed) counts as its default, which is
+    what such a run computed (rollout.max_turns: 1, one turn)."""
     a, b = _flat(before), _flat(after)
+    defaults = _flat(RunConfig().to_dict())
+    a.update({k: defaults[k] for k in b.keys() - a.keys() if k in defaults})
     return {k: (a.get(k), b.get(k)) for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)}
 
 

@@ -38,3 +38,15 @@ def test_config_errors_name_the_field(tmp_path, args, names, says):
 def test_environment_errors_name_the_field_before_anything_starts(tmp_path, args, names, says):
     line = assert_user_error(rollplex(tmp_path, "graph", *args, "--out", "graph.html"), *names)
     assert says in line
+
+
+def test_a_run_recorded_before_the_multi_turn_fields_resumes_as_one_turn():
+    """A checkpoint's config without rollout.max_turns or env (written before they existed) is a
+    single-turn run: a resume with the defaults changes nothing, one asking for turns is refused."""
+    from rollplex.config import MAY_CHANGE_ON_RESUME, config_changes, load_config
+
+    recorded = load_config(None, []).to_dict()
+    del recorded["env"], recorded["rollout"]["max_turns"]
+    assert config_changes(recorded, load_config(None, []).to_dict()) == {}
+    turns = config_changes(recorded, load_config(None, ["task.name=zoom", "rollout.max_turns=2"]).to_dict())
+    assert {k for k in turns if k not in MAY_CHANGE_ON_RESUME} == {"task.name", "rollout.max_turns"}
