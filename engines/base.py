@@ -47,8 +47,8 @@ class DecodeRequest:
     video_embeds: torch.Tensor | None = None
     video_grid_thw: torch.Tensor | None = None
     second_per_grid_ts: torch.Tensor | None = None
-    # Multi-turn decode. ``keep_kv``: the request's samples will be continued, so an engine that can
-    # keeps each finished sample's KV (``hf``: parked per sample; vLLM: its prefix cache keeps them).
+    # Multi-turn decode. ``keep_kv``: the request's samples will be continued, so the engine keeps
+    # each finished sample's KV (``hf``: parked per sample; vLLM: a resumable request per sample).
     # ``continues``: the (request id, sample) whose finished sequence this one extends; its
     # ``prompt_token_ids`` (and image embeddings) are then the whole context, that sequence's prompt
     # and tokens first, and only the tokens past what the engine holds are prefilled.
@@ -85,6 +85,10 @@ class DecodeEngine(ABC):
     @abstractmethod
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace the policy weights in place (HF parameter names), without a restart."""
+
+    def release(self, keys: Iterable[tuple[str, int]]) -> None:  # noqa: B027 - optional hook
+        """Drop the KV kept for the finished samples ``keys`` ((request id, sample)) of ``keep_kv``
+        requests that no request will continue; ``load_weights`` drops all that is left."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         pass

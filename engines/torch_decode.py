@@ -193,6 +193,11 @@ class TorchDecodeEngine(DecodeEngine):
         with self._lock:
             return bool(self._pending) or (self._rows is not None and len(self._rows) > 0)
 
+    def release(self, keys) -> None:
+        with self._lock:
+            for key in keys:
+                self._parked.pop(key, None)
+
     def step(self, max_tokens: int) -> list[FinishedSequence]:
         done: list[FinishedSequence] = []
         with self._lock, torch.no_grad():

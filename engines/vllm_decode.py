@@ -7,10 +7,9 @@ Traps handled here (see shared/STACK.md):
 - Weights are replaced with ``reload_weights`` (in place, HF names); the prefix cache is then reset,
   because cached KV blocks were computed with the old weights.
 - ``vllm`` is imported inside the constructor, so ``import rollplex.engines`` stays fast.
-- Multi-turn: a request that ``continues`` a finished sample is a new request over the whole
-  context, all its images' embeddings attached; the prefix cache holds the earlier turns' KV (the
-  finished sample's blocks), so only the tokens past its last full block are prefilled again. Its
-  ``num_cached_tokens`` is reported as ``FinishedSequence.cached_tokens``.
+- Multi-turn: a ``keep_kv`` request's samples are resumable requests that keep their KV when they
+  stop, and a request that ``continues`` one appends its new tokens to it, so no earlier turn is
+  computed again (``engines/vllm_sessions.py``).
 """
 from __future__ import annotations
 
@@ -101,6 +100,7 @@ class VLLMDecodeEngine(DecodeEngine):
         self.video_token_id = int(hf.video_token_id)
         self.eos_token_ids = eos_token_ids(ctx.model_path, hf)
         self._live: set[str] = set()
+        self._sessions = None  # engines.vllm_sessions.Sessions, made by the first multi-turn request
         self.shared = None  # engines.sharing.SharedWeights when running on a trainer's storage
         if opts.get("share_model") is not None:
             self._share(opts["share_model"], ctx.dtype)
@@ -187,11 +187,21 @@ class VLLMDecodeEngine(DecodeEngine):
         )
 
     def add_requests(self, requests: Sequence[DecodeRequest]) -> None:
-        prepared = [(r.request_id, self._prompt(r), self._params(r)) for r in requests]
+        turns = [r for r in requests if r.keep_kv or r.continues is not None]
+        prepared = [(r.request_id, self._prompt(r), self._params(r)) for r in requests
+                    if not (r.keep_kv or r.continues is not None)]
         with self._lock:
+            for r in requests:
+                if r.request_id in self._live:
+                    raise EngineError(f"request {r.request_id}: a live request has this id already")
+            if turns and self._sessions is None:
+                from rollplex.engines.vllm_sessions import Sessions
+
+                self._sessions = Sessions(self)
+            for r in turns:
+                self._sessions.add(r)
+                self._live.add(r.request_id)
             for rid, prompt, params in prepared:
-                if rid in self._live:
-                    raise EngineError(f"request {rid}: a live request has this id already")
                 self._engine.add_request(rid, prompt, params)
                 self._live.add(rid)
 
@@ -199,17 +209,26 @@ class VLLMDecodeEngine(DecodeEngine):
         done: list[FinishedSequence] = []
         with self._lock:
             for _ in range(max_tokens):
-                if not self._engine.has_unfinished_requests():
+                if not self._live:  # parked sessions keep vLLM's own count above 0
                     break
                 for out in self._engine.step():
-                    if out.finished:
-                        self._live.discard(out.request_id)
-                        done.extend(_finished(out))
+                    if self._sessions is not None and out.request_id in self._sessions.turns:
+                        finished = self._sessions.finished(out)
+                    else:
+                        finished = _finished(out) if out.finished else []
+                    if finished:
+                        self._live.discard(finished[0].request_id)
+                        done.extend(finished)
         return done
 
     def has_unfinished(self) -> bool:
         with self._lock:
-            return self._engine.has_unfinished_requests()
+            return bool(self._live)
+
+    def release(self, keys: Iterable[tuple[str, int]]) -> None:
+        with self._lock:
+            if self._sessions is not None:
+                self._sessions.release(list(keys))
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """With shared weights the trainer's update is here already: only rebuilt tensors are copied,
@@ -219,9 +238,11 @@ class VLLMDecodeEngine(DecodeEngine):
         covered = self.shared.covered if self.shared is not None else set()
         weights = [(n, t) for n, t in named_tensors if n not in covered]
         with self._lock:
-            if self._engine.has_unfinished_requests():
+            if self._live:
                 raise EngineError(f"engine 'vllm': load_weights while {len(self._live)} request(s) are live; "
                                   "finish or drop them first")
+            if self._sessions is not None:  # their KV came from the old weights
+                self._sessions.release()
             if self.shared is not None:
                 self.shared.refresh()
             if weights:

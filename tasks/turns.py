@@ -248,12 +248,13 @@ def _continue(ctx, node, inputs, state, turn: int, turns: int) -> None:
     for v in with_role(ctx, node.inputs, "vision"):
         embeds.update(inputs[v])
     episodes = state["episodes"]
-    requests, state["held"] = [], {}
+    requests, ended, state["held"] = [], [], {}
     for key in sorted(answers):
         episode = episodes[key]
         held = len(episode.context()) - 1  # the engine holds the context but the last sampled token
         episode.add_answer(answers[key], embeds.get(key))
         if episode.done:
+            ended.append(episode.last_request)
             continue
         prompt, vis, g = episode.prompt, episode.vision, key[1]
         images = [t for t in (vis.image, *episode.image_embeds) if t is not None]
@@ -267,6 +268,7 @@ def _continue(ctx, node, inputs, state, turn: int, turns: int) -> None:
         state["requests"][(rid, 0)] = key
         state["waiting"].add(key)
         state["held"][key] = held
+    ctx.decode_engine.release(ended)  # the KV it kept for them: nothing continues them
     ctx.decode_engine.add_requests(requests)
 
 

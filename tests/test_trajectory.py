@@ -4,8 +4,7 @@
   transformers forward over the whole sequence, every image included.
 - The torch decode engine continues a finished sample on its parked KV: the same tokens and
   log-probs as decoding the whole context afresh, and only the tokens past the last turn computed.
-- vLLM continues through its prefix cache: of the earlier turns only the last partial block of 32
-  tokens is computed again.
+- vLLM continues a sample as a resumable request: it computes the new tokens alone.
 """
 from __future__ import annotations
 
@@ -90,24 +89,35 @@ def ctx(model_dir, **options) -> EngineContext:
     return EngineContext(str(model_dir), torch.device("cpu"), torch.float32, seed=0, options=options)
 
 
-def continued(engine, prompt, obs, temperature: float):
-    """Three samples of a turn, then each continued with an observation; the continuations."""
+def first_turn(engine, prompt, temperature: float) -> dict:
+    """Three samples of a turn, their KV kept: {sample: its finished sequence}."""
     p, vis = prompt
-    o, o_vis = obs
     engine.add_requests([DecodeRequest("r0", p.input_ids.tolist(), vis.image, p.image_grid_thw, max_tokens=6, seed=1,
                                        temperature=temperature, n=3, keep_kv=True)])
     first = []
     while engine.has_unfinished():
         first += engine.step(2)
-    requests = [DecodeRequest(f"c{f.index}", p.input_ids.tolist() + f.token_ids + o.input_ids.tolist(),
+    return {f.index: f for f in first}
+
+
+def next_turn(engine, prompt, obs, first: dict, temperature: float):
+    """Each sample of ``first`` continued with an observation: ({request id: continuation}, requests)."""
+    p, vis = prompt
+    o, o_vis = obs
+    requests = [DecodeRequest(f"c{g}", p.input_ids.tolist() + f.token_ids + o.input_ids.tolist(),
                               torch.cat([vis.image, o_vis.image]), torch.cat([p.image_grid_thw, o.image_grid_thw]),
-                              max_tokens=5, seed=7 + f.index, temperature=temperature, continues=("r0", f.index))
-                for f in first]
+                              max_tokens=5, seed=7 + g, temperature=temperature, continues=("r0", g))
+                for g, f in sorted(first.items())]
     engine.add_requests(requests)
     out = []
     while engine.has_unfinished():
         out += engine.step(3)
-    return {f.request_id: f for f in out}, requests, {f.index: f for f in first}
+    return {f.request_id: f for f in out}, requests
+
+
+def continued(engine, prompt, obs, temperature: float):
+    first = first_turn(engine, prompt, temperature)
+    return (*next_turn(engine, prompt, obs, first, temperature), first)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -143,18 +153,48 @@ def test_torch_engine_drops_parked_sequences_with_new_weights(tiny_model_dir, pr
 
 
 @pytest.mark.slow
-def test_vllm_continues_through_its_prefix_cache(tiny_model_dir, model_parts, prompt):
+def test_vllm_computes_only_the_new_tokens_of_a_continued_turn(tiny_model_dir, model_parts, prompt):
+    """Turn 2 of three samples on vLLM. The tokens its scheduler computes for them, counted at the
+    scheduler, are the new ones alone (each sample's last sampled token and the observation) and one
+    per token sampled after the first: nothing of the prompt or turn 1, where a whole-context request
+    through the prefix cache computes the earlier turns' last partial block again. Their tokens and
+    log-probs equal a fresh decode of the whole context, and the sessions free their KV when done."""
     pytest.importorskip("vllm")
     engine = get_engine("vllm").factory(ctx(tiny_model_dir, max_model_len=256, kv_cache_bytes=64 << 20, limit_images=2,
                                             vllm_kwargs={"block_size": 32}))
+    scheduler = engine._engine.engine_core.engine_core.scheduler
+    scheduled, schedule = [0], scheduler.schedule
+
+    def counted(*args, **kwargs):
+        out = schedule(*args, **kwargs)
+        scheduled[0] += sum(out.num_scheduled_tokens.values())
+        return out
+
+    scheduler.schedule = counted
     obs = observation(model_parts, (56, 112), (0, 200, 0))
-    got, requests, first = continued(engine, prompt, obs, 1.0)
-    for r in requests:
-        f = got[r.request_id]
-        held = len(r.prompt_token_ids) - len(obs[0].input_ids) - 1  # the first turn's context
-        # All of it but its last partial block comes from the cache (more where another sample's
-        # context was the same), and at least the last token is computed.
-        assert f.cached_tokens is not None and held - 32 < f.cached_tokens < len(r.prompt_token_ids)
+    first = first_turn(engine, prompt, 1.0)
+    scheduled[0] = 0
+    got, requests = next_turn(engine, prompt, obs, first, 1.0)
+    held = [prompt[0].num_tokens + len(first[g].token_ids) - 1 for g in range(3)]  # prompt, turn 1 but its last token
+    new = [len(r.prompt_token_ids) - h for r, h in zip(requests, held)]
+    assert new == [1 + obs[0].num_tokens] * 3
+    assert scheduled[0] == sum(new) + sum(len(got[r.request_id].token_ids) - 1 for r in requests)
+    assert [got[r.request_id].cached_tokens for r in requests] == held  # and the engine's own count says so
+    assert not scheduler.requests and scheduler.get_kv_cache_usage() == 0  # every session ended with its turn
+    engine.add_requests([dataclasses.replace(r, request_id=f"fresh-{r.request_id}", continues=None) for r in requests])
+    fresh = []
+    while engine.has_unfinished():
+        fresh += engine.step(3)
+    for f in fresh:
+        want = got[f.request_id.removeprefix("fresh-")]
+        assert f.token_ids == want.token_ids
+        torch.testing.assert_close(f.logprobs, want.logprobs, atol=1e-5, rtol=0)
+    first_turn(engine, prompt, 1.0)  # parked sessions end when released, the rest with new weights
+    assert len(scheduler.requests) == 3
+    engine.release([("r0", 0)])
+    assert len(scheduler.requests) == 2
+    engine.load_weights([])
+    assert not scheduler.requests and scheduler.get_kv_cache_usage() == 0
     engine.close()
 
 

@@ -469,8 +469,9 @@ class Session:
         kv_bytes = max(32 << 20, 2 * self.dims.kv_bytes(longest) * sequences)
         decode_options = {"max_model_len": longest, "max_num_seqs": sequences, "kv_cache_bytes": kv_bytes}
         if self.environment is not None and self.decode_engine == "vllm":
-            # A prompt's image and one per environment answer; the prefix cache keeps earlier turns in
-            # blocks of 32 tokens, the least vLLM's CPU attention takes (its default is 128).
+            # A prompt's image and one per environment answer. Each sample keeps its own KV between
+            # turns; blocks of 32 tokens (the least vLLM's CPU attention takes, its default 128) let
+            # the prefix cache share more of a group's prompt.
             decode_options["limit_images"] = 1 + (cfg.rollout.max_turns - 1) * self.environment[1].observation_images
             if self.device == "cpu":
                 decode_options["vllm_kwargs"] = {"block_size": 32}
