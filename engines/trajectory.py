@@ -209,3 +209,72 @@ def _split(full: torch.Tensor, groups: list[list[Continuation]], counts: list[in
         out.append(full[row: row + n, : vlm._width([c.token_ids for c in group])])
         row += n
     return out
+
+
+@dataclass
+class History:
+    """One sample's trajectory so far on a frozen model, for scoring its turns as they end (stage
+    fusion across turns): the KV of every token (prompt, responses, the environment's answers), the
+    next M-RoPE text position, the logits that predict its next token, and the log-probs of its tokens
+    after the prompt."""
+
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer, [1, kv_heads, length, head_dim]
+    length: int
+    next_pos: int
+    last_logits: torch.Tensor  # [vocab]
+    logprobs: torch.Tensor  # [tokens after the prompt so far]
+
+    @classmethod
+    def of_prefix(cls, prefix: vlm.PrefixState) -> "History":
+        """A sample before its first turn: its prompt's prefix, which the group shares."""
+        return cls(prefix.kv, prefix.length, prefix.length + int(prefix.rope_delta), prefix.last_logits,
+                   prefix.last_logits.new_zeros(0))
+
+
+def extend_histories(model: torch.nn.Module, histories: list[History], segments: list[Continuation], *,
+                     keep: list[bool], pad_id: int = 0, temperature: float = 1.0) -> list[History]:
+    """Each history extended by its segment (a turn's response, with the environment's answer and its
+    images where the trajectory goes on) in one forward, rows padded: the segment's log-probs appended,
+    and where ``keep`` its KV, next position and last logits for the next segment. Every token of a
+    segment is fed, as in a forward over the whole trajectory, so the log-probs equal that forward's."""
+    device = next(model.parameters()).device
+    lengths = [len(s.token_ids) for s in segments]
+    width, longest = max(lengths), max(h.length for h in histories)
+    slots = [image_slots(model, s.token_ids, s.policy_mask) for s in segments]
+    positions = [segment_positions(model, s.token_ids, s.image_grid_thw, h.next_pos, k)
+                 for s, h, k in zip(segments, histories, slots)]
+    feed = torch.tensor([s.token_ids + [pad_id] * (width - n) for s, n in zip(segments, lengths)], device=device)
+    pos = torch.stack([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in positions], dim=1).to(device)
+    slot = torch.stack([torch.nn.functional.pad(k, (0, width - len(k))) for k in slots]).to(device)
+    feats = [s.image_embeds for s in segments if s.image_embeds is not None]
+    layers = []
+    for layer in range(len(histories[0].kv)):
+        ks = [torch.nn.functional.pad(h.kv[layer][0], (0, 0, 0, longest - h.length)) for h in histories]
+        vs = [torch.nn.functional.pad(h.kv[layer][1], (0, 0, 0, longest - h.length)) for h in histories]
+        layers.append((torch.cat(ks), torch.cat(vs)))
+    dtype = layers[0][0].dtype
+    valid = torch.arange(width, device=device) < torch.tensor(lengths, device=device)[:, None]
+    in_history = torch.arange(longest, device=device) < torch.tensor([h.length for h in histories], device=device)[:, None]
+    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+    allowed = torch.cat([in_history[:, None, :].expand(-1, width, -1), causal & valid[:, None, :]], dim=2)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+    with torch.no_grad():
+        out = model.model.language_model(
+            inputs_embeds=embed_segment(model, feed, torch.cat(feats) if feats else None, slot), position_ids=pos,
+            past_key_values=DynamicCache(ddp_cache_data=layers), use_cache=True,
+            attention_mask={t: mask.unsqueeze(1) for t in set(model.config.get_text_config().layer_types)})
+        logits = model.lm_head(out.last_hidden_state).float()
+        cache = [(k, v) for k, v, *_ in out.past_key_values]
+    extended = []
+    for row, (h, s, n) in enumerate(zip(histories, segments, lengths)):
+        ids = torch.tensor(s.token_ids, device=device)
+        predicting = torch.cat([h.last_logits.float().view(1, -1), logits[row, : n - 1]])
+        lp = torch.cat([h.logprobs, vlm._gathered_logprobs(predicting, ids, temperature)])
+        if not keep[row]:
+            extended.append(History([], 0, 0, h.last_logits, lp))
+            continue
+        kv = [(torch.cat([k[row: row + 1, :, : h.length], k[row: row + 1, :, longest: longest + n]], dim=2),
+               torch.cat([v[row: row + 1, :, : h.length], v[row: row + 1, :, longest: longest + n]], dim=2))
+              for k, v in cache]
+        extended.append(History(kv, h.length + n, next_position(positions[row], h.next_pos), logits[row, n - 1], lp))
+    return extended

@@ -240,6 +240,10 @@ def decode_chunk(ctx, node, inputs):
 
 @register_task("suffix_score")
 def suffix_score(ctx, node, inputs):
+    if "turn" in node.args:  # stage fusion across turns: the samples one chunk ended a turn of
+        from rollplex.tasks.turns import score_turn
+
+        return score_turn(ctx, node, inputs)
     model = ctx.model(node.model)
     grad = bool(node.args["grad"])
     s = ctx.settings

@@ -324,6 +324,57 @@ def vit_observation(ctx, node, inputs):
     return {node.outputs[0]: {k: e.image for k, e in zip(keys, embeds)}}
 
 
+def score_turn(ctx, node, inputs):
+    """A frozen model's log-probs of the samples whose turn ``args["turn"]`` ended in one decode chunk
+    (stage fusion across turns), each on its own history: the prompt's prefix for the first turn, else
+    the state its previous turn's node left. The segment is the turn's response and, where the
+    trajectory goes on, the environment's answer with its images, whose KV the next turn reads; a
+    trajectory that ends here hands on its log-probs, every turn's, as ``{prompt: {sample: [n]}}``."""
+    from rollplex.engines import trajectory
+    from rollplex.tasks.nodes import by_prompt, the, with_role
+
+    s, turn = ctx.settings, node.args["turn"]
+    model = ctx.model(node.model)
+    handed = inputs[the(ctx, node.inputs, "turn")]
+    answers = inputs[the(ctx, node.inputs, "observation")]
+    images = inputs[v] if (v := the(ctx, node.inputs, "vision")) else {}
+    if turn == 0:
+        kv_of = by_prompt(ctx, node.inputs, "kv")
+        before = {key: trajectory.History.of_prefix(inputs[kv_of[key[0]]]) for key in handed}
+    else:
+        before = {}
+        for v in with_role(ctx, node.inputs, "score_state"):
+            before.update({key: h for key, h in inputs[v].items() if key in handed})
+    keys = sorted(handed)
+    segments, keep = [], []
+    for key in keys:
+        episode, answer = handed[key], answers[key]
+        ids = episode.token_ids[slice(*episode.turns[turn]["response"])]
+        segment = trajectory.Continuation(list(ids), policy_mask=[1] * len(ids))
+        if not answer.outcome.done:  # the answer is the next turn's context: its KV goes on too
+            r = answer.rendered
+            segment = trajectory.Continuation(segment.token_ids + r.token_ids, images.get(key), r.image_grid_thw,
+                                              segment.policy_mask + [0] * len(r.token_ids))
+        segments.append(segment)
+        keep.append(not answer.outcome.done)
+    scores: dict[int, dict[int, torch.Tensor]] = {}
+    states: dict[tuple[int, int], trajectory.History] = {}
+    vocab = model.config.get_text_config().vocab_size
+    for run in vlm.batches_within([len(x.token_ids) for x in segments], vocab, grad=False):
+        after = trajectory.extend_histories(model, [before[keys[i]] for i in run], [segments[i] for i in run],
+                                            keep=[keep[i] for i in run], pad_id=s.pad_id,
+                                            temperature=s.score_temperature)
+        for i, history in zip(run, after):
+            if keep[i]:
+                states[keys[i]] = history
+            else:
+                scores.setdefault(keys[i][0], {})[keys[i][1]] = history.logprobs
+    out = {the(ctx, node.outputs, "score"): scores}
+    if (state := the(ctx, node.outputs, "score_state")) is not None:
+        out[state] = states
+    return out
+
+
 def score_trajectories(ctx, model, prefixes: list, responses: list, *, grad: bool, head: str) -> list[torch.Tensor]:
     """Per-token outputs [G, R] of each group's trajectories on its prompt's prefix (suffix_score)."""
     from rollplex.engines import trajectory

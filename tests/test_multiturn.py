@@ -112,6 +112,24 @@ def test_every_trajectory_has_its_turns_and_the_log_says_so(runs):
         assert node in graph, node
 
 
+def test_the_reference_scores_a_turn_while_the_next_one_decodes(runs):
+    """The graph each run wrote (``rollplex graph``'s table, in topological order). Under rollplex the
+    reference's node for each chunk of turn 0 reads turn 0's values alone and comes before turn 1's
+    last decode chunk: it runs while turn 1 decodes. Serial runs the same nodes after that chunk (an
+    ordering edge), so both schedules compute the same numbers (the checkpoints above)."""
+    def lines(run: str) -> dict[str, tuple[int, str]]:
+        text = (runs[run] / "graph.txt").read_text().splitlines()
+        return {line.split(" ")[0]: (i, line) for i, line in enumerate(text) if line.startswith("%")}
+
+    fused, serial = lines("rollplex"), lines("serial")
+    last = "%decode_t1_c1"
+    for c in range(2):
+        name = f"%suffix_ref_logprobs_t0_c{c}"
+        index, line = fused[name]
+        assert index < fused[last][0] and "_t1_" not in line.split("(", 1)[1], line
+        assert serial[name][0] > serial[last][0]
+
+
 def test_ref_logprobs_equal_a_plain_forward_over_the_whole_trajectory(runs):
     """Each logged row: prompt and trajectory through the reference model in one transformers forward,
     the prompt's image and the zoomed one (rebuilt from the logged source) as pixels; at every policy

@@ -55,26 +55,41 @@ def observation(model_parts, size, colour):
 def test_trajectory_logprobs_equal_a_full_sequence_forward(model_parts, prompt):
     """Three samples of one prompt, with 0, 1 and 2 observation images of two sizes between their
     turns, scored together on one prefix: each row equals a plain HF forward over prompt + trajectory
-    with all its images (the M-RoPE positions of the images past the prompt included)."""
+    with all its images (the M-RoPE positions of the images past the prompt included). So does
+    scoring them turn by turn, each turn on its sample's history (``extend_histories``: a turn's
+    response and the answer after it per forward, the samples that end dropping out)."""
     processor, model = model_parts
     p, vis = prompt
     observations = [observation(model_parts, (112, 112), (0, 200, 0)), observation(model_parts, (56, 112), (0, 0, 200))]
     g = torch.Generator().manual_seed(0)
-    samples = []
+    samples, segments = [], []  # segments[k][t]: sample k's turn t, with the answer after it
     for k in range(3):
-        ids, embeds, grids, pixels = [], [], [], []
+        ids, embeds, grids, pixels, turns = [], [], [], [], []
         for t in range(k):
             o, o_vis = observations[t]
-            ids += torch.randint(0, 300, (3 + t,), generator=g).tolist() + o.input_ids.tolist()
+            response = torch.randint(0, 300, (3 + t,), generator=g).tolist()
+            ids += response + o.input_ids.tolist()
+            turns.append(trajectory.Continuation(response + o.input_ids.tolist(), o_vis.image, o.image_grid_thw,
+                                                 [1] * len(response) + [0] * o.num_tokens))
             embeds.append(o_vis.image)
             grids.append(o.image_grid_thw)
             pixels.append(o.pixel_values)
-        ids += torch.randint(0, 300, (4,), generator=g).tolist()
+        response = torch.randint(0, 300, (4,), generator=g).tolist()
+        ids += response
+        turns.append(trajectory.Continuation(response, policy_mask=[1] * 4))
         samples.append((trajectory.Continuation(ids, torch.cat(embeds) if embeds else None,
                                                 torch.cat(grids) if grids else None), pixels, grids))
+        segments.append(turns)
     with torch.no_grad():
         state = vlm.prefix_forward(model, p, vis, grad=False)
         scored = trajectory.logprobs_batch(model, [state], [[c for c, _, _ in samples]], pad_id=0, grad=False)[0]
+        histories, by_turns = {k: trajectory.History.of_prefix(state) for k in range(3)}, {}
+        for t in range(3):
+            live = [k for k in range(3) if k >= t]
+            after = trajectory.extend_histories(model, [histories[k] for k in live], [segments[k][t] for k in live],
+                                                keep=[k > t for k in live])
+            histories.update(zip(live, after))
+            by_turns.update({k: h.logprobs for k, h in zip(live, after) if k == t})
         for row, (c, pixels, grids) in enumerate(samples):
             ids = torch.tensor([p.input_ids.tolist() + c.token_ids])
             logits = model(input_ids=ids, pixel_values=torch.cat([p.pixel_values, *pixels]),
@@ -83,6 +98,7 @@ def test_trajectory_logprobs_equal_a_full_sequence_forward(model_parts, prompt):
             want = torch.log_softmax(logits[p.num_tokens - 1:-1], -1).gather(-1, torch.tensor(c.token_ids).view(-1, 1))
             assert float((want.view(-1) - scored[row, : len(c.token_ids)]).abs().max()) <= 1e-5
             assert not scored[row, len(c.token_ids):].any()
+            assert float((want.view(-1) - by_turns[row]).abs().max()) <= 1e-5
 
 
 def ctx(model_dir, **options) -> EngineContext:

@@ -124,7 +124,8 @@ class BatchShape:
 
     @property
     def fused(self) -> bool:
-        return self.stage_fusion and self.prefix_sharing and self.chunks > 1 and self.max_turns == 1
+        """Frozen models score as decode goes: each chunk's finished samples, or each turn's as it ends."""
+        return self.stage_fusion and self.prefix_sharing and (self.chunks > 1 or self.max_turns > 1)
 
     @property
     def continuation_tokens(self) -> int:
@@ -339,8 +340,12 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
     # Decode: chunk 0 prefills every prompt from its vision embeddings; each chunk advances ≤ K tokens.
     # With stage fusion each chunk also hands on the groups that finished in it (``handoff_c``) and
     # the single samples (``finished_c``): a frozen model scores a sample without its group.
-    def fused(score) -> bool:  # frozen log-prob scores go per decode chunk (stage fusion)
-        return shape.fused and not score.grad and alg.models[score.model].head == "lm"
+    def fused(score) -> bool:
+        """Frozen log-prob scores go per decode chunk (stage fusion), and in a multi-turn rollout per
+        turn whatever the schedule, each turn once on its sample's history (pipeline/compile/turns.py):
+        the same forwards in the window or after it."""
+        per_turn = shape.max_turns > 1 and shape.prefix_sharing
+        return (shape.fused or per_turn) and not score.grad and alg.models[score.model].head == "lm"
 
     state = None
     train_fused = blocker is None  # the shape keeps train fusion only then
@@ -348,10 +353,27 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
     # fusion: a group's frozen scores are read only when it trains, so they score the groups its
     # training takes, in as many forwards as chunks that finish a group rather than one per chunk.
     samples_scored = any(fused(s) for s in alg.scores) and not train_fused
+
+    def prefix_nodes(model: str, ps: tuple[int, ...], grad: bool, **args) -> list[str]:
+        """``prefix_{model}_p{p}`` of ``ps``, made once: two scores of one model share its prefix."""
+        kvs = [f"prefix_{model}_p{p}" for p in ps]
+        if kvs[0] not in g.values:
+            add(f"prefix_{model}_{span(ps)}", "prefix", [f"prompt_p{p}" for p in ps]
+                + [f"{vision_stem(model)}_p{p}" for p in ps], kvs, model=model, role=role_of(model),
+                args={"prompts": list(ps), "grad": grad, **args},
+                **{kv: dev(dims.prefix_bytes(shape.prompt_tokens, grad), "kv", model=model, prompts=(p,))
+                   for p, kv in zip(ps, kvs)})
+        return kvs
+
     if shape.max_turns > 1:  # turns of decode chunks, environment steps and observations' vision
         from rollplex.pipeline.compile.turns import add_turns
 
-        add_turns(g, shape, add, host, dev, dims, policy, rollout_vision, role_of(rollout_vision), every)
+        turn_scores = [s for s in alg.scores if fused(s)]  # each turn's as it ends, on its prefix
+        for s in turn_scores:
+            for ps in shape.node_groups(grad=False):
+                prefix_nodes(s.model, ps, grad=False)
+        add_turns(g, shape, add, host, dev, dims, policy, rollout_vision, role_of(rollout_vision), every,
+                  scores=[(s.as_, s.model, role_of(s.model)) for s in turn_scores])
     for c in range(shape.chunks if shape.max_turns == 1 else 0):
         last = c == shape.chunks - 1
         inputs = ([f"prompt_p{p}" for p in range(P)] + [f"vis_p{p}" for p in range(P)]) if c == 0 else [state]
@@ -418,21 +440,16 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
                 if grad:
                     grad_nodes.setdefault(("suffix", s.as_), []).append(f"score_{s.as_}_{span(ps)}")
                 continue
-            kvs = [f"prefix_{s.model}_p{p}" for p in ps]
-            if kvs[0] not in g.values:  # two scores of one model share its prefix
-                add(f"prefix_{s.model}_{span(ps)}", "prefix", [f"prompt_p{p}" for p in ps] + vis,
-                    kvs, model=s.model, role=role, args={"prompts": list(ps), "grad": grad, **early_arg},
-                    **{kv: dev(dims.prefix_bytes(shape.prompt_tokens, grad), "kv", model=s.model, prompts=(p,))
-                       for p, kv in zip(ps, kvs)})
+            kvs = prefix_nodes(s.model, ps, grad, **early_arg)
             if fused(s):
-                continue  # scored per decode chunk below
+                continue  # scored per decode chunk below, or per turn (pipeline/compile/turns.py)
             add(f"suffix_{s.as_}_{span(ps)}", "suffix_score", kvs + responses, outs,
                 model=s.model, role=role, args=args, **score_info)
             if grad:
                 grad_nodes.setdefault(("prefix", s.model), []).append(f"prefix_{s.model}_{span(ps)}")
                 grad_nodes.setdefault(("suffix", s.as_), []).append(f"suffix_{s.as_}_{span(ps)}")
 
-        if fused(s):
+        if fused(s) and shape.max_turns == 1:
             # Stage fusion: after each decode chunk, the samples (under train fusion, the groups) it
             # finished are scored on the compute stream while decode goes on; a join hands each
             # prompt's scores on under its usual name.

@@ -115,6 +115,7 @@ ROLES = {
     "finished": "the single samples a decode chunk finished (stage fusion)",
     "turn": "the samples a decode chunk ended a turn of (multi-turn), for their environments",
     "observation": "environments' answers to a chunk's samples: the next user turn, reward, done",
+    "score_state": "a frozen model's KV over each sample's trajectory so far, for its next turn (multi-turn)",
     "rollout_stats": "the batch's response tokens and sequences",
     "score": "a scoring model's per-token outputs; ``label`` is the algorithm's name for them",
     "rewards": "verifiable rewards",
