@@ -20,9 +20,9 @@ processor, engine core) the way ``AsyncLLM._add_streaming_input_request`` does. 
   turn's tokens are those past what the session's earlier turns returned.
 - The worker keeps a request's sampling generator across inputs: it is seeded again with the
   turn's seed, so a continuation samples as a fresh request with that seed would.
-- A parked session holds its blocks and counts against ``max_num_seqs``. It ends with a
-  non-resumable request of its id (vLLM's end of a stream): queued with its last turn, or sent by
-  ``release`` for a sample whose episode ended.
+- A parked session holds its blocks and counts against ``max_num_seqs``. Its last turn is queued
+  with a non-resumable request of its id (vLLM's end of a stream), so it ends when that turn stops;
+  ``release`` aborts the session of a sample whose episode ended.
 - n samples are n requests, sample i seeded with seed + i, as vLLM's own fan-out does.
 
 What vLLM computes is counted, not inferred: the scheduler's ``schedule`` is wrapped to add up the
@@ -88,6 +88,7 @@ class Sessions:
         self.turns: dict[str, _Turn] = {}  # external id -> its turn in flight
         self.parked: dict[tuple[str, int], _Parked] = {}  # (request id, sample) -> its session
         self._children: dict[str, list[FinishedSequence]] = {}
+        self._end_template = None
 
     # ----------------------------------------------------------------------------------------------
     def add(self, req: DecodeRequest) -> None:
@@ -98,12 +99,15 @@ class Sessions:
                                    or len(req.prompt_token_ids) == len(parked.held)):
             self._end(parked)
             parked = None
-        if parked is None:
-            prompt = self.engine._prompt(req)
+        if parked is None:  # processed once, its samples copies (as vLLM's fan-out of n does)
+            base = self._process(f"{req.request_id}#0", self.engine._prompt(req),
+                                 self.engine._params(dataclasses.replace(req, n=1)), resumable=req.keep_kv)
             for i in range(req.n):
                 external = f"{req.request_id}#{i}"
-                sample = dataclasses.replace(req, n=1, seed=req.seed + i)
-                internal = self._submit(external, prompt, self.engine._params(sample), resumable=req.keep_kv)
+                sample = copy.copy(base)
+                sample.sampling_params = base.sampling_params.clone()
+                sample.sampling_params.seed = req.seed + i
+                internal = self._enqueue(sample, external)
                 self.scheduled[internal] = 0
                 self.turns[external] = _Turn(internal, req.request_id, i, req.n, list(req.prompt_token_ids),
                                              req.keep_kv, 0, 0)
@@ -115,10 +119,10 @@ class Sessions:
             req, prompt_token_ids=new,
             image_embeds=req.image_embeds[req.image_embeds.shape[0] - pads:] if pads else None,
             image_grid_thw=req.image_grid_thw.reshape(-1, 3)[-images:] if images else None)
-        self._submit(parked.external, self.engine._prompt(segment), self.engine._params(req), resumable=True,
-                     internal=parked.internal)
+        self._enqueue(self._process(parked.external, self.engine._prompt(segment), self.engine._params(req),
+                                    resumable=True), parked.external, parked.internal)
         if not req.keep_kv:  # its last turn: the session ends when it stops
-            self._submit_end(parked)
+            self._enqueue(self._end_of_stream(), parked.external, parked.internal)
         self._reseed(parked.internal, req.seed, req.temperature)
         self.turns[parked.external] = _Turn(parked.internal, req.request_id, 0, 1, list(req.prompt_token_ids),
                                             req.keep_kv, parked.returned, self.scheduled[parked.internal])
@@ -153,32 +157,44 @@ class Sessions:
                 self._end(parked)
 
     # ----------------------------------------------------------------------------------------------
-    def _submit(self, external: str, prompt: dict, params, *, resumable: bool, internal: str | None = None) -> str:
+    def _process(self, external: str, prompt: dict, params, *, resumable: bool):
         llm = self.engine._engine
-        req = llm.input_processor.process_inputs(internal or external, prompt, params,
-                                                 supported_tasks=llm.get_supported_tasks(), resumable=resumable)
+        return llm.input_processor.process_inputs(external, prompt, params, supported_tasks=llm.get_supported_tasks(),
+                                                  resumable=resumable)
+
+    def _enqueue(self, req, external: str, internal: str | None = None) -> str:
+        """Hand ``req`` (an EngineCoreRequest) to the output processor and the engine core: a new request
+        (``internal`` None: vLLM names it) or the next input of session ``internal``. Each part gets its
+        own prompt and multimodal lists: in process, both extend theirs on a continuation."""
+        llm = self.engine._engine
+        req.request_id, req.external_req_id = internal or external, None
         if internal is None:
             llm.input_processor.assign_request_id(req)
         else:
             req.external_req_id = external
+        req.prompt_token_ids = list(req.prompt_token_ids or ())
+        req.mm_features = list(req.mm_features) if req.mm_features is not None else None
         llm.output_processor.add_request(req, None, None, 0)
-        core_req = copy.copy(req)
-        if core_req.prompt_token_ids is not None:
-            core_req.prompt_token_ids = list(core_req.prompt_token_ids)  # not the output processor's list
-        llm.engine_core.add_request(core_req)
+        core = copy.copy(req)
+        core.prompt_token_ids = list(req.prompt_token_ids)
+        core.mm_features = list(req.mm_features) if req.mm_features is not None else None
+        llm.engine_core.add_request(core)
         return req.request_id
 
-    def _submit_end(self, parked: _Parked) -> None:
-        """Queue the end of ``parked``'s stream: a non-resumable request of its id."""
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
+    def _end_of_stream(self):
+        """A non-resumable request: queued after a session's input, it ends the session when that stops."""
+        if self._end_template is None:
+            from vllm import SamplingParams
+            from vllm.sampling_params import RequestOutputKind
 
-        self._submit(parked.external, {"prompt_token_ids": [0]},
-                     SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False),
-                     resumable=False, internal=parked.internal)
+            self._end_template = self._process("end", {"prompt_token_ids": [0]},
+                                               SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY,
+                                                              detokenize=False), resumable=False)
+        return copy.copy(self._end_template)
 
     def _end(self, parked: _Parked) -> None:
-        self._submit_end(parked)
+        """End a parked session now: abort it, which frees its blocks."""
+        self.engine._engine.abort_request([parked.internal], internal=True)
         self.scheduled.pop(parked.internal, None)
 
     def _reseed(self, internal: str, seed: int, temperature: float) -> None:
