@@ -10,7 +10,7 @@ group's backward. The batch's token (or
 response) count is known only after the last chunk, so each group's loss is summed, not averaged;
 the optimizer step divides the accumulated gradient by that count (``deferred_normaliser``), which
 gives the gradient of the averaged loss up to float rounding. Rewards, advantages, the loss's sum and
-its metrics are the per-prompt tasks' own helpers (tasks/nodes.py).
+its metrics are the per-prompt tasks' own helpers (tasks/updates.py).
 """
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ import torch
 from rollplex.engines import vlm
 from rollplex.tasks import mismatch
 from rollplex.tasks.returns import loss_values
-from rollplex.tasks.nodes import by_prompt, count_of, group_advantages, group_rewards, join_samples, loss_metrics, \
-    summed_loss, the, with_role
+from rollplex.tasks.nodes import by_prompt, join_samples, the, with_role
+from rollplex.tasks.updates import count_of, group_advantages, group_rewards, loss_metrics, summed_loss
 
 
 def frozen_scores(chunks: list, p: int, width: int) -> torch.Tensor:

@@ -24,13 +24,18 @@ def register_task(kind: str) -> Callable[[TaskFn], TaskFn]:
     return decorate
 
 
+def load_builtin_tasks() -> None:
+    """Register the builtin node kinds' tasks: their modules register them as they are imported."""
+    import rollplex.tasks.nodes  # noqa: F401 - the rollout and its scoring
+    import rollplex.tasks.updates  # noqa: F401 - rewards to the report
+    import rollplex.tasks.residency  # noqa: F401 - the memory plan's offload/prefetch
+    import rollplex.tasks.gather  # noqa: F401 - data-parallel merges (pipeline/compile/ranks.py)
+    import rollplex.tasks.turns  # noqa: F401 - multi-turn rollouts' environment and observation nodes
+
+
 def task_for(kind: str) -> TaskFn:
     if kind not in _TASKS:
-        import rollplex.tasks.nodes  # noqa: F401 - registers the builtin tasks on first use
-        import rollplex.tasks.residency  # noqa: F401 - the memory plan's offload/prefetch
-        import rollplex.tasks.gather  # noqa: F401 - data-parallel merges (pipeline/compile/ranks.py)
-        import rollplex.tasks.turns  # noqa: F401 - multi-turn rollouts' environment and observation nodes
-
+        load_builtin_tasks()
     try:
         return _TASKS[kind]
     except KeyError:

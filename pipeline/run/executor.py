@@ -24,7 +24,8 @@ from dask._task_spec import DataNode, Task, TaskRef
 
 from rollplex.pipeline.compile.ir import IterationGraph
 from rollplex.pipeline.run.tables import lowering_tables
-from rollplex.pipeline.run.worker import IterationResult, provide_input, run_iteration, run_node
+from rollplex.pipeline.run.execution import provide_input, run_iteration, run_node
+from rollplex.pipeline.run.worker import IterationResult
 
 
 class KeyLookup:
@@ -174,7 +175,7 @@ class DaskExecutor:
     def call(self, fn, *args, stream: str = "compute") -> Any:
         """Run ``fn(host, *args)`` on a worker's engines, on one of its streams. With ranks, on every
         rank at once (their engines step together: collectives inside), returning rank 0's result."""
-        from rollplex.pipeline.run.worker import call_on_host
+        from rollplex.pipeline.run.execution import call_on_host
 
         if not self.ranks:
             future = self.client.submit(call_on_host, fn, *args, stream=stream, resources={stream: 1}, pure=False)

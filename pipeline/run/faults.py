@@ -55,9 +55,9 @@ def point(name: str) -> None:
 
 def install_task_hooks() -> None:
     """Wrap every registered node task with ``task:KIND:before/after`` points (run on each worker)."""
-    import rollplex.tasks.nodes  # noqa: F401 - registers the builtin tasks
     from rollplex.tasks import registry
 
+    registry.load_builtin_tasks()
     for kind, fn in list(registry._TASKS.items()):
         if getattr(fn, "_fault_points", False):
             continue

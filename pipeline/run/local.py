@@ -19,7 +19,8 @@ from typing import Any
 
 from rollplex.pipeline.compile.ir import IterationGraph
 from rollplex.pipeline.run.tables import run_tables
-from rollplex.pipeline.run.worker import IterationResult, WorkerHost, execute_node
+from rollplex.pipeline.run.execution import execute_node
+from rollplex.pipeline.run.worker import IterationResult, WorkerHost
 
 
 class LocalExecutor:

@@ -168,7 +168,7 @@ class WorkerWatch:
 
     def on_each(self, fn, *args) -> None:
         """Run ``fn(host, *args)`` on every worker's engines, on its compute stream."""
-        from rollplex.pipeline.run.worker import call_on_host
+        from rollplex.pipeline.run.execution import call_on_host
 
         futures = [self.client.submit(call_on_host, fn, *args, workers=[addr], resources={"compute": 1},
                                       pure=False, allow_other_workers=False)

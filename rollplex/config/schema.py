@@ -1,25 +1,20 @@
-"""Typed run configuration: YAML in, validated dataclasses out, every error naming its field.
-
-``load_config(path, overrides)`` reads a YAML file (or the embedded defaults), applies ``--set a.b=c``
-overrides, and checks every field's type and range. Unknown fields get a did-you-mean. The resolved
-config is written to the run directory as ``config.yaml`` and reloads to the same object.
-"""
+"""The run configuration's schema: one dataclass per section, each field with its default, range or
+choices and a one-line description (``f``); how a value is checked against its field (``build``,
+one error naming the field); and the field table ``rollplex train --help-config`` prints."""
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import math
-import re
 import types
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import yaml
 
 from rollplex.errors import ConfigError
-from rollplex.yamlio import AmbiguousYAML, Dumper, Loader
+from rollplex.yamlio import Dumper
 
 
 def _range(lo: float | None = None, hi: float | None = None, choices: tuple | None = None, doc: str = "",
@@ -263,12 +258,12 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
-def _suggest(name: str, known: list[str]) -> str:
+def did_you_mean(name: str, known: list[str]) -> str:
     close = difflib.get_close_matches(name, known, n=1)
     return f"; did you mean {close[0]!r}?" if close else f"; known fields: {', '.join(known)}"
 
 
-def _check_type(path: str, value: Any, annotation: Any) -> Any:
+def check_type(path: str, value: Any, annotation: Any) -> Any:
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(annotation)
@@ -276,10 +271,10 @@ def _check_type(path: str, value: Any, annotation: Any) -> Any:
             return None
         inner = [o for o in options if o is not type(None)]
         if len(inner) == 1:
-            return _check_type(path, value, inner[0])
+            return check_type(path, value, inner[0])
         for option in inner:  # e.g. bool | str: the first type the value has
             try:
-                return _check_type(path, value, option)
+                return check_type(path, value, option)
             except ConfigError:
                 if isinstance(value, option) and not isinstance(value, bool):
                     raise  # of the right type, but not a value it takes (nan, an empty string)
@@ -317,7 +312,7 @@ def _check_type(path: str, value: Any, annotation: Any) -> Any:
     raise ConfigError(f"{path}: expected {expected}, got {type(value).__name__} {value!r}")
 
 
-def _build(cls: type, data: Any, prefix: str) -> Any:
+def build(cls: type, data: Any, prefix: str) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of fields, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
@@ -326,7 +321,7 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
         if key not in fields:
             shown = f"{prefix}{key}"
             shown = shown if shown.isprintable() else repr(shown)  # one line, whatever the key holds
-            raise ConfigError(f"unknown field {shown}{_suggest(str(key), list(fields))}")
+            raise ConfigError(f"unknown field {shown}{did_you_mean(str(key), list(fields))}")
     kwargs = {}
     for name, fl in fields.items():
         path = f"{prefix}{name}"
@@ -334,9 +329,9 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
             continue
         hint = hints[name]
         if dataclasses.is_dataclass(hint):
-            kwargs[name] = _build(hint, data[name] if data[name] is not None else {}, path + ".")
+            kwargs[name] = build(hint, data[name] if data[name] is not None else {}, path + ".")
             continue
-        value = _check_type(path, data[name], hint)
+        value = check_type(path, data[name], hint)
         meta = fl.metadata
         if value is not None and meta.get("choices") and value not in meta["choices"]:
             shown = ", ".join(str(c).lower() if isinstance(c, bool) else str(c) for c in meta["choices"])
@@ -350,339 +345,6 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
                 raise ConfigError(f"{path}: {value} is above the maximum {meta['hi']}")
         kwargs[name] = value
     return cls(**kwargs)
-
-
-def _parse_override(item: str) -> tuple[list[str], Any]:
-    if "=" not in item:
-        raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set rollout.temperature=0.7")
-    key, raw = item.split("=", 1)
-    if not key.strip():
-        raise ConfigError(f"--set {item!r}: empty key")
-    try:
-        value = yaml.load(raw, Loader=Loader) if raw.strip() else ""
-    except AmbiguousYAML as exc:
-        raise ConfigError(f"--set {item!r}: {exc.problem}") from None
-    except (yaml.YAMLError, ValueError, RecursionError):  # ValueError: e.g. 2001-13-01 looks like a date
-        value = raw
-    return key.strip().split("."), value
-
-
-def apply_overrides(data: dict, overrides: list[str]) -> dict:
-    for item in overrides:
-        keys, value = _parse_override(item)
-        node = data
-        for k in keys[:-1]:
-            child = node.get(k)
-            if child is None:
-                child = node[k] = {}
-            if not isinstance(child, dict):
-                raise ConfigError(f"--set {item!r}: {k!r} is a value, not a section")
-            node = child
-        node[keys[-1]] = value
-    return data
-
-
-def read_yaml(path: str | Path, checksummed: bool = False) -> dict:
-    p = Path(path)
-    if not p.exists():
-        raise ConfigError(f"config file {p} does not exist")
-    if p.is_dir():
-        raise ConfigError(f"config file {p} is a directory, not a YAML file")
-    try:
-        text = p.read_text(encoding="utf-8")  # dump_config's files are written as UTF-8
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"config file {p} cannot be read: {exc}") from None
-    if checksummed:
-        header, _, body = text.partition("\n")
-        if header != _checksum_header(body):
-            raise ConfigError(f"{p} fails its checksum: it was edited or damaged since the run wrote it; restore "
-                              "it, or give the run's config file as the first argument")
-    try:
-        data = yaml.load(text, Loader=Loader)
-    except (ValueError, RecursionError) as exc:  # a constructor failed, e.g. the date 2001-13-01
-        raise ConfigError(f"{p}: malformed YAML: {exc or type(exc).__name__}") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        what = "ambiguous" if isinstance(exc, AmbiguousYAML) else "malformed"
-        raise ConfigError(f"{p}: {what} YAML{where}: {problem}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{p}: the top level must be a mapping of fields, got {type(data).__name__}")
-    return data
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
-                checksummed: bool = False) -> RunConfig:
-    """``checksummed``: ``path`` is a run's config.yaml (``run_config_text``), refused unless its
-    checksum holds."""
-    data = read_yaml(path, checksummed) if path is not None else {}
-    data = apply_overrides(data, list(overrides or []))
-    cfg = _build(RunConfig, data, "")
-    validate(cfg)
-    return cfg
-
-
-def validate(cfg: RunConfig) -> None:
-    """Cross-field checks that a single field's range cannot express."""
-    if isinstance(cfg.stop_at_reward, str) and cfg.stop_at_reward != "auto":
-        raise ConfigError(f"stop_at_reward: expected a number in [0, 1], null or auto, got {cfg.stop_at_reward!r}")
-    if cfg.task.image_size % 28:
-        raise ConfigError(f"task.image_size: {cfg.task.image_size} is not a multiple of 28 "
-                          "(Qwen2.5-VL merges 2×2 patches of 14 pixels)")
-    for kind in cfg.task.kinds:
-        if kind not in ("colour", "shape", "count"):
-            raise ConfigError(f"task.kinds: {kind!r} is not one of colour, shape, count")
-    if not cfg.task.kinds:
-        raise ConfigError("task.kinds: needs at least one kind")
-    if len(cfg.train.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in cfg.train.betas):
-        raise ConfigError(f"train.betas: expected two numbers in [0, 1), got {cfg.train.betas!r}")
-    if cfg.data.path is None and cfg.rollout.prompts_per_iteration > cfg.task.size:
-        raise ConfigError(f"rollout.prompts_per_iteration: {cfg.rollout.prompts_per_iteration} exceeds task.size "
-                          f"({cfg.task.size}): the dataset holds fewer prompts than one iteration needs")
-    if cfg.cluster.scheduler is not None:
-        _validate_address(cfg.cluster.scheduler)
-    _validate_tls(cfg.cluster)
-    if cfg.cluster.lowering == "iteration" and cfg.cluster.workers > 1:
-        raise ConfigError(f"cluster.lowering: 'iteration' runs a whole iteration on one worker; with "
-                          f"cluster.workers {cfg.cluster.workers} the ranks exchange values mid-iteration "
-                          f"(use nodes or auto)")
-    if cfg.rollout.prompts_per_iteration % cfg.train.mini_batches:
-        raise ConfigError(f"train.mini_batches: {cfg.train.mini_batches} does not divide "
-                          f"rollout.prompts_per_iteration ({cfg.rollout.prompts_per_iteration}): each mini-batch "
-                          f"takes an equal share of the prompt groups")
-    _validate_rollout_is(cfg.train.rollout_is)
-    if cfg.train.clip_ratio_c is not None and cfg.train.clip_ratio_c <= 1:
-        raise ConfigError(f"train.clip_ratio_c: {cfg.train.clip_ratio_c} must be above 1 (the dual clip bounds a "
-                          f"negative advantage's loss beyond the PPO clip's 1 + clip_eps)")
-    cfg.train.lora = lora_options(cfg.train.lora)
-    if cfg.train.lora is not None and not cfg.train.freeze_vision:
-        raise ConfigError("train.freeze_vision: false trains the whole vision tower, which train.lora does not "
-                          "adapt (its adapters are on the language model); pick one")
-    if not cfg.train.freeze_vision and cfg.train.mini_batches * cfg.train.epochs > 1:
-        raise ConfigError("train.freeze_vision: false trains the vision tower in one optimizer step per batch; "
-                          "with train.mini_batches × train.epochs above 1 leave it true")
-    if cfg.cluster.memory_plan and not cfg.train.freeze_vision:
-        raise ConfigError("cluster.memory_plan: the plan sizes a frozen vision tower, not train.freeze_vision: "
-                          "false; leave one of them off")
-    if cfg.cluster.memory_plan and cfg.train.lora is not None:
-        raise ConfigError("cluster.memory_plan: the plan sizes full fine-tuning (its reference a copy of its own), "
-                          "not train.lora; leave one of them off")
-    _validate_eval(cfg)
-    _validate_turns(cfg)
-    if cfg.rollout.chunk_tokens > cfg.rollout.max_new_tokens:
-        raise ConfigError(f"rollout.chunk_tokens: {cfg.rollout.chunk_tokens} exceeds rollout.max_new_tokens "
-                          f"({cfg.rollout.max_new_tokens})")
-
-
-def _validate_turns(cfg: RunConfig) -> None:
-    """What a multi-turn run (rollout.max_turns > 1) needs, and what it does not combine with yet."""
-    turns, env = cfg.rollout.max_turns, cfg.env
-    if cfg.task.name == "zoom" and cfg.data.path is not None:
-        raise ConfigError(f"task.name: zoom is an embedded task, but data.path ({cfg.data.path}) gives the prompts; "
-                          "leave one of them out")
-    if turns == 1:
-        if env.name is not None:
-            raise ConfigError(f"env.name: {env.name!r} answers between turns, but rollout.max_turns is 1; set "
-                              "rollout.max_turns ≥ 2")
-        return
-    if env.name is None and not (cfg.task.name == "zoom" and cfg.data.path is None):
-        raise ConfigError(f"rollout.max_turns: {turns} turns need an environment to answer between them; set "
-                          "env.name (zoom is built in)")
-    refused = {
-        "cluster.workers": (cfg.cluster.workers > 1, "data-parallel ranks"),
-        "train.prefix_sharing": (not cfg.train.prefix_sharing, "full-sequence scoring"),
-        "eval.every": (bool(cfg.eval.every or cfg.eval.before_train), "validation (it decodes one turn)"),
-        "cluster.memory_plan": (cfg.cluster.memory_plan, "the memory plan (it sizes one turn)"),
-        "train.freeze_vision": (not cfg.train.freeze_vision, "a vision tower that trains"),
-    }
-    for name, (bad, what) in refused.items():
-        if bad:
-            raise ConfigError(f"{name}: a multi-turn run (rollout.max_turns {turns}) does not take {what} yet; "
-                              "leave it at its default")
-
-
-_ADDRESS = re.compile(r"(?:(?P<scheme>[a-z0-9]+)://)?(?P<host>\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):(?P<port>[0-9]+)")
-
-
-def _validate_address(address: str) -> None:
-    """A scheduler address as Dask takes it: [tcp:// or tls://]HOST:PORT."""
-    m = _ADDRESS.fullmatch(address)
-    if m is None:
-        raise ConfigError(f"cluster.scheduler: {address!r} is not a Dask address; expected tcp://HOST:PORT "
-                          "(or tls://HOST:PORT)")
-    if m["scheme"] not in (None, "tcp", "tls"):
-        raise ConfigError(f"cluster.scheduler: {address!r}: protocol {m['scheme']!r} is not one of tcp, tls")
-    if not 1 <= int(m["port"]) <= 65535:
-        raise ConfigError(f"cluster.scheduler: {address!r}: port {int(m['port'])} is not in 1..65535")
-
-
-LORA_DEFAULTS = {"rank": 8, "alpha": 16.0, "dropout": 0.0,
-                 "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
-
-
-def lora_options(value: dict | None) -> dict | None:
-    """``train.lora`` with its missing keys filled in, each key checked by name (None: LoRA off)."""
-    if value is None:
-        return None
-    for key in value:
-        if key not in LORA_DEFAULTS:
-            raise ConfigError(f"unknown field train.lora.{key}{_suggest(str(key), list(LORA_DEFAULTS))}")
-    out = {**LORA_DEFAULTS, **value}
-    rank = _check_type("train.lora.rank", out["rank"], int)
-    if rank < 1:
-        raise ConfigError(f"train.lora.rank: {rank} is below the minimum 1")
-    if rank > 65536:
-        raise ConfigError(f"train.lora.rank: {rank} is above the maximum 65536")
-    alpha = _check_type("train.lora.alpha", out["alpha"], float)
-    if alpha <= 0:
-        raise ConfigError(f"train.lora.alpha: {alpha} must be above 0 (the adapter's update is scaled by alpha/rank)")
-    if alpha > 1e6:
-        raise ConfigError(f"train.lora.alpha: {alpha} is above the maximum 1000000.0")
-    dropout = _check_type("train.lora.dropout", out["dropout"], float)
-    if not 0 <= dropout < 1:
-        raise ConfigError(f"train.lora.dropout: {dropout} is not in [0, 1)")
-    targets = _check_type("train.lora.target_modules", out["target_modules"], list)
-    if not targets or not all(isinstance(t, str) and t for t in targets):
-        raise ConfigError(f"train.lora.target_modules: expected a non-empty list of module names such as q_proj, "
-                          f"got {targets!r}")
-    return {"rank": rank, "alpha": alpha, "dropout": dropout, "target_modules": list(targets)}
-
-
-# The embedded task's walk-through (README): a warm-up that teaches the answer format and a stop once
-# GRPO has solved it. A user's data and model get RL from their model for the iterations asked.
-EMBEDDED_WARMUP_STEPS = 40
-# The zoom task's warm-up also teaches which zoom call the question's quarter asks for (README).
-ZOOM_WARMUP_STEPS = 100
-EMBEDDED_STOP_AT_REWARD = 0.9
-
-
-def resolve_task_defaults(cfg: RunConfig) -> RunConfig:
-    """``cfg`` with ``warmup.steps: null`` and ``stop_at_reward: auto`` made concrete for its prompt source."""
-    embedded = cfg.data.path is None
-    default = (ZOOM_WARMUP_STEPS if cfg.task.name == "zoom" else EMBEDDED_WARMUP_STEPS) if embedded else 0
-    steps = cfg.warmup.steps if cfg.warmup.steps is not None else default
-    stop = cfg.stop_at_reward
-    if stop == "auto":
-        stop = EMBEDDED_STOP_AT_REWARD if embedded else None
-    return dataclasses.replace(cfg, warmup=dataclasses.replace(cfg.warmup, steps=steps), stop_at_reward=stop)
-
-
-def _validate_rollout_is(options: dict) -> None:
-    unknown = sorted(set(options) - {"cap"})
-    if unknown:
-        raise ConfigError(f"train.rollout_is: unknown key {unknown[0]!r}; expected {{cap: C}} with C ≥ 1, or {{}} for off")
-    cap = options.get("cap")
-    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap >= 1
-                            or math.isinf(cap)):
-        raise ConfigError(f"train.rollout_is.cap: expected a finite number ≥ 1 (the largest importance weight), "
-                          f"got {cap!r}")
-
-
-def rollout_is_cap(cfg: RunConfig) -> float | None:
-    """``train.rollout_is``'s cap as a float, or None when off."""
-    cap = cfg.train.rollout_is.get("cap")
-    return None if cap is None else float(cap)
-
-
-LOGGING_BACKENDS = ("jsonl", "tensorboard", "wandb")
-
-
-def _validate_eval(cfg: RunConfig) -> None:
-    for name in cfg.logging.backends:
-        if name not in LOGGING_BACKENDS:
-            raise ConfigError(f"logging.backends: {name!r} is not one of {', '.join(LOGGING_BACKENDS)}")
-    e = cfg.eval
-    if e.samples > 1 and e.temperature == 0:
-        raise ConfigError(f"eval.samples: {e.samples} greedy responses (eval.temperature 0) are one response "
-                          "repeated; set eval.temperature above 0 or eval.samples: 1")
-    batch = cfg.rollout.prompts_per_iteration * cfg.rollout.samples_per_prompt
-    if e.samples > batch:  # the decode engine is sized for one rollout batch of sequences
-        raise ConfigError(f"eval.samples: {e.samples} exceeds the {batch} sequences of a rollout batch "
-                          "(rollout.prompts_per_iteration × rollout.samples_per_prompt) the decode engine holds")
-    if (e.every or e.before_train) and cfg.cluster.memory_plan:
-        raise ConfigError("eval.every: validation runs between iterations, which cluster.memory_plan does not "
-                          "plan for (it may free the KV pool and offload weights across them); turn one off")
-    if (e.every or e.before_train) and cfg.data.val_path is None:
-        if cfg.data.path is not None:
-            asked = "eval.every" if e.every else "eval.before_train"
-            raise ConfigError(f"{asked}: validation on data.path needs data.val_path (a held-out file; only the "
-                              "embedded task holds out items of its own)")
-        if e.prompts == 0:
-            raise ConfigError("eval.prompts: 0 (all rows) needs data.val_path; on the embedded task give the "
-                              "number of held-out items")
-
-
-def _validate_tls(c: ClusterConfig) -> None:
-    given = {name: getattr(c, name) for name in ("tls_ca_file", "tls_cert", "tls_key")}
-    if not any(given.values()):
-        if (c.scheduler or "").startswith("tls://"):
-            raise ConfigError(f"cluster.scheduler: {c.scheduler} is a TLS address; give cluster.tls_ca_file, "
-                              "tls_cert and tls_key")
-        return
-    missing = [f"cluster.{n}" for n, v in given.items() if not v]
-    if missing:
-        raise ConfigError(f"{', '.join(missing)}: TLS needs all of cluster.tls_ca_file, tls_cert and tls_key")
-    for name, value in given.items():
-        if not Path(value).exists():
-            raise ConfigError(f"cluster.{name}: {value} does not exist")
-        if not Path(value).is_file():
-            raise ConfigError(f"cluster.{name}: {value} is not a file (a PEM file is expected)")
-    if not (c.scheduler or "").startswith("tls://"):
-        raise ConfigError(f"cluster.scheduler: TLS options need a tls://HOST:PORT scheduler address, got "
-                          f"{c.scheduler!r} (a LocalCluster stays on loopback and needs no TLS)")
-
-
-def dump_config(cfg: RunConfig) -> str:
-    return yaml.dump(cfg.to_dict(), Dumper=Dumper, sort_keys=False)
-
-
-def _checksum_header(body: str) -> str:
-    import hashlib
-
-    return f"# rollplex run config; sha256 of the lines below: {hashlib.sha256(body.encode()).hexdigest()}"
-
-
-def run_config_text(cfg: RunConfig) -> str:
-    """A run directory's config.yaml: the resolved config under a checksum line, which a resume
-    verifies before it reads the rest (``load_config(..., checksummed=True)``)."""
-    body = dump_config(cfg)
-    return f"{_checksum_header(body)}\n{body}"
-
-
-# Fields a resume may change: how long a run goes on, how often it checkpoints, how it reaches its
-# cluster, how its device memory is held and where its metrics are sent besides metrics.jsonl; none
-# enters what an iteration computes (validation may: it samples from the engines' generators). Every other field
-# defines the run, and a resume refuses a change to it by name (a new learning rate would be recorded
-# while the optimizer kept the old one; a new batch size would change the batch mid-run).
-MAY_CHANGE_ON_RESUME = frozenset({
-    "iterations", "stop_at_reward", "checkpoint.every", "checkpoint.keep_last", "cluster.scheduler",
-    "cluster.dashboard", "cluster.tls_ca_file", "cluster.tls_cert", "cluster.tls_key", "cluster.processes",
-    "cluster.cuda_allocator", "cluster.memory_budget_gib", "cluster.memory_plan", "logging.backends",
-    "logging.wandb_project",
-})
-
-
-def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
-    """Dotted paths to leaves (a dict field's own keys too: params.kl_coef); an empty dict adds none."""
-    if not isinstance(data, dict):
-        return {prefix.rstrip("."): data}
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        out.update(_flat(value, f"{prefix}{key}."))
-    return out
-
-
-def config_changes(before: dict, after: dict) -> dict[str, tuple[Any, Any]]:
-    """{field: (before, after)} of the fields whose values differ between two ``to_dict()`` configs. A
-    field ``before`` lacks (it was written before the field existed) counts as its default, which is
-    what such a run computed (rollout.max_turns: 1, one turn)."""
-    a, b = _flat(before), _flat(after)
-    defaults = _flat(RunConfig().to_dict())
-    a.update({k: defaults[k] for k in b.keys() - a.keys() if k in defaults})
-    return {k: (a.get(k), b.get(k)) for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)}
 
 
 def _type_name(hint: Any) -> str:
