@@ -26,12 +26,17 @@ ppo.score("actor", as_="logprobs", grad=True)  # also yields old_logprobs
 
 
 def gae(token_rewards, values, mask, gamma: float, lam: float):
-    """Generalised advantage estimates [G, R]; the state after the last token has value 0."""
-    values, advantages, running = values * mask, torch.zeros_like(token_rewards), 0.0
+    """Generalised advantage estimates [G, R] over the policy's tokens (``mask`` 1); the state after the
+    last one has value 0. Where ``mask`` is 0 (padding, or an environment's answer between two turns
+    of a multi-turn trajectory) there is no step: each policy token's next state is the next policy
+    token's, as verl's multi-turn GAE skips the gaps."""
+    advantages = torch.zeros_like(token_rewards)
+    running, next_value = torch.zeros_like(values[:, 0]), torch.zeros_like(values[:, 0])
     for t in reversed(range(token_rewards.shape[-1])):
-        next_value = values[:, t + 1] if t + 1 < values.shape[-1] else 0.0
+        step = mask[:, t] > 0
         delta = token_rewards[:, t] + gamma * next_value - values[:, t]
-        running = delta + gamma * lam * running  # 0 past the end: nothing runs back from padding
+        running = torch.where(step, delta + gamma * lam * running, running)
+        next_value = torch.where(step, values[:, t], next_value)
         advantages[:, t] = running
     return advantages * mask
 
@@ -49,7 +54,8 @@ def gae_returns(rewards, old_values, old_logprobs, ref_logprobs, mask,
                 gamma: float = 1.0, lam: float = 0.95, kl_coef: float = 0.02):
     """R_t = Â_t + V_t [G, R] of one group, from GAE on the per-token reward."""
     token_rewards = -kl_coef * (old_logprobs - ref_logprobs) * mask
-    last = (mask.sum(-1).long() - 1).clamp(min=0)
+    positions = torch.arange(mask.shape[-1], device=mask.device)
+    last = torch.where(mask > 0, positions, 0).amax(-1)  # the last policy token: the reward lands there
     token_rewards[torch.arange(len(rewards)), last] += rewards
     return gae(token_rewards, old_values, mask, gamma, lam) + old_values * mask
 

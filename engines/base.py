@@ -47,6 +47,13 @@ class DecodeRequest:
     video_embeds: torch.Tensor | None = None
     video_grid_thw: torch.Tensor | None = None
     second_per_grid_ts: torch.Tensor | None = None
+    # Multi-turn decode. ``keep_kv``: the request's samples will be continued, so an engine that can
+    # keeps each finished sample's KV (``hf``: parked per sample; vLLM: its prefix cache keeps them).
+    # ``continues``: the (request id, sample) whose finished sequence this one extends; its
+    # ``prompt_token_ids`` (and image embeddings) are then the whole context, that sequence's prompt
+    # and tokens first, and only the tokens past what the engine holds are prefilled.
+    keep_kv: bool = False
+    continues: tuple[str, int] | None = None
 
 
 @dataclass
@@ -56,6 +63,9 @@ class FinishedSequence:
     logprobs: list[float]  # log-prob of each sampled token under the sampling distribution
     finish_reason: str  # "stop" | "length"
     index: int = 0  # which of the request's n samples
+    # Prompt tokens whose KV the engine did not compute for this request (a prefix cache hit, or a
+    # continued sequence's KV); None where the engine does not say.
+    cached_tokens: int | None = None
 
 
 class DecodeEngine(ABC):

@@ -59,9 +59,15 @@ class TinyVLMSpec:
     tie_word_embeddings: bool = False
     rope_theta: float = 10000.0
     dtype: str = "float32"
+    # Strings the tokenizer keeps whole, one token each (a tool call such as "zoom(2)"), after the
+    # special tokens.
+    added_tokens: tuple[str, ...] = ()
 
     def fingerprint(self) -> str:
-        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        fields = asdict(self)
+        if not self.added_tokens:  # models built before the field existed keep their directory
+            del fields["added_tokens"]
+        blob = json.dumps(fields, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
 
 
@@ -142,6 +148,8 @@ def _train_tokenizer(spec: TinyVLMSpec):
         pad_token="<|endoftext|>",
         additional_special_tokens=list(QWEN_VL_SPECIAL_TOKENS),
     )
+    if spec.added_tokens:
+        fast.add_tokens(list(spec.added_tokens))
     fast.chat_template = CHAT_TEMPLATE
     return fast
 

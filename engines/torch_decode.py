@@ -13,6 +13,11 @@ How it decodes:
   their row finishes. Finished rows are dropped at once, with any columns only they needed.
 - Queued prompts are prefilled at the start of ``step`` while fewer than ``max_num_seqs`` rows are
   live; a later ``add_requests`` joins the running batch at the next ``step``.
+- Multi-turn: a finished sample of a ``keep_kv`` request is parked (its KV, the ids it holds and
+  the position its next token takes); a request that ``continues`` it prefills only the tokens past
+  those, images through their M-RoPE positions (``engines/trajectory.py``), on the parked KV, so no
+  earlier turn is computed again. Parked sequences are dropped with a weight load (their KV came
+  from the old weights).
 """
 from __future__ import annotations
 
@@ -52,6 +57,15 @@ class _Group:
     prompt: object  # tasks.lm.PromptInputs
     vis: object  # tasks.lm.VisionEmbeds
     requests: list[DecodeRequest]
+
+
+@dataclass
+class _Parked:
+    """A finished sample kept for its continuation: the KV of every token it was fed."""
+
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer, [1, kv_heads, len(ids), head_dim]
+    ids: list[int]  # the tokens in the KV: its prompt and all its sampled tokens but the last
+    next_pos: int  # the M-RoPE text position of the next token fed (the last sampled one)
 
 
 class _SlotCache:
@@ -140,6 +154,8 @@ class TorchDecodeEngine(DecodeEngine):
         self._ids: set[str] = set()  # live parent requests
         self._parent_of: dict[str, tuple[str, int, int]] = {}  # row id -> (request id, sample, n)
         self._children: dict[str, list[FinishedSequence]] = {}  # finished samples per live request
+        self._parked: dict[tuple[str, int], _Parked] = {}  # (request id, sample) -> its KV, to continue
+        self._cached: dict[str, int] = {}  # row id -> prompt tokens it took from a parked KV
 
     # ----------------------------------------------------------------------------------------------
     def add_requests(self, requests: Sequence[DecodeRequest]) -> None:
@@ -160,7 +176,8 @@ class TorchDecodeEngine(DecodeEngine):
         """Queue one sample; samples of the same prompt (ids and embeddings) share one prefill group."""
         from rollplex.engines.vlm import PromptInputs, VisionEmbeds
 
-        group = next((g for g in self._pending if _same_prompt(g.requests[0], req)), None)
+        group = None if req.continues else next((g for g in self._pending if not g.requests[0].continues
+                                                  and _same_prompt(g.requests[0], req)), None)
         if group is None:
             prompt = PromptInputs(req.request_id, torch.tensor(req.prompt_token_ids, dtype=torch.long),
                                   image_grid_thw=None if req.image_grid_thw is None
@@ -194,6 +211,7 @@ class TorchDecodeEngine(DecodeEngine):
             if self._pending or (self._rows is not None and len(self._rows)):
                 raise EngineError(f"engine 'hf': load_weights while {len(self._ids)} request(s) are live; "
                                   "finish or drop them first")
+            self._parked.clear()  # their KV came from the old weights
             if self.shares_module:
                 # It runs the trainer's module itself: the update is there already, and LoRA adapters
                 # are served as they are, unmerged (``named_tensors``, merged, is not read).
@@ -233,9 +251,42 @@ class TorchDecodeEngine(DecodeEngine):
 
         parts = [self._rows] if self._rows is not None and len(self._rows) else []
         for group in take:
-            state = prefix_forward(self.model, group.prompt, group.vis, grad=False)
+            state = self._continued(group) if group.requests[0].continues else None
+            if state is None:
+                state = prefix_forward(self.model, group.prompt, group.vis, grad=False)
             parts.append(self._rows_from_prefix(group, state))
         self._rows = _merge(parts)
+
+    def _continued(self, group: _Group):
+        """The prefix state of a continuation: its parked sequence's KV extended by the tokens past it
+        (the last sampled token, the environment's answer and its images), or None where nothing
+        fitting is parked (then the whole context is prefilled, and counted as computed)."""
+        from transformers import DynamicCache
+
+        from rollplex.engines.trajectory import embed_segment, next_position, segment_positions
+        from rollplex.engines.vlm import PrefixState
+
+        req = group.requests[0]
+        parked = self._parked.pop(req.continues, None)
+        ids = req.prompt_token_ids
+        if parked is None or ids[: len(parked.ids)] != parked.ids or len(ids) == len(parked.ids):
+            self._cached[req.request_id] = 0
+            return None
+        new = ids[len(parked.ids):]
+        pad = self.model.config.image_token_id
+        pads, images = _pad_runs(new, pad)
+        embeds = req.image_embeds[req.image_embeds.shape[0] - pads:] if pads else None
+        grids = req.image_grid_thw.reshape(-1, 3)[-images:] if images else None
+        positions = segment_positions(self.model, new, grids, parked.next_pos)
+        cache = DynamicCache(ddp_cache_data=[(k, v) for k, v in parked.kv])
+        out = self.model.model.language_model(
+            inputs_embeds=embed_segment(self.model, torch.tensor([new], device=self.device), embeds),
+            position_ids=positions.view(3, 1, -1).to(self.device), past_key_values=cache, use_cache=True)
+        length = len(ids)
+        self._cached[req.request_id] = len(parked.ids)
+        return PrefixState(kv=[(k, v) for k, v, *_ in out.past_key_values],
+                           last_logits=self.model.lm_head(out.last_hidden_state[0, -1]).float(),
+                           rope_delta=next_position(positions, parked.next_pos) - length, length=length)
 
     def _rows_from_prefix(self, group: _Group, state) -> _Rows:
         reqs, n, device = group.requests, len(group.requests), self.device
@@ -272,10 +323,14 @@ class TorchDecodeEngine(DecodeEngine):
         toks, lps = rows.tokens[idx].cpu().tolist(), rows.logps[idx].cpu().tolist()
         out = []
         for j, i in enumerate(idx):
-            parent, sample, n = self._parent_of.pop(rows.reqs[i].request_id)
+            req = rows.reqs[i]
+            parent, sample, n = self._parent_of.pop(req.request_id)
+            if req.keep_kv:
+                self._park(rows, i, (parent, sample), req.prompt_token_ids + toks[j][: n_h[i] - 1])
             seqs = self._children[parent]
             seqs.append(FinishedSequence(parent, toks[j][: n_h[i]], lps[j][: n_h[i]],
-                                         "stop" if stopped_h[i] else "length", index=sample))
+                                         "stop" if stopped_h[i] else "length", index=sample,
+                                         cached_tokens=self._cached.pop(req.request_id, None)))
             if len(seqs) == n:  # a request is handed on when all its samples are done, as vLLM does
                 self._ids.discard(parent)
                 out.extend(sorted(self._children.pop(parent), key=lambda f: f.index))
@@ -284,6 +339,12 @@ class TorchDecodeEngine(DecodeEngine):
         rows.last = tok[keep]
         rows.select(keep, keep_list)
         return out
+
+    def _park(self, rows: _Rows, i: int, key: tuple[str, int], ids: list[int]) -> None:
+        """Keep row ``i``'s KV (its valid columns: rows are left-padded) for a continuation."""
+        first = rows.t - len(ids)
+        self._parked[key] = _Parked([(k[i: i + 1, :, first: rows.t].clone(), v[i: i + 1, :, first: rows.t].clone())
+                                     for k, v in zip(rows.k, rows.v)], ids, int(rows.pos[i]))
 
     def _forward(self, rows: _Rows) -> None:
         """Feed each row's last sampled token; leave the next logits in ``rows.logits``."""
@@ -399,6 +460,16 @@ def eos_token_ids(model_path, config) -> tuple[int, ...]:
         eos = getattr(src, "eos_token_id", None)
         ids.update(int(e) for e in ([eos] if isinstance(eos, int) else (eos or [])))
     return tuple(sorted(ids))
+
+
+def _pad_runs(ids: list[int], pad: int) -> tuple[int, int]:
+    """(image pad tokens, runs of them: images) in ``ids``."""
+    count = runs = 0
+    for i, t in enumerate(ids):
+        if t == pad:
+            count += 1
+            runs += i == 0 or ids[i - 1] != pad
+    return count, runs
 
 
 def _same_prompt(a: DecodeRequest, b: DecodeRequest) -> bool:

@@ -7,6 +7,10 @@ Traps handled here (see shared/STACK.md):
 - Weights are replaced with ``reload_weights`` (in place, HF names); the prefix cache is then reset,
   because cached KV blocks were computed with the old weights.
 - ``vllm`` is imported inside the constructor, so ``import rollplex.engines`` stays fast.
+- Multi-turn: a request that ``continues`` a finished sample is a new request over the whole
+  context, all its images' embeddings attached; the prefix cache holds the earlier turns' KV (the
+  finished sample's blocks), so only the tokens past its last full block are prefilled again. Its
+  ``num_cached_tokens`` is reported as ``FinishedSequence.cached_tokens``.
 """
 from __future__ import annotations
 
@@ -256,6 +260,9 @@ def _rank_tokens_eagerly() -> None:
 
 def _finished(out) -> list[FinishedSequence]:
     done = []
+    # The prompt tokens the prefix cache served; for a request of one sample only (an n-sample
+    # request's output reports one of its samples').
+    cached = out.num_cached_tokens if len(out.outputs) == 1 else None
     for comp in out.outputs:  # the n samples of the request, once all have finished
         tokens = list(comp.token_ids)
         lps = comp.logprobs
@@ -265,7 +272,7 @@ def _finished(out) -> list[FinishedSequence]:
         else:
             logprobs = [float(pos[t].logprob) for pos, t in zip(lps, tokens)]
         reason = comp.finish_reason if comp.finish_reason in ("stop", "length") else "stop"
-        done.append(FinishedSequence(out.request_id, tokens, logprobs, reason, index=comp.index))
+        done.append(FinishedSequence(out.request_id, tokens, logprobs, reason, index=comp.index, cached_tokens=cached))
     return sorted(done, key=lambda f: f.index)
 
 

@@ -5,7 +5,9 @@ The public API:
 - ``NodeKind``, ``register_kind``, ``register_task``: add a node kind of your own and what it
   computes; ``ScoreEngine``, ``TrainEngine``, ``DecodeEngine``, ``EngineSpec``, ``EngineContext``,
   ``register_engine``: add an engine that hosts a model (see ``dags/examples/reward_model.py``);
-- ``rollplex.engines.vlm``: the prefix/suffix forward passes tasks are built from.
+- ``rollplex.engines.vlm``: the prefix/suffix forward passes tasks are built from;
+- ``Environment``, ``Observation``, ``StepResult``, ``EnvSpec``, ``register_environment``: what answers
+  the policy between the turns of a multi-turn rollout (``rollout.max_turns``, ``env.name``).
 The extension names import on first use, so ``import rollplex`` stays light (no torch).
 """
 from rollplex.errors import RollplexError
@@ -17,6 +19,9 @@ _LAZY = {
     "ScoreEngine": "rollplex.engines.base", "TrainEngine": "rollplex.engines.base",
     "DecodeEngine": "rollplex.engines.base", "EngineSpec": "rollplex.engines.base",
     "EngineContext": "rollplex.engines.base", "register_engine": "rollplex.engines.base",
+    "Environment": "rollplex.tasks.environments", "Observation": "rollplex.tasks.environments",
+    "StepResult": "rollplex.tasks.environments", "EnvSpec": "rollplex.tasks.environments",
+    "register_environment": "rollplex.tasks.environments",
 }
 
 __all__ = ["Algorithm", "RollplexError", *_LAZY]

@@ -45,7 +45,9 @@ class ModelConfig:
 
 @dataclass
 class TaskConfig:
-    name: str = f("synthetic", choices=("synthetic",), doc="prompt source")
+    name: str = f("synthetic", choices=("synthetic", "zoom"), doc="the embedded prompt source: synthetic (a shape's "
+                  "colour, kind, or count) or zoom (a colour too fine to see at the model's resolution, for a "
+                  "multi-turn run with the zoom environment; single-turn, it stays at chance)")
     kinds: list = f(["colour"], doc="synthetic question kinds: colour, shape, count")
     image_size: int = f(112, lo=28, hi=1024, doc="synthetic image side in pixels (multiple of 28): 16 vision tokens")
     size: int = f(512, lo=1, hi=2**24, doc="number of distinct synthetic items")
@@ -81,6 +83,18 @@ class RolloutConfig:
     chunk_tokens: int = f(4, lo=1, hi=65536, doc="K: tokens per decode_chunk node")
     temperature: float = f(1.0, lo=0.0, hi=10.0, doc="sampling temperature (0 = greedy)")
     top_p: float = f(1.0, lo=0.0, hi=1.0, above=True, doc="nucleus sampling mass, in (0, 1]")
+    max_turns: int = f(1, lo=1, hi=64, doc="turns per trajectory: after each, the sample's environment (env.name) "
+                       "answers with text and images, until it says done; rollout.max_new_tokens is per turn; "
+                       "1: single-turn")
+
+
+@dataclass
+class EnvConfig:
+    name: str | None = f(None, doc="the environment of a multi-turn run (rollout.max_turns > 1): a registered name "
+                         "(zoom); null: zoom on the embedded zoom task")
+    options: dict = f({}, doc="the environment's options, e.g. {view: 112} for zoom")
+    timeout_s: float = f(30.0, lo=0.001, hi=86400.0, doc="an environment step slower than this ends its sample's "
+                         "trajectory (recorded as env_timeout), not the run")
 
 
 @dataclass
@@ -137,7 +151,7 @@ class TrainConfig:
 class WarmupConfig:
     steps: int | None = f(None, lo=0, hi=10**9, doc="supervised answer-format steps toward random valid answers "
                           "before RL, whose result becomes the reference (0 disables); null: 40 on the embedded "
-                          "task (README), 0 on data.path")
+                          "task (README), 100 on the zoom task, 0 on data.path")
     batch_size: int = f(32, lo=1, hi=65536, doc="warm-up examples per step")
     lr: float = f(2e-3, lo=0.0, hi=1.0, doc="warm-up learning rate")
 
@@ -236,6 +250,7 @@ class RunConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -456,9 +471,37 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("cluster.memory_plan: the plan sizes full fine-tuning (its reference a copy of its own), "
                           "not train.lora; leave one of them off")
     _validate_eval(cfg)
+    _validate_turns(cfg)
     if cfg.rollout.chunk_tokens > cfg.rollout.max_new_tokens:
         raise ConfigError(f"rollout.chunk_tokens: {cfg.rollout.chunk_tokens} exceeds rollout.max_new_tokens "
                           f"({cfg.rollout.max_new_tokens})")
+
+
+def _validate_turns(cfg: RunConfig) -> None:
+    """What a multi-turn run (rollout.max_turns > 1) needs, and what it does not combine with yet."""
+    turns, env = cfg.rollout.max_turns, cfg.env
+    if cfg.task.name == "zoom" and cfg.data.path is not None:
+        raise ConfigError(f"task.name: zoom is an embedded task, but data.path ({cfg.data.path}) gives the prompts; "
+                          "leave one of them out")
+    if turns == 1:
+        if env.name is not None:
+            raise ConfigError(f"env.name: {env.name!r} answers between turns, but rollout.max_turns is 1; set "
+                              "rollout.max_turns ≥ 2")
+        return
+    if env.name is None and not (cfg.task.name == "zoom" and cfg.data.path is None):
+        raise ConfigError(f"rollout.max_turns: {turns} turns need an environment to answer between them; set "
+                          "env.name (zoom is built in)")
+    refused = {
+        "cluster.workers": (cfg.cluster.workers > 1, "data-parallel ranks"),
+        "train.prefix_sharing": (not cfg.train.prefix_sharing, "full-sequence scoring"),
+        "eval.every": (bool(cfg.eval.every or cfg.eval.before_train), "validation (it decodes one turn)"),
+        "cluster.memory_plan": (cfg.cluster.memory_plan, "the memory plan (it sizes one turn)"),
+        "train.freeze_vision": (not cfg.train.freeze_vision, "a vision tower that trains"),
+    }
+    for name, (bad, what) in refused.items():
+        if bad:
+            raise ConfigError(f"{name}: a multi-turn run (rollout.max_turns {turns}) does not take {what} yet; "
+                              "leave it at its default")
 
 
 _ADDRESS = re.compile(r"(?:(?P<scheme>[a-z0-9]+)://)?(?P<host>\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):(?P<port>[0-9]+)")
@@ -511,13 +554,16 @@ def lora_options(value: dict | None) -> dict | None:
 # The embedded task's walk-through (README): a warm-up that teaches the answer format and a stop once
 # GRPO has solved it. A user's data and model get RL from their model for the iterations asked.
 EMBEDDED_WARMUP_STEPS = 40
+# The zoom task's warm-up also teaches which zoom call the question's quarter asks for (README).
+ZOOM_WARMUP_STEPS = 100
 EMBEDDED_STOP_AT_REWARD = 0.9
 
 
 def resolve_task_defaults(cfg: RunConfig) -> RunConfig:
     """``cfg`` with ``warmup.steps: null`` and ``stop_at_reward: auto`` made concrete for its prompt source."""
     embedded = cfg.data.path is None
-    steps = cfg.warmup.steps if cfg.warmup.steps is not None else (EMBEDDED_WARMUP_STEPS if embedded else 0)
+    default = (ZOOM_WARMUP_STEPS if cfg.task.name == "zoom" else EMBEDDED_WARMUP_STEPS) if embedded else 0
+    steps = cfg.warmup.steps if cfg.warmup.steps is not None else default
     stop = cfg.stop_at_reward
     if stop == "auto":
         stop = EMBEDDED_STOP_AT_REWARD if embedded else None
@@ -630,8 +676,12 @@ def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def config_changes(before: dict, after: dict) -> dict[str, tuple[Any, Any]]:
-    """{field: (before, after)} of the fields whose values differ between two ``to_dict()`` configs."""
+    """{field: (before, after)} of the fields whose values differ between two ``to_dict()`` configs. A
+    field ``before`` lacks (it was written before the field existed) counts as its default, which is
+    what such a run computed (rollout.max_turns: 1, one turn)."""
     a, b = _flat(before), _flat(after)
+    defaults = _flat(RunConfig().to_dict())
+    a.update({k: defaults[k] for k in b.keys() - a.keys() if k in defaults})
     return {k: (a.get(k), b.get(k)) for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)}
 
 

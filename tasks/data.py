@@ -165,10 +165,14 @@ def task_corpus(task: SyntheticVisualTask) -> tuple[str, ...]:
     return tuple(texts)
 
 
-def default_model_spec() -> TinyVLMSpec:
-    """The embedded tiny model, its tokenizer trained on the default task's texts."""
+def default_model_spec(task: str = "synthetic") -> TinyVLMSpec:
+    """The embedded tiny model, its tokenizer trained on the texts of the embedded task ``task``."""
     from rollplex.engines.models import TinyVLMSpec
 
+    if task == "zoom":
+        from rollplex.tasks.zoom import ZoomTask
+
+        return TinyVLMSpec(corpus=ZoomTask().corpus(), added_tokens=ZoomTask.tool_calls())
     return TinyVLMSpec(corpus=task_corpus(SyntheticVisualTask()))
 
 

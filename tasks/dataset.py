@@ -389,6 +389,10 @@ def make_task(cfg):
     if d.path:
         return FileDataset(d.path, d.format, d.prompt_key, d.image_key, d.video_key, d.answer_key,
                            d.on_bad_row, cfg.task.reward, d.max_prompt_tokens, d.split)
+    if cfg.task.name == "zoom":
+        from rollplex.tasks.zoom import ZoomTask
+
+        return ZoomTask(image_size=cfg.task.image_size, size=cfg.task.size, seed=cfg.seed, reward=cfg.task.reward)
     return SyntheticVisualTask(kinds=tuple(cfg.task.kinds), image_size=cfg.task.image_size, size=cfg.task.size,
                                seed=cfg.seed, reward=cfg.task.reward)
 

@@ -34,7 +34,18 @@ class Responses:
         return [s.token_ids for s in self.sequences]
 
     def mask(self) -> torch.Tensor:
-        return vlm.pad_responses(self.token_ids, 0)[1]
+        """[G, R]: 1 at the tokens the policy sampled. A multi-turn trajectory's environment tokens
+        are 0 (gaps), so losses and their normalisers count the policy's tokens only."""
+        mask = vlm.pad_responses(self.token_ids, 0)[1]
+        for row, seq in enumerate(self.sequences):
+            gaps = getattr(seq, "policy_mask", None)
+            if gaps is not None:
+                mask[row, : len(gaps)] = torch.tensor(gaps, dtype=mask.dtype)
+        return mask
+
+    @property
+    def multi_turn(self) -> bool:
+        return any(getattr(seq, "policy_mask", None) is not None for seq in self.sequences)
 
 
 def sample_seed(run_seed: int, iteration: int, prompt_id: str) -> int:
@@ -126,6 +137,10 @@ def prefix(ctx, node, inputs):
 
 @register_task("decode_chunk")
 def decode_chunk(ctx, node, inputs):
+    if "turn" in node.args:  # a multi-turn rollout's chunk
+        from rollplex.tasks.turns import decode_turn_chunk
+
+        return decode_turn_chunk(ctx, node, inputs)
     engine = ctx.decode_engine
     s = ctx.settings
     chunk, chunks = node.args["chunk"], node.args["chunks"]
@@ -253,7 +268,12 @@ def suffix_score(ctx, node, inputs):
     n = len(node.args["prompts"])
     responses = [inputs[v].token_ids for v in node.inputs[-n:]]
     head = node.args.get("head", "lm")  # "value": the model's head is scalar, its outputs are values
-    if node.args.get("full_sequence"):
+    if inputs[node.inputs[-1]].multi_turn and not node.args.get("full_sequence"):
+        from rollplex.tasks.turns import score_trajectories
+
+        values = score_trajectories(ctx, model, [inputs[v] for v in node.inputs[:n]],
+                                    [inputs[v] for v in node.inputs[-n:]], grad=grad, head=head)
+    elif node.args.get("full_sequence"):
         prompts, visions = [inputs[v] for v in node.inputs[:n]], [inputs[v] for v in node.inputs[n:2 * n]]
         values = [vlm.full_sequence_logprobs(model, p, r, pad_id=s.pad_id, temperature=s.score_temperature,
                                             grad=grad, vis=v, head=head)[0]
@@ -281,6 +301,10 @@ def join(ctx, node, inputs):
     """Per-chunk values (stage and train fusion) under the per-prompt names the rest of the graph
     reads. With ``samples``, each chunk scored single samples: a prompt's rows come together into
     one [G, R] tensor, as an unfused node would have made it."""
+    if node.args.get("episodes"):  # after a multi-turn rollout's last turn
+        from rollplex.tasks.turns import join_episodes
+
+        return join_episodes(ctx, node, inputs)
     samples = node.args.get("samples")
     merged: dict[int, Any] = {}
     for v in node.inputs:
@@ -313,7 +337,10 @@ def reward(ctx, node, inputs):
 
 
 def group_rewards(ctx, prompt, responses: Responses) -> torch.Tensor:
-    """[G]: the reward function on each decoded response of one prompt."""
+    """[G]: the reward function on each decoded response of one prompt; a multi-turn trajectory's
+    reward is its environment's (the sum of its steps' rewards)."""
+    if responses.multi_turn:
+        return torch.tensor([float(seq.reward) for seq in responses.sequences], dtype=torch.float32)
     texts = [ctx.decode_text(ids) for ids in responses.token_ids]
     return torch.tensor([reward_value(ctx.reward_fn, ctx.reward_fn(text, prompt.answer)) for text in texts],
                         dtype=torch.float32)
@@ -514,6 +541,7 @@ def report(ctx, node, inputs):
         adv = advantages[p]
         scored = {name: inputs[of[p]] for name, of in scores.items()}
         sampled = mismatch.sampled_logprobs(responses) if policy_lp is not None else None
+        policy_mask = responses.mask() if responses.multi_turn else None
         for g, seq in enumerate(responses.sequences):
             n = len(seq.token_ids)
             row = {
@@ -528,15 +556,22 @@ def report(ctx, node, inputs):
                 "text": ctx.decode_text(seq.token_ids),
                 "answer": prompt.answer,
                 "reward": float(r[g]),
-                # a per-token advantage [G, R] (GAE, REINFORCE++) is logged as its response mean
-                "advantage": float(adv[g, :max(n, 1)].mean()) if adv.dim() == 2 else float(adv[g]),
+                # a per-token advantage [G, R] (GAE, REINFORCE++) is logged as its mean over the policy's tokens
+                "advantage": (float(adv[g, :max(n, 1)].mean()) if policy_mask is None else
+                              float((adv[g, :n] * policy_mask[g, :n]).sum() / policy_mask[g, :n].sum().clamp(min=1)))
+                if adv.dim() == 2 else float(adv[g]),
                 "rollout_logprobs": [float(x) for x in seq.logprobs],
             }
+            if policy_mask is not None:  # a multi-turn trajectory: which tokens are the policy's, and its turns
+                from rollplex.tasks.turns import turn_row
+
+                row.update(turn_row(ctx, seq))
             for s in alg.scores:
                 key = f"old_{s.as_}" if s.grad else s.as_
                 row[key] = [float(x) for x in scored[s.as_][g, :n].tolist()]
             if policy_lp is not None:
-                for k, v in mismatch.mismatch_sums(scored[policy_lp][g, :n], sampled[g, :n]).items():
+                own = slice(None) if policy_mask is None else policy_mask[g, :n].bool()
+                for k, v in mismatch.mismatch_sums(scored[policy_lp][g, :n][own], sampled[g, :n][own]).items():
                     gap[k] += v
             rows.append(row)
             rewards.append(float(r[g]))
@@ -571,6 +606,11 @@ def report(ctx, node, inputs):
         cache = ctx.refcache.stats()
         metrics.update(ref_cache_hit_rate=cache.hit_rate, ref_cache_bytes=cache.host_bytes + cache.disk_bytes)
     metrics.update(scalars)
+    if "prefill" in stats:  # a multi-turn rollout
+        from rollplex.tasks.turns import turn_metrics
+
+        metrics.update(turn_metrics(rows, stats, [inputs[prompts[p]].num_tokens for p in sorted(responses_of)],
+                                    ctx.settings.samples))
     if "kl" not in metrics:
         metrics["kl"] = 0.0
     # "additive": metrics that are sums over the batch, which a data-parallel gather adds up.

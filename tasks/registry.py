@@ -29,6 +29,7 @@ def task_for(kind: str) -> TaskFn:
         import rollplex.tasks.nodes  # noqa: F401 - registers the builtin tasks on first use
         import rollplex.tasks.residency  # noqa: F401 - the memory plan's offload/prefetch
         import rollplex.tasks.gather  # noqa: F401 - data-parallel merges (pipeline/compile/ranks.py)
+        import rollplex.tasks.turns  # noqa: F401 - multi-turn rollouts' environment and observation nodes
 
     try:
         return _TASKS[kind]

@@ -117,14 +117,23 @@ class BatchShape:
     # with grad reads a vision forward with grad of its own micro-batch, and the rollout reads the
     # policy's vision output, not the frozen reference's.
     trains_vision: bool = False
+    # Multi-turn rollouts (pipeline/compile/turns.py): up to ``max_turns`` turns of ``max_new_tokens``
+    # each, an environment's answer of at most ``observation_tokens`` between two.
+    max_turns: int = 1
+    observation_tokens: int = 0
 
     @property
     def fused(self) -> bool:
-        return self.stage_fusion and self.prefix_sharing and self.chunks > 1
+        return self.stage_fusion and self.prefix_sharing and self.chunks > 1 and self.max_turns == 1
+
+    @property
+    def continuation_tokens(self) -> int:
+        """The longest a sample's tokens after its prompt can be: its turns and the answers between."""
+        return self.max_turns * self.max_new_tokens + (self.max_turns - 1) * self.observation_tokens
 
     def __post_init__(self) -> None:
         for name in ("prompts", "samples", "max_new_tokens", "chunk_tokens", "micro_batch_groups",
-                     "prompts_per_node", "mini_batches", "epochs", "ranks"):
+                     "prompts_per_node", "mini_batches", "epochs", "ranks", "max_turns"):
             if getattr(self, name) < 1:
                 raise GraphError(f"batch shape: {name} must be ≥ 1, got {getattr(self, name)}")
         if self.steps > 1 and self.prompts % (self.ranks * self.mini_batches):
@@ -212,6 +221,8 @@ def train_fusion_blocker(alg: Algorithm, shape: BatchShape) -> str | None:
     if shape.steps > 1:
         return (f"it takes one optimizer step per iteration; train.mini_batches × train.epochs is "
                 f"{shape.mini_batches} × {shape.epochs}")
+    if shape.max_turns > 1:
+        return "a multi-turn rollout hands its trajectories on after the last turn"
     if not shape.fused:
         return "it needs stage fusion, prefix sharing and two decode chunks or more"
     # What the algorithm trains first: the most basic reason (PPO's critic, before its GAE node).
@@ -265,7 +276,7 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
     g.meta.update(algorithm=alg.name, shape=shape, rollout_model=alg.rollout_model)
     P, G, K = shape.prompts, shape.samples, shape.chunk_tokens
     policy = alg.rollout_model
-    resp_tokens = G * shape.max_new_tokens
+    resp_tokens = G * shape.continuation_tokens
 
     def role_of(model: str) -> str:
         return "train" if alg.models[model].trainable else "score"
@@ -337,7 +348,11 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
     # fusion: a group's frozen scores are read only when it trains, so they score the groups its
     # training takes, in as many forwards as chunks that finish a group rather than one per chunk.
     samples_scored = any(fused(s) for s in alg.scores) and not train_fused
-    for c in range(shape.chunks):
+    if shape.max_turns > 1:  # turns of decode chunks, environment steps and observations' vision
+        from rollplex.pipeline.compile.turns import add_turns
+
+        add_turns(g, shape, add, host, dev, dims, policy, rollout_vision, role_of(rollout_vision), every)
+    for c in range(shape.chunks if shape.max_turns == 1 else 0):
         last = c == shape.chunks - 1
         inputs = ([f"prompt_p{p}" for p in range(P)] + [f"vis_p{p}" for p in range(P)]) if c == 0 else [state]
         outputs = [] if last else [f"decode_state_c{c}"]

@@ -96,6 +96,8 @@ for _kind in (
     NodeKind("gather", None, "host", "sync", "merge the ranks' host-side records (data-parallel runs)"),
     NodeKind("custom", None, "host", "score", "a host function of the algorithm's own (Algorithm.node)"),
     NodeKind("join", None, "host", "score", "hand per-chunk scores on under per-prompt names (stage fusion)"),
+    NodeKind("env_step", None, "host", "rollout", "environment steps of the samples a decode chunk ended a turn of"),
+    NodeKind("vit_observation", "score", "compute", "rollout", "vision-tower forward of environments' new images"),
     NodeKind("offload", None, "compute", "sync", "move a value from HBM to host memory"),
     NodeKind("prefetch", None, "compute", "sync", "bring an offloaded value back to HBM"),
 ):
@@ -111,6 +113,8 @@ ROLES = {
     "responses": "one prompt's G sampled responses",
     "handoff": "the groups a decode chunk finished (stage fusion)",
     "finished": "the single samples a decode chunk finished (stage fusion)",
+    "turn": "the samples a decode chunk ended a turn of (multi-turn), for their environments",
+    "observation": "environments' answers to a chunk's samples: the next user turn, reward, done",
     "rollout_stats": "the batch's response tokens and sequences",
     "score": "a scoring model's per-token outputs; ``label`` is the algorithm's name for them",
     "rewards": "verifiable rewards",

@@ -23,6 +23,7 @@ KIND_COLOURS = {
     "vit_encode": "#c6dbef", "prefix": "#9ecae1", "decode_chunk": "#fdd0a2", "suffix_score": "#a1d99b",
     "reward": "#fde68a", "advantage": "#fcbba1", "loss": "#dadaeb", "optimizer_step": "#bcbddc",
     "weight_sync": "#f4a6c6", "report": "#d9d9d9", "offload": "#c7e9c0", "prefetch": "#e0f3db",
+    "env_step": "#fee391", "vit_observation": "#deebf7",
 }
 _SPARE_COLOURS = ("#8dd3c7", "#ffffb3", "#bebada", "#fb8072", "#80b1d3", "#fdb462", "#b3de69", "#fccde5")
 ORDER_EDGE_COLOUR = "#c0392b"

@@ -22,6 +22,11 @@ def _warmup(host, examples: list, lr: float) -> float:
     trains_vision = any(p.requires_grad and is_vision_param(n) for n, p in engine.module.named_parameters())
     vision_model = engine.module if trains_vision else host.model(host.algorithm.vision_model)
     engine.set_lr(lr)
+    if examples and isinstance(examples[0][1], list):  # multi-turn: whole trajectories
+        loss_sum = _warmup_trajectories(host, engine, vision_model, examples)
+        engine.step()
+        engine.set_lr(host.spec.train_options["lr"])
+        return loss_sum
     targets = [warmup_target_ids(host.tokenizer, t) for _, t in examples]
     total = sum(len(ids) for ids in targets)
     loss_sum = 0.0
@@ -39,6 +44,46 @@ def _warmup(host, examples: list, lr: float) -> float:
         loss_sum += float(loss.detach())
     engine.step()
     engine.set_lr(host.spec.train_options["lr"])
+    return loss_sum
+
+
+def _warmup_trajectories(host, engine, vision_model, examples: list) -> float:
+    """-mean log p of the policy's tokens of supervised trajectories: (prompt, [(target text, the
+    rendered observation after it or None), ...]); the observations' tokens are masked out, their
+    images go through the vision tower. Returns the loss."""
+    import torch
+
+    from rollplex.engines import trajectory, vlm
+    from rollplex.tasks.data import warmup_target_ids
+
+    conts, masks = [], []
+    for prompt, turns in examples:
+        ids, mask, images, grids = [], [], [], []
+        for text, rendered in turns:
+            target = warmup_target_ids(host.tokenizer, text)
+            ids, mask = ids + target, mask + [1] * len(target)
+            if rendered is not None:
+                ids, mask = ids + rendered.token_ids, mask + [0] * len(rendered.token_ids)
+                if rendered.image_grid_thw is not None:
+                    obs = vlm.PromptInputs("obs", torch.tensor(rendered.token_ids), pixel_values=rendered.pixel_values,
+                                           image_grid_thw=rendered.image_grid_thw)
+                    images.append(vlm.vision_embeds(vision_model, obs).image)
+                    grids.append(rendered.image_grid_thw)
+        conts.append(trajectory.Continuation(ids, torch.cat(images) if images else None,
+                                             torch.cat(grids) if grids else None))
+        masks.append(torch.tensor(mask, dtype=torch.float32))
+    total = sum(float(m.sum()) for m in masks)
+    prompts = [p for p, _ in examples]
+    loss_sum = 0.0
+    vocab = engine.module.config.get_text_config().vocab_size
+    for run in vlm.batches_within([len(c.token_ids) for c in conts], vocab, grad=True):
+        visions = vlm.vision_embeds_batch(vision_model, [prompts[i] for i in run])
+        states = vlm.prefix_forward_batch(engine.module, [prompts[i] for i in run], visions, grad=True)
+        scored = trajectory.logprobs_batch(engine.module, states, [[conts[i]] for i in run],
+                                           pad_id=host.spec.settings.pad_id, grad=True)
+        loss = -sum((lp[0] * masks[i].to(lp.device)).sum() for lp, i in zip(scored, run)) / total
+        engine.backward(loss)
+        loss_sum += float(loss.detach())
     return loss_sum
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from rollplex.config import RunConfig, rollout_is_cap
+from rollplex.config import RunConfig, resolve_task_defaults, rollout_is_cap
 from rollplex.errors import ConfigError, EngineError, GraphError, RollplexError
 from rollplex.pipeline.run import checkpoints
 from rollplex.pipeline.plan.autoschedule import CANDIDATES, Choice, next_schedule
@@ -109,15 +109,37 @@ def check_sequence_length(cfg: RunConfig, hf_config, prompt_tokens: int) -> int:
     (else vLLM refuses at construction and the torch engines fail mid-rollout). Returns the former."""
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     positions = int(getattr(text, "max_position_embeddings", 0) or 2**20)
-    longest = prompt_tokens + cfg.rollout.max_new_tokens
+    after = continuation_tokens(cfg)
+    longest = prompt_tokens + after
+    what = (f"rollout.max_new_tokens {cfg.rollout.max_new_tokens}" if cfg.rollout.max_turns == 1 else
+            f"{cfg.rollout.max_turns} turns of rollout.max_new_tokens {cfg.rollout.max_new_tokens} and the "
+            f"environment's answers between them, {after} tokens")
     if longest > positions:
-        raise ConfigError(f"rollout.max_new_tokens: {cfg.rollout.max_new_tokens} new tokens after prompts of "
-                          f"{prompt_tokens} is {longest}, past the model's max_position_embeddings ({positions})")
+        raise ConfigError(f"rollout.max_new_tokens: {what} after prompts of {prompt_tokens} is {longest}, past the "
+                          f"model's max_position_embeddings ({positions})")
     asked = cfg.engines.decode_options.get("max_model_len")
     if asked is not None and asked < longest:
         raise ConfigError(f"engines.decode_options.max_model_len: {asked} is shorter than a prompt and its response "
-                          f"({prompt_tokens} + rollout.max_new_tokens {cfg.rollout.max_new_tokens})")
+                          f"({prompt_tokens} + {what})")
     return positions
+
+
+def environment(cfg: RunConfig):
+    """(name, its registered spec, its checked options) of a multi-turn run's environment, or None."""
+    if cfg.rollout.max_turns == 1:
+        return None
+    from rollplex.tasks.environments import check_env_options, get_environment
+
+    name = cfg.env.name or "zoom"  # config.validate allows no name on the embedded zoom task alone
+    spec = get_environment(name)
+    return name, spec, check_env_options(spec, cfg.env.options)
+
+
+def continuation_tokens(cfg: RunConfig) -> int:
+    """The most tokens a sample's turns after its prompt take: every turn and the answers between."""
+    env = environment(cfg)
+    answers = env[1].observation_tokens(env[2]) if env else 0
+    return cfg.rollout.max_turns * cfg.rollout.max_new_tokens + (cfg.rollout.max_turns - 1) * answers
 
 
 def check_group_size(algorithm, samples: int) -> None:
@@ -169,7 +191,7 @@ def resolve_model_path(cfg: RunConfig) -> str:
     from rollplex.engines.models import ensure_tiny_vlm
     from rollplex.tasks.data import default_model_spec
 
-    return str(ensure_tiny_vlm(default_model_spec()))
+    return str(ensure_tiny_vlm(default_model_spec(cfg.task.name)))
 
 
 # FLOPs a vit/prefix/suffix node should carry so that its dispatch stays a small share of it: on the
@@ -217,6 +239,9 @@ def iteration_spec(cfg: RunConfig, dims, prompt_tokens: int, vision_tokens: int,
         mini_batches=cfg.train.mini_batches,
         epochs=cfg.train.epochs,
         trains_vision=not cfg.train.freeze_vision,
+        max_turns=cfg.rollout.max_turns,
+        observation_tokens=(continuation_tokens(cfg) - cfg.rollout.max_turns * cfg.rollout.max_new_tokens)
+        // max(cfg.rollout.max_turns - 1, 1),
     )
     return IterationSpec(shape, engines, policy, world, cfg.cluster.tp_rollout)
 
@@ -262,12 +287,20 @@ class Session:
             raise ConfigError(f"train.rollout_is: the policy loss {self.algorithm.loss_fn.name}() of "
                               f"{self.algorithm.name} does not read rollout_is_weights, so nothing would weigh it")
         check_group_size(self.algorithm, cfg.rollout.samples_per_prompt)
+        self.environment = environment(cfg)  # a multi-turn run's (name, spec, options), checked by name
+        warmup = resolve_task_defaults(cfg).warmup.steps
+        if self.environment is not None and warmup and self.environment[1].warmup is None:
+            raise ConfigError(f"warmup.steps: environment {self.environment[0]!r} gives no warm-up trajectories; "
+                              "set warmup.steps: 0")
         self.cfg = cfg
         self.run_dir = run_dir
         self.device = resolve_device(cfg)
         self.worker_processes = resolve_worker_processes(cfg.cluster.processes, cfg.cluster.workers, self.device,
                                                          cfg.cluster.scheduler)
         self.decode_engine, self.train_engine, self.score_engine = resolve_engines(cfg, self.device)
+        if self.environment is not None and self.decode_engine not in ("vllm", "hf"):
+            raise EngineError(f"engines.decode: {self.decode_engine!r} does not continue a sequence across turns yet; "
+                              "a multi-turn run (rollout.max_turns > 1) decodes with vllm or hf")
 
         from transformers import AutoConfig, AutoProcessor
         from transformers.utils import logging as hf_logging
@@ -357,6 +390,14 @@ class Session:
                                         cfg.model.dtype, cfg.train.zero_stage, cfg.engines.weight_sharing,
                                         lora_targets=(cfg.train.lora or {}).get("target_modules", ()))
 
+    def renderer(self):
+        """A multi-turn run's observation renderer (tasks/turns.py), on the driver's processor."""
+        from rollplex.tasks.turns import ObservationRenderer
+
+        if getattr(self, "_renderer", None) is None:
+            self._renderer = ObservationRenderer(self.processor)
+        return self._renderer
+
     def checkpoint(self, executor, iteration: int, reward: float | None, pids: set[int]) -> Path:
         """The actor and optimizer (from the worker) plus the processor files, so that the
         checkpoint directory loads as is in transformers and vLLM. ``pids``: the workers whose
@@ -422,11 +463,17 @@ class Session:
                          "freeze_vision": cfg.train.freeze_vision, "lora": cfg.train.lora,
                          **cfg.engines.train_options}
         longest = min(self.max_positions, max(256, max(self.shape.prompt_tokens, self.eval_prompt_tokens)
-                                              + cfg.rollout.max_new_tokens + 64))
+                                              + self.shape.continuation_tokens + 64))
         sequences = self.shape.prompts * self.shape.samples
         # Size the decode KV pool from the batch: vLLM's CPU default reserves a share of host memory.
         kv_bytes = max(32 << 20, 2 * self.dims.kv_bytes(longest) * sequences)
         decode_options = {"max_model_len": longest, "max_num_seqs": sequences, "kv_cache_bytes": kv_bytes}
+        if self.environment is not None and self.decode_engine == "vllm":
+            # A prompt's image and one per environment answer; the prefix cache keeps earlier turns in
+            # blocks of 32 tokens, the least vLLM's CPU attention takes (its default is 128).
+            decode_options["limit_images"] = 1 + (cfg.rollout.max_turns - 1) * self.environment[1].observation_images
+            if self.device == "cpu":
+                decode_options["vllm_kwargs"] = {"block_size": 32}
         if self.decode_engine == "torch-graph":  # its two caches: prompts once per group, then responses
             eval_prompts = sequences // cfg.eval.samples if self.eval_task is not None else 0
             decode_options.update(max_prompt_len=longest - cfg.rollout.max_new_tokens,
@@ -445,7 +492,9 @@ class Session:
             weight_sharing=cfg.engines.weight_sharing,
             # Partitions serve work beside decode, which only the rollplex schedule runs.
             window=WindowSharing(partitions=cfg.cluster.sm_partitions and "rollplex" in self.schedules),
-            task=self.task, eval_task=self.eval_task, graphs=self.graphs)
+            task=self.task, eval_task=self.eval_task, graphs=self.graphs,
+            env_name=self.environment[0] if self.environment else None,
+            env_options=self.environment[2] if self.environment else {}, env_timeout=cfg.env.timeout_s)
 
     @property
     def ref_cache_off(self) -> str | None:

@@ -92,6 +92,11 @@ class HostSpec:
     # The run's scheduled iterations by name, installed once: each iteration then sends its name
     # and its prompts' indices, never the graph itself.
     graphs: dict = field(default_factory=dict)
+    # A multi-turn run's environment (tasks/environments.py): its registered name, checked options, and
+    # the seconds a step may take.
+    env_name: str | None = None
+    env_options: dict = field(default_factory=dict)
+    env_timeout: float = 30.0
 
 
 def shares_policy_base(decl, policy: str) -> bool:
@@ -172,6 +177,18 @@ class WorkerHost:
         self.decode = decode
         self.streams = streams if streams is not None else self._make_streams()
         self.prompts = self.eval_prompts = None
+        self.environment = self.render = None
+        if spec.env_name is not None:  # a multi-turn run: environments answer, rendered as user turns
+            from transformers import AutoProcessor
+
+            from rollplex.tasks.environments import get_environment
+            from rollplex.tasks.turns import ObservationRenderer
+
+            from rollplex.tasks.environments import StepPool
+
+            self.environment = get_environment(spec.env_name)
+            self.render = ObservationRenderer(AutoProcessor.from_pretrained(spec.model_path))
+            self.env_pool = StepPool()
         if spec.task is not None or spec.eval_task is not None:
             from transformers import AutoProcessor
 
@@ -410,6 +427,8 @@ class WorkerHost:
         return torch.cuda.get_device_properties(self.device).multi_processor_count
 
     def close(self) -> None:
+        if getattr(self, "env_pool", None) is not None:
+            self.env_pool.close()
         for store in (self.prompts, self.eval_prompts):
             if store is not None:
                 store.close()

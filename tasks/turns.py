@@ -1,0 +1,399 @@
+"""Multi-turn rollouts: decode a turn, let each finished sample's environment answer, decode the next.
+
+The compiler expands ``rollout.max_turns`` turns (pipeline/compile/turns.py). Per turn t and decode
+chunk c:
+
+    decode_t{t}_c{c}  (decode)   advances every sample still in turn t by K tokens; the samples that
+                                 ended their turn in this chunk are handed on (``turn``)
+    env_t{t}_c{c}     (host)     their environments step on their responses, all at once, each bound
+                                 by ``env.timeout_s``; the answers are rendered as the next user turn
+    vit_obs_t{t}_c{c} (compute)  the vision tower encodes the answers' new images
+
+so the environments and the vision tower of a chunk's samples work while the others still decode.
+Turn t+1's first chunk appends each live sample's observation to its context and continues it on the
+decode engine without computing its earlier turns again (``DecodeRequest.continues``). After the
+last turn, ``episodes`` (a join) hands each prompt's trajectories on as its ``responses``.
+
+A sample's state between nodes is its ``Episode``, which the decode nodes and the join own; an
+environment node reads the episodes it is handed and returns what their steps gave (``Answer``).
+The trajectory a prompt's group hands on (``Trajectory``) is its samples' turns after the prompt:
+tokens, the decode engine's log-probs (0 where the environment wrote), the policy mask (1 where the
+policy sampled), the observations' vision embeddings, and what the episode did (turns, tool calls,
+reward, why it ended).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rollplex.engines.base import DecodeRequest, FinishedSequence
+from rollplex.engines import vlm
+from rollplex.tasks.environments import EnvPrompt, Job, Outcome, step_all
+from rollplex.tasks.registry import register_task
+
+
+@dataclass
+class Trajectory(FinishedSequence):
+    """One sample's turns after its prompt, what ``responses`` hold in a multi-turn run."""
+
+    policy_mask: list[int] = field(default_factory=list)  # 1: sampled by the policy; 0: the environment's
+    image_embeds: torch.Tensor | None = None  # the observations' vision embeddings, in order
+    image_grid_thw: torch.Tensor | None = None  # [images, 3]
+    turns: list[dict] = field(default_factory=list)  # per turn: its span, what its step gave
+    tool_calls: int = 0
+    reward: float = 0.0
+    end_reason: str = ""
+
+
+@dataclass
+class Rendered:
+    """An observation as the next user turn: its tokens (images expanded) and pixels."""
+
+    token_ids: list[int]
+    pixel_values: torch.Tensor | None
+    image_grid_thw: torch.Tensor | None
+    sources: list[dict] = field(default_factory=list)
+    text: str = ""
+
+
+class ObservationRenderer:
+    """Renders an environment's observation with the processor's chat template: the text the
+    template puts between an assistant turn and the next one's start, found as the difference of two
+    renderings (a system prompt the template adds stands in both), then tokenized with the images."""
+
+    PROBE = ([{"role": "user", "content": [{"type": "text", "text": "q"}]},
+              {"role": "assistant", "content": [{"type": "text", "text": "a"}]}])
+
+    def __init__(self, processor) -> None:
+        self.processor = processor
+        before = processor.apply_chat_template(self.PROBE)
+        self.closing = before[before.rindex("a") + 1:]  # what ends an assistant turn ("<|im_end|>\n")
+        tok = processor.tokenizer
+        self.end_token_id = tok.encode(self.closing)[0]  # the end-of-turn token a response stops on
+        self.end_text = tok.decode([self.end_token_id])
+        self._before = before
+        self.image_token_id = tok.convert_tokens_to_ids(getattr(processor, "image_token", "<|image_pad|>"))
+        self.video_token_id = tok.convert_tokens_to_ids(getattr(processor, "video_token", "<|video_pad|>"))
+
+    def __call__(self, observation, stopped: bool = True) -> Rendered:
+        """``stopped``: the response ended with the end-of-turn token, so only the rest of the closing
+        text is added; a response cut at its length (or stopped on another token) gets the whole of it."""
+        content = [{"type": "image"} for _ in observation.images]
+        if observation.text:
+            content.append({"type": "text", "text": observation.text})
+        after = self.processor.apply_chat_template(self.PROBE + [{"role": "user", "content": content}],
+                                                   add_generation_prompt=True)
+        if not after.startswith(self._before):
+            raise ValueError("the chat template renders an earlier turn differently once another follows")
+        closing = self.closing[len(self.end_text):] if stopped and self.closing.startswith(self.end_text) \
+            else self.closing
+        text = closing + after[len(self._before):]
+        enc = self.processor(text=[text], images=list(observation.images) or None, return_tensors="pt")
+        return Rendered(enc["input_ids"][0].tolist(), enc.get("pixel_values"), enc.get("image_grid_thw"),
+                        list(getattr(observation, "sources", [])), text)
+
+
+@dataclass
+class Answer:
+    """What one environment step gave a sample: the outcome, the rendered observation (None where the
+    episode ended) and the environment, kept for the sample's next turn."""
+
+    outcome: Outcome
+    rendered: Rendered | None
+    env: Any
+
+
+@dataclass
+class Episode:
+    """One sample's episode while the iteration's decode runs."""
+
+    key: tuple[int, int]  # (prompt index, sample)
+    prompt: Any  # PromptInputs
+    vision: Any  # the prompt's VisionEmbeds
+    seed: int
+    token_ids: list[int] = field(default_factory=list)  # everything after the prompt, both parties'
+    logprobs: list[float] = field(default_factory=list)
+    policy_mask: list[int] = field(default_factory=list)
+    image_embeds: list[torch.Tensor] = field(default_factory=list)
+    image_grids: list[torch.Tensor] = field(default_factory=list)
+    turns: list[dict] = field(default_factory=list)
+    env: Any = None
+    tool_calls: int = 0
+    reward: float = 0.0
+    end_reason: str = ""
+    done: bool = False
+    finish_reason: str = ""
+    last_request: tuple[str, int] | None = None  # the (request, sample) its last turn decoded in
+    request_id: str = ""  # its first turn's request
+
+    def add_response(self, seq: FinishedSequence, turn: int) -> None:
+        start = len(self.token_ids)
+        self.token_ids += seq.token_ids
+        self.logprobs += seq.logprobs
+        self.policy_mask += [1] * len(seq.token_ids)
+        self.finish_reason = seq.finish_reason
+        self.last_request = (seq.request_id, seq.index)
+        self.turns.append({"turn": turn, "response": [start, len(self.token_ids)]})
+
+    def add_answer(self, answer: Answer, embeds: torch.Tensor | None) -> None:
+        o = answer.outcome
+        self.env = answer.env
+        self.reward += o.reward
+        self.tool_calls += o.tool_calls
+        self.turns[-1].update(reward=o.reward, tool_calls=o.tool_calls, env_seconds=round(o.seconds, 4))
+        if o.done:
+            self.done, self.end_reason = True, o.end_reason
+            return
+        r = answer.rendered
+        start = len(self.token_ids)
+        self.token_ids += r.token_ids
+        self.logprobs += [0.0] * len(r.token_ids)
+        self.policy_mask += [0] * len(r.token_ids)
+        if r.image_grid_thw is not None:
+            self.image_embeds.append(embeds)
+            self.image_grids.append(r.image_grid_thw)
+        self.turns[-1].update(observation=[start, len(self.token_ids)], sources=r.sources)
+
+    def context(self) -> list[int]:
+        return self.prompt.input_ids.tolist() + self.token_ids
+
+    def trajectory(self) -> Trajectory:
+        return Trajectory(self.request_id, list(self.token_ids), list(self.logprobs), self.finish_reason,
+                          index=self.key[1], policy_mask=list(self.policy_mask),
+                          image_embeds=torch.cat(self.image_embeds) if self.image_embeds else None,
+                          image_grid_thw=torch.cat(self.image_grids).reshape(-1, 3) if self.image_grids else None,
+                          turns=[dict(t) for t in self.turns], tool_calls=self.tool_calls, reward=self.reward,
+                          end_reason=self.end_reason)
+
+
+def turn_seed(seed: int, sample: int, turn: int) -> int:
+    """Sample ``sample``'s seed in turn ``turn``: turn 0 draws with seed + sample, as a single turn does."""
+    return (seed + sample + 7919 * turn) & 0x3FFFFFFF
+
+
+# --------------------------------------------------------------------------------------------------
+def decode_turn_chunk(ctx, node, inputs):
+    """A decode chunk of turn ``args["turn"]`` (see the module docstring)."""
+    from rollplex.tasks.nodes import prompt_request, request_id, sample_key, sample_seed, the, with_role
+
+    engine, s = ctx.decode_engine, ctx.settings
+    turn, turns, chunk, chunks = (node.args[k] for k in ("turn", "turns", "chunk", "chunks"))
+    if turn == 0 and chunk == 0:
+        prompts = [inputs[v] for v in with_role(ctx, node.inputs, "prompt")]
+        visions = [inputs[v] for v in with_role(ctx, node.inputs, "vision")]
+        index = node.args.get("prompts", range(len(prompts)))
+        state = {"episodes": {}, "requests": {}, "waiting": set(), "prefill": dict.fromkeys(PREFILL, 0)}
+        requests = []
+        for p, (prompt, vis) in enumerate(zip(prompts, visions)):
+            seed = sample_seed(s.seed, ctx.iteration, prompt.prompt_id)
+            rid = request_id(ctx.iteration, index[p])
+            requests.append(dataclasses.replace(
+                prompt_request(rid, prompt, vis, s, seed=seed, n=s.samples, temperature=s.temperature, top_p=s.top_p),
+                keep_kv=turns > 1))
+            for g in range(s.samples):
+                key = (index[p], g)
+                state["episodes"][key] = Episode(key, prompt, vis, seed, request_id=rid)
+                state["requests"][(rid, g)] = key
+                state["waiting"].add(key)
+        engine.add_requests(requests)
+    else:
+        previous = inputs[the(ctx, node.inputs, "decode_state")]
+        state = {**previous, "waiting": set(previous["waiting"]), "prefill": dict(previous["prefill"])}
+    if chunk == 0 and turn > 0:
+        _continue(ctx, node, inputs, state, turn, turns)
+    episodes, handed = state["episodes"], []
+
+    def take(seqs) -> None:
+        for seq in seqs:
+            key = state["requests"].pop(sample_key(seq))
+            episode = episodes[key]
+            if turn > 0:  # what the engine computed of the continued context
+                context = len(episode.context())
+                cached = seq.cached_tokens if seq.cached_tokens is not None else 0
+                state["prefill"]["context"] += context
+                state["prefill"]["computed"] += context - cached
+                state["prefill"]["new"] += context - state["held"].pop(key)
+            episode.add_response(seq, turn)
+            state["waiting"].discard(key)
+            handed.append(key)
+
+    take(engine.step(node.args["tokens"]))
+    if chunk == chunks - 1:
+        while state["waiting"] and engine.has_unfinished():  # max_tokens bounds this loop
+            take(engine.step(node.args["tokens"]))
+        if state["waiting"]:
+            raise RuntimeError(f"%{node.name}: turn {turn} ended with samples {sorted(state['waiting'])} undecoded")
+    out = {the(ctx, node.outputs, "decode_state"): state}
+    out[the(ctx, node.outputs, "turn")] = {key: episodes[key] for key in sorted(handed)}
+    return out
+
+
+# Per iteration: the continued contexts' tokens, those the engine computed, and those past each sample's last turn.
+PREFILL = ("context", "computed", "new")
+
+
+def _continue(ctx, node, inputs, state, turn: int, turns: int) -> None:
+    """Turn ``turn``'s first chunk: every sample's answer from the environment joins its episode, and
+    the live ones continue on the decode engine, in sample order (a batch the same under any schedule)."""
+    from rollplex.tasks.nodes import with_role
+
+    s = ctx.settings
+    answers: dict = {}
+    for v in with_role(ctx, node.inputs, "observation"):
+        answers.update(inputs[v])
+    embeds: dict = {}
+    for v in with_role(ctx, node.inputs, "vision"):
+        embeds.update(inputs[v])
+    episodes = state["episodes"]
+    requests, state["held"] = [], {}
+    for key in sorted(answers):
+        episode = episodes[key]
+        held = len(episode.context()) - 1  # the engine holds the context but the last sampled token
+        episode.add_answer(answers[key], embeds.get(key))
+        if episode.done:
+            continue
+        prompt, vis, g = episode.prompt, episode.vision, key[1]
+        images = [t for t in (vis.image, *episode.image_embeds) if t is not None]
+        grids = [t.reshape(-1, 3) for t in (prompt.image_grid_thw, *episode.image_grids) if t is not None]
+        rid = f"{episode.request_id}-t{turn}-s{g}"
+        requests.append(DecodeRequest(
+            request_id=rid, prompt_token_ids=episode.context(), image_embeds=torch.cat(images) if images else None,
+            image_grid_thw=torch.cat(grids) if grids else None, max_tokens=s.max_new_tokens,
+            seed=turn_seed(episode.seed, g, turn), temperature=s.temperature, top_p=s.top_p,
+            stop_token_ids=tuple(s.stop_token_ids), keep_kv=turn < turns - 1, continues=episode.last_request))
+        state["requests"][(rid, 0)] = key
+        state["waiting"].add(key)
+        state["held"][key] = held
+    ctx.decode_engine.add_requests(requests)
+
+
+@register_task("env_step")
+def env_step(ctx, node, inputs):
+    """The environments of the samples one decode chunk finished their turn in, stepped all at once."""
+    host = ctx.host
+    spec, options, timeout = host.environment, host.spec.env_options, host.spec.env_timeout
+    handed = inputs[node.inputs[0]]
+    final = node.args["turn"] == node.args["turns"] - 1
+    jobs = [Job(e.env, _env_prompt(e), ctx.decode_text(e.token_ids[slice(*e.turns[-1]["response"])]))
+            for e in handed.values()]
+    limit = int(host.spec.decode_options.get("max_model_len") or 0)
+    placeholders = {host.render.image_token_id, host.render.video_token_id}
+    out = {}
+    stepped = step_all(spec, options, jobs, timeout, host.env_pool)
+    for (key, episode), (env, outcome) in zip(handed.items(), stepped):
+        rendered = None
+        response = episode.token_ids[slice(*episode.turns[-1]["response"])]
+        if not outcome.done and final:
+            outcome = dataclasses.replace(outcome, done=True, end_reason="max_turns")
+        if not outcome.done and placeholders & set(response):
+            # A sampled image placeholder would read as an image in the next turn's context.
+            outcome = dataclasses.replace(outcome, done=True, end_reason="placeholder_in_response")
+        if not outcome.done:
+            try:
+                rendered = host.render(outcome.observation, stopped=response[-1:] == [host.render.end_token_id])
+            except Exception as exc:  # noqa: BLE001 - an observation the processor cannot take ends the episode
+                outcome = dataclasses.replace(outcome, done=True, end_reason=f"env_error: render: {exc}")
+        if rendered is not None and limit and (len(episode.context()) + len(rendered.token_ids)
+                                               + ctx.settings.max_new_tokens > limit):
+            outcome, rendered = dataclasses.replace(outcome, done=True, end_reason="context_full"), None
+        out[key] = Answer(outcome, rendered, env)
+    return {node.outputs[0]: out}
+
+
+def _env_prompt(episode) -> EnvPrompt:
+    p = episode.prompt
+    return EnvPrompt(p.prompt_id, p.text, p.answer, (), dict(p.meta), episode.key[1],
+                     turn_seed(episode.seed, episode.key[1], 0))
+
+
+@register_task("vit_observation")
+def vit_observation(ctx, node, inputs):
+    """The vision tower on the observation images of one chunk's answers, in one call."""
+    answers = inputs[node.inputs[0]]
+    keys = [k for k in sorted(answers) if answers[k].rendered is not None and answers[k].rendered.image_grid_thw
+            is not None]
+    prompts = [vlm.PromptInputs(f"obs-{k}", torch.tensor(answers[k].rendered.token_ids),
+                                pixel_values=answers[k].rendered.pixel_values,
+                                image_grid_thw=answers[k].rendered.image_grid_thw) for k in keys]
+    embeds = vlm.vision_embeds_batch(ctx.model(node.model), prompts) if prompts else []
+    return {node.outputs[0]: {k: e.image for k, e in zip(keys, embeds)}}
+
+
+def score_trajectories(ctx, model, prefixes: list, responses: list, *, grad: bool, head: str) -> list[torch.Tensor]:
+    """Per-token outputs [G, R] of each group's trajectories on its prompt's prefix (suffix_score)."""
+    from rollplex.engines import trajectory
+
+    s = ctx.settings
+    groups = [[trajectory.continuation_of(q) for q in r.sequences] for r in responses]
+    if head == "value":
+        return trajectory.head_outputs_batch(model, prefixes, groups, grad=grad)
+    return trajectory.logprobs_batch(model, prefixes, groups, pad_id=s.pad_id, temperature=s.score_temperature,
+                                     grad=grad)
+
+
+def join_episodes(ctx, node, inputs):
+    """After the last turn: the last answers join their episodes, and each prompt's trajectories are
+    handed on as its ``responses``, with the batch's rollout statistics."""
+    from rollplex.tasks.nodes import Responses, by_prompt, the, with_role
+
+    state = inputs[the(ctx, node.inputs, "decode_state")]
+    episodes = state["episodes"]
+    for v in with_role(ctx, node.inputs, "observation"):
+        for key, answer in sorted(inputs[v].items()):
+            episodes[key].add_answer(answer, None)
+    out, counts, lengths = {}, {}, []
+    named = by_prompt(ctx, node.outputs, "responses")
+    for p in node.args["prompts"]:
+        trajectories = [episodes[(p, g)].trajectory() for g in range(ctx.settings.samples)]
+        out[named[p]] = Responses(p, trajectories)
+        policy = [sum(t.policy_mask) for t in trajectories]
+        counts[p] = (sum(policy), len(trajectories))
+        lengths += policy
+    out[the(ctx, node.outputs, "rollout_stats")] = {
+        "tokens": sum(lengths), "sequences": len(lengths), "max_len": max(lengths, default=0), "by_prompt": counts,
+        "prefill": dict(state["prefill"])}
+    return out
+
+
+def turn_row(ctx, seq) -> dict:
+    """A trajectory's log fields: its policy mask, and per turn the response's text and span, what the
+    environment answered (its observation's span and images' sources) and the step's reward."""
+    turns = []
+    for t in seq.turns:
+        start, end = t["response"]
+        turns.append({"turn": t["turn"], "response": ctx.decode_text(seq.token_ids[start:end]), "span": [start, end],
+                      **{k: t[k] for k in ("reward", "tool_calls", "observation", "sources") if k in t}})
+    return {"response_mask": list(seq.policy_mask), "turns": turns, "tool_calls": seq.tool_calls,
+            "end_reason": seq.end_reason}
+
+
+def turn_metrics(rows: list[dict], stats: dict, prompt_tokens: list[int], samples: int) -> dict:
+    """What a multi-turn rollout did: turns and tool calls per trajectory, the share that used a tool,
+    how episodes ended (``episodes_<reason>``, shares); the decode engine's prefill of the continued
+    contexts (``decode_prefill_tokens``) against their length, what a recompute of each would prefill
+    (``decode_continued_tokens``), and the tokens new since each sample's last turn
+    (``decode_new_tokens``); and the tokens one scoring forward computes, with the group's prompt as
+    one prefix and each sample's turns on it (``forward_tokens``), against a forward per sample
+    (``..._per_sample``) and one per turn, each with its history (``..._per_turn``)."""
+    n = max(len(rows), 1)
+    ends: dict[str, int] = {}
+    for r in rows:
+        reason = r["end_reason"].split(":")[0]
+        ends[reason] = ends.get(reason, 0) + 1
+    pre = stats["prefill"]
+    prompt_of = [prompt_tokens[i // samples] for i in range(len(rows))]
+    lengths = [len(r["response_token_ids"]) for r in rows]
+    return {
+        "turns_mean": sum(len(r["turns"]) for r in rows) / n,
+        "tool_calls_mean": sum(r["tool_calls"] for r in rows) / n,
+        "tool_use_rate": sum(r["tool_calls"] > 0 for r in rows) / n,
+        **{f"episodes_{k}": v / n for k, v in sorted(ends.items())},
+        "decode_continued_tokens": pre["context"], "decode_prefill_tokens": pre["computed"],
+        "decode_new_tokens": pre["new"],
+        "forward_tokens": sum(prompt_tokens) + sum(lengths),
+        "forward_tokens_per_sample": sum(prompt_of) + sum(lengths),
+        "forward_tokens_per_turn": sum(p + t["span"][1] for p, r in zip(prompt_of, rows) for t in r["turns"]),
+    }

@@ -1,0 +1,183 @@
+"""Multi-turn runs end to end, on the embedded zoom task with GRPO.
+
+Two runs of 2 iterations under the serial and the rollplex schedule (vLLM decode), with an
+environment that zooms on every first turn (so every trajectory has an image between its turns),
+must give the same checkpoints and rollouts; their logged reference log-probs must equal one plain
+transformers forward over prompt and trajectory, every image included, at the policy's tokens. A
+third run decodes with the torch engine, whose environment fails, hangs or answers per sample: the
+failing samples end with their reason, the run goes on, and no earlier turn is prefilled again.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rollplex.config import load_config
+from rollplex.pipeline.run.runner import train
+from rollplex.tasks.environments import EnvSpec, register_environment
+from rollplex.tasks.zoom import ZoomEnv, ZoomTask, warmup_examples
+
+ITERATIONS = 2
+SEED = 3
+BASE = ["task.name=zoom", "rollout.max_turns=2", f"iterations={ITERATIONS}", f"seed={SEED}", "warmup.steps=2",
+        "stop_at_reward=null", "checkpoint.every=1", "checkpoint.keep_last=5", "rollout.prompts_per_iteration=4",
+        "rollout.samples_per_prompt=4", "rollout.max_new_tokens=6", "rollout.chunk_tokens=3"]
+
+
+class FirstZoom(ZoomEnv):
+    """Zooms into the square's quarter on the first turn whatever the response says; judges the next."""
+
+    def step(self, response):
+        if not getattr(self, "zoomed", False):
+            self.zoomed = True
+            return super().step(f"zoom({self.prompt.meta['quadrant']})")
+        return super().step(response if "zoom" not in response else "")
+
+
+class Flaky(FirstZoom):
+    """Sample 1 of each group fails at its first step, sample 2 hangs past the timeout."""
+
+    def step(self, response):
+        if self.prompt.sample == 1:
+            raise RuntimeError("the zoom service is down")
+        if self.prompt.sample == 2:
+            time.sleep(3)
+        return super().step(response)
+
+
+register_environment(EnvSpec("first-zoom-test", FirstZoom, observation_tokens=lambda o: 40, warmup=warmup_examples))
+register_environment(EnvSpec("flaky-zoom-test", Flaky, observation_tokens=lambda o: 40, warmup=warmup_examples))
+
+
+def _run(tmp: Path, name: str, *extra: str) -> Path:
+    run_dir = tmp / name
+    train(load_config(None, BASE + list(extra)), run_dir, progress=False, log=lambda *a: None)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    tmp = tmp_path_factory.mktemp("multiturn")
+    return {s: _run(tmp, s, f"schedule={s}", "env.name=first-zoom-test") for s in ("serial", "rollplex")}
+
+
+def _rows(run_dir: Path, iteration: int) -> list[dict]:
+    text = (run_dir / "rollouts" / f"iter_{iteration:06d}.jsonl").read_text()
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["phase"] == "rl"]
+
+
+def test_serial_and_rollplex_give_the_same_checkpoints(runs):
+    from safetensors.torch import load_file
+
+    for iteration in range(ITERATIONS):
+        name = f"checkpoints/iter_{iteration:06d}/model.safetensors"
+        a, b = load_file(str(runs["serial"] / name)), load_file(str(runs["rollplex"] / name))
+        for key in a:
+            scale = a[key].abs().max().clamp(min=1e-12)
+            assert float((a[key] - b[key]).abs().max() / scale) <= 1e-5, (iteration, key)
+        for x, y in zip(_rows(runs["serial"], iteration), _rows(runs["rollplex"], iteration)):
+            assert x["response_token_ids"] == y["response_token_ids"] and x["reward"] == y["reward"]
+            assert x["ref_logprobs"] == pytest.approx(y["ref_logprobs"], rel=1e-5, abs=1e-6)
+
+
+def test_every_trajectory_has_its_turns_and_the_log_says_so(runs):
+    for run_dir in runs.values():
+        rows = _rows(run_dir, ITERATIONS - 1)
+        assert len(rows) == 16
+        for row in rows:
+            mask = row["response_mask"]
+            assert len(mask) == len(row["response_token_ids"]) == len(row["ref_logprobs"])
+            first, second = row["turns"]
+            assert first["tool_calls"] == 1 and first["sources"][0]["zoom"] >= 1
+            start, end = first["observation"]
+            assert mask[start:end] == [0] * (end - start) and 1 in mask[end:]  # a gap, then the policy again
+            assert row["tool_calls"] == 1 and row["end_reason"] in ("done", "max_turns")
+        m = _metrics(run_dir)[-1]
+        assert m["tool_use_rate"] == 1.0 and m["turns_mean"] == 2.0
+        assert m["forward_tokens"] < m["forward_tokens_per_sample"] < m["forward_tokens_per_turn"]
+        # vLLM's prefix cache holds the earlier turns but the last partial block of 32 tokens of each (and
+        # what another sample of the group computed before, where their contexts agree).
+        assert 0 < m["decode_prefill_tokens"] < m["decode_new_tokens"] + 31 * 16
+        assert m["decode_prefill_tokens"] < m["decode_continued_tokens"]
+    graph = (runs["rollplex"] / "graph.txt").read_text()
+    for node in ("%decode_t0_c0 ", "%env_t0_c1 ", "%vit_obs_t0_c0 ", "%decode_t1_c0 ", "%env_t1_c1 ", "%episodes "):
+        assert node in graph, node
+
+
+def test_ref_logprobs_equal_a_plain_forward_over_the_whole_trajectory(runs):
+    """Each logged row: prompt and trajectory through the reference model in one transformers forward,
+    the prompt's image and the zoomed one (rebuilt from the logged source) as pixels; at every policy
+    token its log-prob equals the logged one to 1e-5 (the environment's tokens are not the policy's)."""
+    from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
+
+    from rollplex.engines.vlm import mm_token_types
+    from rollplex.tasks.data import PromptBuilder
+    from rollplex.tasks.environments import EnvPrompt
+
+    run_dir = runs["rollplex"]
+    reference = Qwen2_5_VLForConditionalGeneration.from_pretrained(run_dir / "reference").eval()
+    processor = AutoProcessor.from_pretrained(run_dir / "reference")
+    task = ZoomTask(seed=SEED)
+    worst, checked = 0.0, 0
+    pads = {processor.tokenizer.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|video_pad|>")}
+    for row in _rows(run_dir, ITERATIONS - 1)[::3]:
+        if pads & {t for t, m in zip(row["response_token_ids"], row["response_mask"]) if m}:
+            continue  # a placeholder the policy sampled is text to the decode engine, an image slot to transformers
+        index = int(row["prompt_id"].split("-")[1])
+        prompt = task.build(PromptBuilder(processor), index)
+        assert prompt.input_ids.tolist() == row["prompt_token_ids"]
+        env = ZoomEnv({})
+        env.reset(EnvPrompt(prompt.prompt_id, prompt.text, prompt.answer, (), prompt.meta, 0, 0))
+        crop = env.step(f"zoom({row['turns'][0]['sources'][0]['zoom']})").observation.images[0]
+        zoomed = processor.image_processor(images=[crop], return_tensors="pt")
+        ids = torch.tensor([row["prompt_token_ids"] + row["response_token_ids"]])
+        with torch.no_grad():
+            logits = reference(input_ids=ids, pixel_values=torch.cat([prompt.pixel_values, zoomed["pixel_values"]]),
+                               image_grid_thw=torch.cat([prompt.image_grid_thw, zoomed["image_grid_thw"]]),
+                               mm_token_type_ids=mm_token_types(ids, reference.config)).logits[0].float()
+        start = len(row["prompt_token_ids"])
+        response = torch.tensor(row["response_token_ids"]).view(-1, 1)
+        logp = torch.log_softmax(logits[start - 1:-1], -1).gather(-1, response)
+        mask = torch.tensor(row["response_mask"], dtype=torch.bool)
+        diff = (logp.view(-1) - torch.tensor(row["ref_logprobs"]))[mask]
+        worst, checked = max(worst, float(diff.abs().max())), checked + 1
+    assert checked >= 5 and worst <= 1e-5
+
+
+@pytest.fixture(scope="module")
+def flaky_run(tmp_path_factory) -> Path:
+    return _run(tmp_path_factory.mktemp("flaky"), "hf", "env.name=flaky-zoom-test", "env.timeout_s=1",
+                "engines.decode=hf", "iterations=1")
+
+
+def test_failing_and_slow_environments_end_their_samples_not_the_run(flaky_run):
+    rows = _rows(flaky_run, 0)
+    assert len(rows) == 16
+    for row in rows:
+        if row["sample"] == 1:
+            assert row["end_reason"] == "env_error: RuntimeError: the zoom service is down"
+        elif row["sample"] == 2:
+            assert row["end_reason"].startswith("env_timeout")
+        else:
+            assert row["end_reason"] in ("done", "max_turns") and len(row["turns"]) == 2
+        if row["sample"] in (1, 2):
+            assert row["reward"] == 0.0 and len(row["turns"]) == 1 and set(row["response_mask"]) == {1}
+    m = _metrics(flaky_run)[0]
+    assert m["episodes_env_error"] == m["episodes_env_timeout"] == 0.25
+
+
+def test_the_torch_engine_prefills_only_what_is_new(flaky_run):
+    """Turn 2 of the 8 samples that got an answer: the engine computed exactly the tokens past what it
+    held of turn 1 (the last sampled token and the environment's answer), never the earlier ones."""
+    m = _metrics(flaky_run)[0]
+    assert m["decode_prefill_tokens"] == m["decode_new_tokens"] > 0
+    assert m["decode_continued_tokens"] > 2 * m["decode_new_tokens"]
