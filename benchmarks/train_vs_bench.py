@@ -100,6 +100,8 @@ def main() -> int:
     ap.add_argument("--chunk-tokens", type=int, default=32)
     ap.add_argument("--trials", type=int, default=5, help="train iterations per schedule (the first not timed)")
     ap.add_argument("--bench-iterations", type=int, default=6)
+    ap.add_argument("--bench-also", default="",
+                    help="more bench policies beside serial and rollplex, e.g. plain:seq=4 (comma-separated)")
     ap.add_argument("--threads", type=int, default=0,
                     help="train's cluster.threads (0: its default; the bench's host uses 8)")
     args = ap.parse_args()
@@ -129,8 +131,9 @@ def main() -> int:
          "--set", "train.train_fusion=true", "--set", "checkpoint.every=0"]
         + (["--set", f"cluster.threads={args.threads}"] if args.threads else [])
         + [x for s in shape for x in ("--set", s)])
+    shutil.copy(train_dir / "metrics.jsonl", out / "train_metrics.jsonl")  # kept should the bench not finish
     bench_dir = work / "bench"
-    policies = "serial:ppn=8:mb=2,rollplex:ppn=8:mb=2:tf=1"
+    policies = ",".join(["serial:ppn=8:mb=2", "rollplex:ppn=8:mb=2:tf=1"] + [p for p in args.bench_also.split(",") if p])
     run(["rollplex", "bench", "--model", args.preset, "--device", args.device, "--dtype", dtype,
          "--prompts", str(args.prompts), "--decode-attention", args.decode_attention,
          "--policies", policies, "--iterations", str(args.bench_iterations), "--max-new-tokens", str(args.new_tokens),
@@ -156,7 +159,6 @@ def main() -> int:
               f"{r['outside_median']:12.1%}   (train iterations: {', '.join(f'{s:.2f}' for s in r['train_seconds'])};"
               f" mean response {r['response_len_mean']:.0f} tokens)")
     (out / "train_vs_bench.json").write_text(json.dumps(result, indent=1))
-    shutil.copy(train_dir / "metrics.jsonl", out / "train_metrics.jsonl")
     shutil.copy(bench_dir / "bench.json", out / "bench.json")
     last = max(r["iteration"] for r in rows)
     shutil.copy(train_dir / "traces" / f"iter_{last:06d}.json", out / "train_trace_last.json")

@@ -19,8 +19,15 @@ One program per row reading its prompt slot (the group's repeats left to L2) was
 at 8 and 64 rows (3B: 3.33 and 4.37 ms a step, against 3.18 and 4.06 with the prompt copied per row
 and 3.44 and 3.84 by group tiles; 2026-12-02).
 
-Both are torch custom ops: ``torch.compile`` keeps them whole inside the compiled decoder layer. On
-CPU, or without Triton, the engine keeps SDPA (``available``).
+``decode_layer_attention`` is a layer's whole attention from its q|k|v projection: it rotates q and
+k, writes the step's k and v into the row's cache and runs the prompt's and the row's own stretches
+in one launch, then merges; the engine's ``attention: fused``. A decode step at a few rows is bound
+by its launches, and this one replaces a rotary kernel, two cache writes,
+two buffer fills and two partial launches per layer.
+
+All are torch custom ops: ``torch.compile`` keeps them whole inside the compiled decoder layer. On
+CPU, or without Triton, the engine keeps SDPA (``available``). The Triton source is
+``engines/decode_kernels.py``.
 """
 from __future__ import annotations
 
@@ -58,123 +65,14 @@ def splits_for(rows: int, kv_heads: int, max_len: int) -> int:
     return max(1, min(want, -(-max_len // BLOCK)))
 
 
-@functools.cache
 def _kernel():
-    import triton
-    import triton.language as tl
+    from rollplex.engines.decode_kernels import kernels
 
-    @triton.jit
-    def partial_attention(q_ptr, k_ptr, v_ptr, len_ptr, acc_ptr, m_ptr, l_ptr,
-                          sq_n, sq_h, sk_n, sk_h, sk_l, sv_n, sv_h, sv_l, scale, stretch,
-                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
-                          SPLITS: tl.constexpr, FIRST: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)  # row * its cache stride passes 2**31 in large caches
-        kvh, split = tl.program_id(1), tl.program_id(2)
-        length = tl.load(len_ptr + row)
-        start = split * stretch
-        end = tl.minimum(start + stretch, length)
-        g = tl.arange(0, GROUP_PAD)
-        d = tl.arange(0, D)
-        heads = kvh * GROUP + g
-        q = tl.load(q_ptr + row * sq_n + heads[:, None] * sq_h + d[None, :], mask=g[:, None] < GROUP, other=0.0)
-        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        total = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, D], tl.float32)
-        for off in range(start, end, BLOCK):
-            pos = off + tl.arange(0, BLOCK)
-            valid = pos < end
-            k = tl.load(k_ptr + row * sk_n + kvh * sk_h + pos[:, None] * sk_l + d[None, :], mask=valid[:, None],
-                        other=0.0)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-            else:
-                s = tl.dot(q, tl.trans(k)) * scale
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new[:, None])
-            total = total * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + row * sv_n + kvh * sv_h + pos[:, None] * sv_l + d[None, :], mask=valid[:, None],
-                        other=0.0)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
-        base = (row * (tl.num_programs(1) * GROUP) + heads) * SPLITS + FIRST + split
-        keep = g < GROUP
-        tl.store(acc_ptr + base[:, None] * D + d[None, :], acc, mask=keep[:, None])
-        tl.store(m_ptr + base, m, mask=keep)
-        tl.store(l_ptr + base, total, mask=keep)
+    return kernels()
 
-    @triton.jit
-    def merge_stretches(acc_ptr, m_ptr, l_ptr, out_ptr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                        D: tl.constexpr):
-        """One (row, head): its stretches' sums rescaled to their common maximum, then normalised. A
-        stretch past the row's length holds m = -inf and weighs nothing."""
-        at = tl.program_id(0).to(tl.int64)  # row * heads + head
-        s = tl.arange(0, SPLITS_PAD)
-        d = tl.arange(0, D)
-        inside = s < SPLITS
-        m = tl.load(m_ptr + at * SPLITS + s, mask=inside, other=float("-inf"))
-        total = tl.load(l_ptr + at * SPLITS + s, mask=inside, other=0.0)
-        weight = tl.exp(m - tl.max(m, 0))
-        acc = tl.load(acc_ptr + (at * SPLITS + s)[:, None] * D + d[None, :], mask=inside[:, None], other=0.0)
-        out = tl.sum(acc * weight[:, None], 0) / tl.sum(total * weight, 0)
-        tl.store(out_ptr + at * D + d, out.to(out_ptr.dtype.element_ty))
 
-    @triton.jit
-    def prefix_partial_attention(q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, members_ptr, acc_ptr, m_ptr, l_ptr,
-                                 sq_n, sq_h, sk_s, sk_h, sk_l, sv_s, sv_h, sv_l, scale, stretch, heads_total,
-                                 GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, MEMBERS: tl.constexpr,
-                                 D: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr):
-        """One entry (a prompt's KV slot and up to MEMBERS of its rows), one kv head, one stretch of
-        the prompt: every member's query heads of this kv head in one tile, so the stretch is read
-        once for all of them. An unused entry has length 0 and writes nothing."""
-        entry = tl.program_id(0)
-        kvh, split = tl.program_id(1), tl.program_id(2)
-        length = tl.load(len_ptr + entry)
-        slot = tl.load(slot_ptr + entry).to(tl.int64)
-        i = tl.arange(0, MEMBERS * GROUP_PAD)
-        g = i % GROUP_PAD
-        row = tl.load(members_ptr + entry * MEMBERS + i // GROUP_PAD)
-        live = (row >= 0) & (g < GROUP) & (length > 0)
-        row = tl.where(row >= 0, row, 0).to(tl.int64)
-        d = tl.arange(0, D)
-        heads = kvh * GROUP + g
-        q = tl.load(q_ptr + row[:, None] * sq_n + heads[:, None] * sq_h + d[None, :], mask=live[:, None], other=0.0)
-        start = split * stretch
-        end = tl.minimum(start + stretch, length)
-        m = tl.full([MEMBERS * GROUP_PAD], float("-inf"), tl.float32)
-        total = tl.zeros([MEMBERS * GROUP_PAD], tl.float32)
-        acc = tl.zeros([MEMBERS * GROUP_PAD, D], tl.float32)
-        for off in range(start, end, BLOCK):
-            pos = off + tl.arange(0, BLOCK)
-            valid = pos < end
-            k = tl.load(k_ptr + slot * sk_s + kvh * sk_h + pos[:, None] * sk_l + d[None, :], mask=valid[:, None],
-                        other=0.0)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-            else:
-                s = tl.dot(q, tl.trans(k)) * scale
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new[:, None])
-            total = total * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + slot * sv_s + kvh * sv_h + pos[:, None] * sv_l + d[None, :], mask=valid[:, None],
-                        other=0.0)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
-        base = (row * heads_total + heads) * SPLITS + split
-        tl.store(acc_ptr + base[:, None] * D + d[None, :], acc, mask=live[:, None])
-        tl.store(m_ptr + base, m, mask=live)
-        tl.store(l_ptr + base, total, mask=live)
-
-    return partial_attention, merge_stretches, prefix_partial_attention
+def _pad(splits: int) -> int:
+    return max(2, 1 << (splits - 1).bit_length())
 
 
 @torch.library.custom_op("rollplex::split_kv_attention", mutates_args=())
@@ -192,7 +90,7 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     m = torch.empty(n, heads, splits, dtype=torch.float32, device=q.device)
     total = torch.empty_like(m)
     q = q.contiguous()
-    partial_attention, merge_stretches, _ = _kernel()
+    partial_attention, merge_stretches, _, _ = _kernel()
     partial_attention[(n, kv_heads, splits)](
         q, k_cache, v_cache, lengths, acc, m, total,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -200,8 +98,8 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         GROUP=group, GROUP_PAD=max(16, 1 << (group - 1).bit_length()), D=dim, SPLITS=splits, FIRST=0, BLOCK=BLOCK,
         IEEE=q.dtype == torch.float32, num_warps=NUM_WARPS)
     out = torch.empty_like(q)
-    merge_stretches[(n * heads,)](acc, m, total, out, SPLITS=splits, SPLITS_PAD=max(2, 1 << (splits - 1).bit_length()),
-                                  D=dim)
+    merge_stretches[(n * heads,)](acc, m, total, out, lengths, SPLITS=splits, SPLITS_PAD=_pad(splits), D=dim,
+                                  HEADS=heads, PREFIX_SPLITS=0)
     return out
 
 
@@ -213,10 +111,12 @@ def _(q, k_cache, v_cache, lengths, scale):
 # Rows per prefix program: with the 3B and 7B models' 8 (7, padded) query heads per kv head, a
 # tile of 64 query rows; a group of more samples spans several entries.
 PREFIX_MEMBERS = 8
-# Stretches of a prompt: each writes its 64 query rows' fp32 partial sums, so at 16 stretches of a
-# 1088-token prompt the writes equal the prompt's KV reads. The few stretches that keep them a
-# quarter of it (PREFIX_TOKENS_PER_SPLIT each), and about one program per SM. Warps per program.
-PREFIX_TOKENS_PER_SPLIT = 256
+# Stretches of a prompt: about one program per SM, each at least PREFIX_TOKENS_PER_SPLIT slots long.
+# A stretch writes its live query rows' fp32 partial sums (up to 56 of 128 floats, about a half of
+# what a 64-slot stretch reads), which at 64 rows made 256-slot stretches 1% faster; but a group of
+# a few rows then had 8 programs for its prompt: 14.4 µs a layer for 1.1 MB at one row on an H100
+# (2026-12-06), a seventh of the step. So stretches are as short as a block where rows are few.
+PREFIX_TOKENS_PER_SPLIT = 64
 PREFIX_PROGRAMS = 132
 PREFIX_WARPS = 4
 
@@ -255,7 +155,7 @@ def shared_prefix_attention(q: torch.Tensor, prefix_k: torch.Tensor, prefix_v: t
     m = torch.full((n, heads, splits), float("-inf"), dtype=torch.float32, device=q.device)
     total = torch.zeros_like(m)
     q = q.contiguous()
-    partial_attention, merge_stretches, prefix_partial_attention = _kernel()
+    partial_attention, merge_stretches, prefix_partial_attention, _ = _kernel()
     group_pad = 1 << (group - 1).bit_length()
     prefix_partial_attention[(entries, kv_heads, prefix_splits)](
         q, prefix_k, prefix_v, entry_slot, entry_len, members, acc, m, total,
@@ -270,8 +170,8 @@ def shared_prefix_attention(q: torch.Tensor, prefix_k: torch.Tensor, prefix_v: t
         GROUP=group, GROUP_PAD=max(16, group_pad), D=dim, SPLITS=splits, FIRST=prefix_splits, BLOCK=BLOCK,
         IEEE=q.dtype == torch.float32, num_warps=NUM_WARPS)
     out = torch.empty_like(q)
-    merge_stretches[(n * heads,)](acc, m, total, out, SPLITS=splits, SPLITS_PAD=max(2, 1 << (splits - 1).bit_length()),
-                                  D=dim)
+    merge_stretches[(n * heads,)](acc, m, total, out, lengths, SPLITS=splits, SPLITS_PAD=_pad(splits), D=dim,
+                                  HEADS=heads, PREFIX_SPLITS=0)
     return out
 
 
@@ -292,3 +192,56 @@ def shared_prefix_attention_sdpa(q: torch.Tensor, prefix_k: torch.Tensor, prefix
                                                            scale=scale, enable_gqa=True)
     return out.view(n, heads, dim)
 
+
+
+@torch.library.custom_op("rollplex::decode_layer_attention", mutates_args=("k_cache", "v_cache"))
+def decode_layer_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: torch.Tensor,
+                           k_cache: torch.Tensor, v_cache: torch.Tensor, prefix_k: torch.Tensor | None,
+                           prefix_v: torch.Tensor | None, entry_slot: torch.Tensor | None,
+                           entry_len: torch.Tensor | None, members: torch.Tensor | None,
+                           prompt_len: torch.Tensor | None, heads: int, scale: float) -> torch.Tensor:
+    """A decode layer's attention from its q|k|v projection, in two launches (``layer_partials``, then
+    the merge). qkv [n, (heads + 2 kv_heads) * head_dim], q, k, v back to back per row as the fused
+    projection leaves them, not yet rotated; cos, sin [n, head_dim] fp32, each row's rotary angles;
+    lengths [n] int32, each row's filled slots of its own cache counting this step's, which the
+    kernel writes at slot length - 1 (rotated k, and v). With a prefix cache (``prefix_k`` ...
+    ``members`` as in ``shared_prefix_attention``, ``prompt_len`` [n] each row's prompt, 0 for a row
+    no entry lists) each row also attends to its prompt's slot first. Returns [n, heads, head_dim]."""
+    n, dim = qkv.shape[0], k_cache.shape[3]
+    kv_heads, max_len = k_cache.shape[1], k_cache.shape[2]
+    group = heads // kv_heads
+    row_splits = splits_for(n, kv_heads, max_len)
+    prefix_splits, prefix_programs, entries = 0, 0, 0
+    if prefix_k is not None:
+        entries = min(entry_slot.shape[0], n // PREFIX_MEMBERS + prefix_k.shape[0])
+        prefix_splits = prefix_splits_for(-(-n // PREFIX_MEMBERS), kv_heads, prefix_k.shape[2])
+        prefix_programs = entries * kv_heads * prefix_splits
+    else:  # the kernel's prefix pointers are never read: any tensors of the cache's dtype do
+        prefix_k = prefix_v = k_cache
+        entry_slot = entry_len = members = prompt_len = lengths
+    splits = prefix_splits + row_splits
+    acc = torch.empty(n, heads, splits, dim, dtype=torch.float32, device=qkv.device)
+    m = torch.empty(n, heads, splits, dtype=torch.float32, device=qkv.device)
+    total = torch.empty_like(m)
+    _, merge_stretches, _, layer_partials = _kernel()
+    group_pad = 1 << (group - 1).bit_length()
+    layer_partials[(prefix_programs + n * kv_heads * row_splits,)](
+        qkv, cos, sin, lengths, k_cache, v_cache, prefix_k, prefix_v, entry_slot, entry_len, members, acc, m, total,
+        qkv.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), prefix_k.stride(0), prefix_k.stride(1),
+        prefix_k.stride(2), prefix_v.stride(0), prefix_v.stride(1), prefix_v.stride(2), scale,
+        _stretch(max_len, row_splits), _stretch(prefix_k.shape[2], max(1, prefix_splits)), prefix_programs,
+        HEADS=heads, KV=kv_heads, GROUP=group, GROUP_PAD=group_pad, ROW_PAD=max(16, group_pad),
+        MEMBERS=PREFIX_MEMBERS, D=dim, SPLITS=splits, PREFIX_SPLITS=max(1, prefix_splits), FIRST=prefix_splits,
+        ROW_SPLITS=row_splits, BLOCK=BLOCK,
+        IEEE=k_cache.dtype == torch.float32, num_warps=NUM_WARPS)
+    out = torch.empty(n, heads, dim, dtype=qkv.dtype, device=qkv.device)
+    merge_stretches[(n * heads,)](acc, m, total, out, prompt_len, SPLITS=splits, SPLITS_PAD=_pad(splits), D=dim,
+                                  HEADS=heads, PREFIX_SPLITS=prefix_splits)
+    return out
+
+
+@decode_layer_attention.register_fake
+def _(qkv, cos, sin, lengths, k_cache, v_cache, prefix_k, prefix_v, entry_slot, entry_len, members, prompt_len,
+      heads, scale):
+    return qkv.new_empty(qkv.shape[0], heads, k_cache.shape[3])

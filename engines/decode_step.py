@@ -10,11 +10,13 @@ each group is projected in one matmul.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import torch.nn.functional as F
 
 from rollplex.engines.decode_attention import (
+    decode_layer_attention,
     shared_prefix_attention,
     shared_prefix_attention_sdpa,
     split_kv_attention,
@@ -134,8 +136,55 @@ def _sample(logits, temp, top_p, seed, n_gen, use_top_p: bool) -> tuple[torch.Te
         scaled = _apply_top_p(scaled, torch.where(greedy, torch.ones_like(temp), top_p))
     logp = F.log_softmax(scaled, dim=-1)
     gumbel = -torch.log(-torch.log(counter_uniform(seed, n_gen, logits.shape[-1])))
-    token = torch.where(greedy, logits.argmax(-1), (scaled + gumbel).argmax(-1))
+    token = torch.where(greedy, _argmax_rows(logits), _argmax_rows(scaled + gumbel))
     return token, logp.gather(1, token.view(-1, 1)).view(-1)
+
+
+def _argmax_rows(scores: torch.Tensor, chunks: int = 128) -> torch.Tensor:
+    """``scores.argmax(-1)`` (the first of equal maxima, as argmax) over chunks of each row: compiled,
+    a row's argmax is one program over the vocabulary, 90 µs for 152k scores; per chunk, many."""
+    rows, vocab = scores.shape
+    chunks = math.gcd(vocab, chunks)
+    best, at = scores.view(rows, chunks, vocab // chunks).max(-1)
+    pick = best.argmax(-1, keepdim=True)  # the first chunk holding the row's maximum
+    return (pick * (vocab // chunks) + at.gather(1, pick)).view(-1)
+
+
+def _advance(logits, temp, top_p, seed, n_gen, done, max_new, stop, tokens, logps, rope_pos, length, embed, inv_freq,
+             use_top_p: bool, rotary_fp32: bool):
+    """A step's work before the layers, for rows [0, n) (every argument a view of the batch's
+    first n rows): sample each row's token from its logits and record it (tokens, logps, n_gen and
+    done, in place; finished rows keep theirs), embed it, and its rotary angles. Returns (x, cos,
+    sin, slot, filled): cos and sin [n, head_dim] fp32 with ``rotary_fp32`` (the layer kernel's), else
+    [n, 1, 1, head_dim] in the model's dtype; slot, each row's cache slot for this token, and filled
+    (int32), its filled slots counting this one. One function of tensors, so that ``torch.compile``
+    fuses these few dozen small ops into a few kernels."""
+    token, token_logp = _sample(logits, temp, top_p, seed, n_gen, use_top_p)
+    active = ~done
+    col = n_gen.clamp(max=tokens.shape[1] - 1).view(-1, 1)
+    tokens.scatter_(1, col, torch.where(active, token, tokens.gather(1, col).view(-1)).view(-1, 1))
+    logps.scatter_(1, col, torch.where(active, token_logp, logps.gather(1, col).view(-1)).view(-1, 1))
+    counted = n_gen + active.long()
+    n_gen.copy_(counted)
+    stopped = (token.view(-1, 1) == stop).any(-1)
+    done.copy_(done | (active & (stopped | (counted >= max_new))))
+    # Forward the sampled token. Finished rows compute too (fixed shapes) but write nothing read.
+    x = F.embedding(token, embed)
+    angle = rope_pos.float().view(-1, 1) * inv_freq.view(1, -1)
+    cos, sin = torch.cat([angle.cos(), angle.cos()], -1), torch.cat([angle.sin(), angle.sin()], -1)
+    if not rotary_fp32:
+        n = x.shape[0]
+        cos, sin = cos.to(x.dtype).view(n, 1, 1, -1), sin.to(x.dtype).view(n, 1, 1, -1)
+    slot = length.clamp(max=tokens.shape[1] - 1)
+    return x, cos, sin, slot, (slot + 1).to(torch.int32)
+
+
+def _head(x, norm_w, eps: float, lm_head, logits, length, rope_pos) -> None:
+    """After the layers: each row's next logits (fp32, in place), and its cache length and rotary
+    position one further."""
+    logits.copy_(F.linear(_rms(x, norm_w, eps), lm_head).float())
+    length.add_(1)
+    rope_pos.add_(1)
 
 
 def _decoder_layer(x, cos, sin, visible, where, k_cache, v_cache, layer_weights, eps: tuple[float, float],
@@ -147,10 +196,20 @@ def _decoder_layer(x, cos, sin, visible, where, k_cache, v_cache, layer_weights,
     split-KV kernel (``engines/decode_attention.py``). ``reduce``: the sum over tensor-parallel ranks
     of a row-parallel projection's partial output (None: one rank). ``prefix``: the kernel's name
     (``groups`` or ``sdpa``) and the shared prefix cache's tensors it reads, None when each
-    row's cache holds its prompt too."""
+    row's cache holds its prompt too; or ``layer``: ``decode_layer_attention`` rotates q and k,
+    writes the step's k and v and attends in one launch (q|k|v fused weights, one rank), reading
+    the prefix cache's tensors that follow (all None without one), with cos and sin [n, head_dim]
+    fp32 and the whole caches, not their first n rows."""
     reduce = reduce or (lambda t: t)
     n = x.shape[0]
     group = heads // kv_heads
+    if prefix is not None and prefix[0] == "layer":  # rotary, cache write and attention in the kernel
+        ln1, qkv_w, qkv_b, o_w, ln2, gate_up_w, down_w = layer_weights
+        qkv = F.linear(_rms(x, ln1, eps[0]), qkv_w, qkv_b)
+        out = decode_layer_attention(qkv, cos, sin, visible, k_cache, v_cache, *prefix[1:], heads, scale)
+        x = x + reduce(F.linear(out.reshape(n, heads * head_dim), o_w))
+        gate, up = F.linear(_rms(x, ln2, eps[1]), gate_up_w).chunk(2, -1)
+        return x + reduce(F.linear(F.silu(gate) * up, down_w))
     if len(layer_weights) == 7:  # q|k|v and gate|up each one tensor (_fused_weights)
         ln1, qkv_w, qkv_b, o_w, ln2, gate_up_w, down_w = layer_weights
         h = _rms(x, ln1, eps[0])

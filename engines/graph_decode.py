@@ -11,9 +11,12 @@ vLLM's (``DecodeEngine``). HF's eager decode is bound by kernel launches (tens o
   KV once, not once per row (at 8 samples of a 1088-token prompt, 7/8 of the prompt bytes), and the
   cache holds it once. Without it, the prompt KV is copied into each of its rows, [rows, kv_heads,
   max_model_len, head_dim]. Each step writes one slot per row at its own position (``index_put_``).
-- Attention reads each row's filled slots only, on CUDA (option ``attention``: ``split-kv``, the
-  default there, ``engines/decode_attention.py``); elsewhere it is SDPA's grouped-query mode over all
-  slots under a length mask. Either way: no repeat of K/V per query head, fixed shapes.
+- Attention reads each row's filled slots only, on CUDA (option ``attention``: ``fused``, the
+  default there where q|k|v are one tensor: one launch rotates q and k, writes the step's k and v
+  and attends, ``engines/decode_attention.py``; ``split-kv``: the same without the rotary and the
+  cache write); elsewhere it is SDPA's
+  grouped-query mode over all slots under a length mask. Either way: no repeat of K/V per query
+  head, fixed shapes.
 - Sampling runs inside the step: a counter-based hash of (request seed, token index, vocab id) gives
   each row its uniform noise, so a row's tokens do not depend on the batch, the graph or the chunking.
   Gumbel-max over logits / temperature draws the token; its log-prob is taken from the same
@@ -37,7 +40,6 @@ import threading
 from collections.abc import Iterable, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from rollplex.engines import decode_attention
 from rollplex.engines.attention_kernels import graph_attention_kernels
@@ -51,7 +53,7 @@ from rollplex.engines.base import (
     register_engine,
 )
 from rollplex.engines.decode_attention import PREFIX_MEMBERS
-from rollplex.engines.decode_step import _Weights, _decoder_layer, _rms, _sample
+from rollplex.engines.decode_step import _Weights, _advance, _decoder_layer, _head
 from rollplex.engines.torch_decode import eos_token_ids
 from rollplex.errors import EngineError
 
@@ -125,8 +127,10 @@ class GraphDecodeEngine(DecodeEngine):
     (decode steps per graph launch; default 1), compile (the
     decoder layer and the sampler through torch.compile, true or a compile mode; default off), share_model (an HF model whose weights the
     engine uses in place: no second copy), tp_group (a torch.distributed group: tensor parallel over
-    its ranks, each with a full copy of the model), attention (``split-kv``: up to each row's length,
-    the default on CUDA where Triton is present; ``sdpa``: SDPA over every slot under a length mask),
+    its ranks, each with a full copy of the model), attention (``fused``: up to each row's length,
+    with the rotary and the cache write in the kernel, the default on CUDA where Triton is present
+    and q|k|v lie in one tensor; ``split-kv``: the same in separate kernels, the default otherwise;
+    ``sdpa``: SDPA over every slot under a length mask),
     shared_prefix (default true: a prompt's KV held once for its rows), prefix_slots (prompts resident
     at once; default max_num_seqs), max_prompt_len and max_response_len (the two caches' slots;
     default max_model_len each)."""
@@ -160,14 +164,14 @@ class GraphDecodeEngine(DecodeEngine):
         self.max_len = int(opts.get("max_model_len") or 2048)
         self.use_graphs = bool(opts.get("cuda_graphs", self.device.type == "cuda"))
         self.shared_prefix = bool(opts.get("shared_prefix", True))
-        self.split_kv = self._split_kv(opts.get("attention"))
+        self.split_kv, self.layer_kernel = self._attention(opts.get("attention"))
         self.max_prompt_len = int(opts.get("max_prompt_len") or self.max_len)
         self.max_response_len = int(opts.get("max_response_len") or self.max_len)
         self._slots: list[_Slot | None] = [None] * int(opts.get("prefix_slots") or self.rows)
         self._slot_of_key: dict[tuple, int] = {}
         # compile: the decoder layer through torch.compile (fused norm/rope/residual kernels), compiled
         # once per batch size on first use (warm-up), then captured into the CUDA graphs as usual.
-        self._layer, self._sample = _decoder_layer, _sample
+        self._layer, self._advance, self._head = _decoder_layer, _advance, _head
         if opts.get("compile"):
             from torch._dynamo import config as dynamo_config
 
@@ -188,7 +192,8 @@ class GraphDecodeEngine(DecodeEngine):
                                   "cudaMallocAsync (cluster.cuda_allocator / --cuda-allocator async) set "
                                   "compile: false")
             self._layer = torch.compile(_decoder_layer, dynamic=False, mode=mode)
-            self._sample = torch.compile(_sample, dynamic=False, mode=mode)
+            self._advance = torch.compile(_advance, dynamic=False, mode=mode)
+            self._head = torch.compile(_head, dynamic=False, mode=mode)
         sizes = opts.get("graph_batch_sizes") or [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b < self.rows]
         self.sizes = sorted({int(b) for b in sizes if b <= self.rows} | {self.rows})
         if self.shared_prefix:
@@ -453,24 +458,34 @@ class GraphDecodeEngine(DecodeEngine):
             self._slots[slot] = None
             del self._slot_of_key[held.key]
 
-    def _split_kv(self, attention: str | None) -> bool:
+    def _attention(self, attention: str | None) -> tuple[bool, bool]:
+        """(split_kv, layer_kernel): whether attention reads each row's filled slots only
+        (``split-kv``), and whether it is ``fused``: the split-KV kernel that also rotates q and k and
+        writes the step's k and v (``decode_layer_attention``), which needs q|k|v in one tensor and
+        one tensor-parallel rank."""
         group = self.w.heads // self.w.kv_heads
         usable = self.device.type == "cuda" and decode_attention.usable(self.w.head_dim, group, self.shared_prefix)
         # As for compile (above): under cudaMallocAsync, a Triton kernel captured in a step graph gets
         # pointers the pool maps only at replay, and refuses them.
         pooled = self.use_graphs and usable and torch.cuda.get_allocator_backend() == "cudaMallocAsync"
-        if attention in (None, "auto"):
-            return usable and not pooled
-        if attention not in ("split-kv", "sdpa"):
-            raise EngineError(f"engine 'torch-graph': attention {attention!r} is not one of split-kv, sdpa, auto")
-        if attention == "split-kv" and not usable:
-            raise EngineError(f"engine 'torch-graph': attention 'split-kv' needs CUDA and Triton and a power-of-two "
+        layer_ok = self.w.fused and self.tensor_parallel[1] == 1
+        if attention in (None, "auto"):  # fused where it can: a 3B step 5-7% faster at 8 and 64 rows (H100)
+            split = usable and not pooled
+            return split, split and layer_ok
+        if attention not in ("fused", "split-kv", "sdpa"):
+            raise EngineError(f"engine 'torch-graph': attention {attention!r} is not one of fused, split-kv, sdpa, "
+                              f"auto")
+        if attention != "sdpa" and not usable:
+            raise EngineError(f"engine 'torch-graph': attention {attention!r} needs CUDA and Triton and a power-of-two "
                               f"head width of at least 16 (device {self.device}, head width {self.w.head_dim})")
-        if attention == "split-kv" and pooled:
-            raise EngineError("engine 'torch-graph': attention 'split-kv' under CUDA graphs needs the native CUDA "
+        if attention != "sdpa" and pooled:
+            raise EngineError(f"engine 'torch-graph': attention {attention!r} under CUDA graphs needs the native CUDA "
                               "allocator; under cudaMallocAsync (cluster.cuda_allocator / --cuda-allocator async) "
                               "set attention: sdpa or auto")
-        return attention == "split-kv"
+        if attention == "fused" and not layer_ok:
+            raise EngineError("engine 'torch-graph': attention 'fused' needs the model's q, k and v projections "
+                              "adjacent in memory (engines.sharing.fuse_for_rollout) and no tensor parallelism")
+        return attention != "sdpa", attention == "fused"
 
     def _graph_size(self, live: int) -> int:
         return next(s for s in self.sizes if s >= live)
@@ -479,25 +494,11 @@ class GraphDecodeEngine(DecodeEngine):
     def _step(self, n: int, top_p: bool) -> None:
         """Sample a token for rows [0, n) from their logits, then feed it to get the next logits."""
         b, w = self.batch, self.w
-        token, token_logp = self._sample(b.logits[:n], b.temp[:n], b.top_p[:n], b.seed[:n], b.n_gen[:n], top_p)
-        active = ~b.done[:n]
-        col = b.n_gen[:n].clamp(max=b.tokens.shape[1] - 1).view(-1, 1)
-        b.tokens[:n].scatter_(1, col, torch.where(active, token, b.tokens[:n].gather(1, col).view(-1)).view(-1, 1))
-        b.logps[:n].scatter_(1, col, torch.where(active, token_logp, b.logps[:n].gather(1, col).view(-1)).view(-1, 1))
-        n_gen = b.n_gen[:n] + active.long()
-        b.n_gen[:n].copy_(n_gen)
-        stopped = (token.view(-1, 1) == b.stop[:n]).any(-1)
-        b.done[:n].copy_(b.done[:n] | (active & (stopped | (n_gen >= b.max_new[:n]))))
-
-        # Forward the sampled token. Finished rows compute too (fixed shapes) but write nothing read.
-        x = F.embedding(token, w.embed)  # [n, hidden]
-        pos = b.rope_pos[:n].float().view(-1, 1) * w.inv_freq.view(1, -1)
-        cos = torch.cat([pos.cos(), pos.cos()], -1).to(x.dtype).view(n, 1, 1, -1)
-        sin = torch.cat([pos.sin(), pos.sin()], -1).to(x.dtype).view(n, 1, 1, -1)
-        slot = b.length[:n].clamp(max=b.max_len - 1)
-        rows = torch.arange(n, device=x.device)
+        x, cos, sin, slot, filled = self._advance(b.logits[:n], b.temp[:n], b.top_p[:n], b.seed[:n], b.n_gen[:n], b.done[:n],
+                                          b.max_new[:n], b.stop[:n], b.tokens[:n], b.logps[:n], b.rope_pos[:n],
+                                          b.length[:n], w.embed, w.inv_freq, top_p, self.layer_kernel)
         if self.split_kv:
-            visible = (slot + 1).to(torch.int32)
+            visible = filled
         else:
             valid = (torch.arange(b.max_len, device=x.device).view(1, -1) <= slot.view(-1, 1))  # [n, L]
             if self.shared_prefix:  # the row's prompt slots come first (shared_prefix_attention_sdpa)
@@ -505,18 +506,22 @@ class GraphDecodeEngine(DecodeEngine):
                 valid = torch.cat([prompt, valid], dim=1)
             visible = torch.zeros(valid.shape, dtype=x.dtype, device=x.device).masked_fill(~valid, float("-inf"))
             visible = visible.view(n, 1, 1, -1)
-        where = (rows.view(-1, 1), torch.arange(w.kv_heads, device=x.device).view(1, -1), slot.view(-1, 1))
+        where = None  # the layer kernel writes the step's k and v itself
+        if not self.layer_kernel:
+            where = (torch.arange(n, device=x.device).view(-1, 1), torch.arange(w.kv_heads, device=x.device).view(1, -1),
+                     slot.view(-1, 1))
         for i, (weights, eps) in enumerate(w.layer_args):
             prefix = None
-            if self.shared_prefix and not self.split_kv:
+            if self.layer_kernel:
+                prefix = ("layer", *((b.pk[i], b.pv[i], b.entry_slot[:n], b.entry_len[:n], b.members[:n],
+                                      b.prompt_len[:n]) if self.shared_prefix else (None,) * 6))
+            elif self.shared_prefix and not self.split_kv:
                 prefix = ("sdpa", b.pk[i], b.pv[i], b.slot_of_row[:n])
             elif self.shared_prefix:
                 prefix = ("groups", b.pk[i], b.pv[i], b.entry_slot[:n], b.entry_len[:n], b.members[:n])
             x = self._layer(x, cos, sin, visible, where, b.k[i], b.v[i], weights, eps,
                             w.heads, w.kv_heads, w.head_dim, w.attn_scale, self._reduce, prefix)
-        b.logits[:n].copy_(F.linear(_rms(x, w.norm_w, w.eps), w.lm_head).float())
-        b.length[:n].add_(1)
-        b.rope_pos[:n].add_(1)
+        self._head(x, w.norm_w, w.eps, w.lm_head, b.logits[:n], b.length[:n], b.rope_pos[:n])
 
     def _run_steps(self, n: int, top_p: bool, k: int) -> None:
         self.steps_run += k
@@ -643,7 +648,8 @@ SPEC = register_engine(EngineSpec(
     options={"max_num_seqs": Option(int, 1, 2**20), "max_model_len": Option(int, 1, 2**20),
              "graph_batch_sizes": Option(list, check=_batch_sizes), "cuda_graphs": Option(bool),
              "steps_per_graph": Option(int, 1, 1024), "compile": Option((bool, str), check=_compile_mode),
-             "attention": Option(str, choices=("auto", "split-kv", "sdpa")), "shared_prefix": Option(bool),
+             "attention": Option(str, choices=("auto", "fused", "split-kv", "sdpa")),
+             "shared_prefix": Option(bool),
              "prefix_slots": Option(int, 1, 2**20), "max_prompt_len": Option(int, 1, 2**20),
              "max_response_len": Option(int, 1, 2**20)},
 ))

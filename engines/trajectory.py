@@ -181,7 +181,7 @@ def logprobs_batch(model: torch.nn.Module, prefixes: list[vlm.PrefixState], grou
                                          torch.tensor(first_tokens, device=device), temperature)
                   if first_logits else torch.zeros(0, device=device))
         if packed is not None:
-            rest = vlm._gathered_logprobs(model.lm_head(packed.hidden).float(), packed.targets, temperature)
+            rest = vlm.head_logprobs(model.lm_head, packed.hidden, packed.targets, temperature)
             rows, cols = torch.cat([rows, packed.rows]), torch.cat([cols, packed.cols])
             values = torch.cat([values, rest])
         full = torch.zeros(sum(counts), width, device=device).index_put((rows, cols), values)

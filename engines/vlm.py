@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.utils.checkpoint
 from transformers import DynamicCache
 
 
@@ -398,7 +399,7 @@ def suffix_logprobs_batch(
         logits = torch.stack(first_logits).float() if first_logits else torch.zeros(0, 1, device=device)
         values = _gathered_logprobs(logits, targets, temperature) if first_logits else logits.new_zeros(0)
         if packed is not None:
-            rest = _gathered_logprobs(model.lm_head(packed.hidden).float(), packed.targets, temperature)
+            rest = head_logprobs(model.lm_head, packed.hidden, packed.targets, temperature)
             rows, cols, values = torch.cat([rows, packed.rows]), torch.cat([cols, packed.cols]), torch.cat([values, rest])
         full = torch.zeros(sum(counts), width, device=device).index_put((rows, cols), values)
     out, row = [], 0
@@ -407,6 +408,31 @@ def suffix_logprobs_batch(
         out.append((full[row : row + n, :own], mask[row : row + n, :own]))
         row += n
     return out
+
+
+# A long packed suffix (8 responses of 1,024 tokens) would hold [8192, 152k] fp32 logits, their
+# log-sum-exp's saved input and their gradient at once: about 15 GB at 3B, enough to miss an 80 GB
+# card. Above this many tokens the head runs in pieces, each recomputed in the backward
+# (checkpointed), so one piece's logits (1.2 GB) is the most held.
+HEAD_CHUNK_TOKENS = 2048
+
+
+def head_logprobs(lm_head: torch.nn.Module, hidden: torch.Tensor, tokens: torch.Tensor,
+                  temperature: float) -> torch.Tensor:
+    """log p(token) per row of ``hidden`` [N, H] under the LM head, in pieces of at most
+    ``HEAD_CHUNK_TOKENS`` rows; under grad each piece's logits are made again in the backward."""
+    def piece(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return _gathered_logprobs(lm_head(h).float(), t, temperature)
+
+    n = hidden.shape[0]
+    if n <= HEAD_CHUNK_TOKENS:
+        return piece(hidden, tokens)
+    recompute = torch.is_grad_enabled()  # the hidden state's or the head's own (LoRA) gradient
+    parts = []
+    for start in range(0, n, HEAD_CHUNK_TOKENS):
+        h, t = hidden[start: start + HEAD_CHUNK_TOKENS], tokens[start: start + HEAD_CHUNK_TOKENS]
+        parts.append(torch.utils.checkpoint.checkpoint(piece, h, t, use_reentrant=False) if recompute else piece(h, t))
+    return torch.cat(parts)
 
 
 def _gathered_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:

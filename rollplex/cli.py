@@ -217,9 +217,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--compile-decode", action=argparse.BooleanOptionalAction, default=None,
                    help="the decode engine's layer through torch.compile, compiled at start (default: on for "
                         "CUDA, where it made a step 1.5x faster; off for CPU)")
-    b.add_argument("--decode-attention", default="auto", choices=("auto", "split-kv", "sdpa"),
+    b.add_argument("--decode-attention", default="auto", choices=("auto", "fused", "split-kv", "sdpa"),
                    help="the decode step's attention: split-kv reads each row's filled KV slots only (CUDA "
-                        "with Triton), sdpa every slot under a length mask; auto: split-kv where it can run")
+                        "with Triton), fused does so with the rotary and the cache write in the kernel, sdpa "
+                        "reads every slot under a length mask; auto: fused where it can run, else split-kv")
     b.add_argument("--decode-prefix", default="shared", choices=("shared", "per-row"),
                    help="the decode cache holds each prompt's KV once for its samples (shared; a step reads it "
                         "once per group), or a copy in each sample's row")

@@ -371,7 +371,8 @@ def test_graph_engine_compiled_layer_samples_what_the_eager_one_does(model_dir, 
         assert got[rid].token_ids == seq.token_ids
         assert got[rid].logprobs == pytest.approx(seq.logprobs, abs=1e-4)
     assert compiled._layer is not eager_layer_of(compiled)
-    assert compiled._sample is not eager_sampler_of(compiled)  # the sampler is compiled too
+    # the step's work before and after the layers (sampling, bookkeeping, the head) is compiled too
+    assert compiled._advance is not eager_step_parts()[0] and compiled._head is not eager_step_parts()[1]
     with pytest.raises(EngineError, match="compile 'reduce-overhead' is not one of"):
         get_engine("torch-graph").factory(ctx(model_dir, max_num_seqs=8, compile="reduce-overhead"))
 
@@ -382,10 +383,10 @@ def eager_layer_of(engine):
     return _decoder_layer
 
 
-def eager_sampler_of(engine):
-    from rollplex.engines.decode_step import _sample
+def eager_step_parts():
+    from rollplex.engines.decode_step import _advance, _head
 
-    return _sample
+    return _advance, _head
 
 
 def test_graph_engine_prefills_a_shared_prompt_once_and_counts_its_rows_meanwhile(graph_engine, prompts,
@@ -458,9 +459,10 @@ def test_graph_engine_attends_over_every_slot_on_cpu_and_names_a_kernel_it_canno
     """The split-KV kernel (``engines/decode_attention.py``) is CUDA and Triton only: on CPU the engine
     picks SDPA by itself, and asking for the kernel, or for an unknown one, is an error by name."""
     assert not get_engine("torch-graph").factory(ctx(model_dir, max_num_seqs=2)).split_kv
-    with pytest.raises(EngineError, match="attention 'split-kv' needs CUDA and Triton"):
-        get_engine("torch-graph").factory(ctx(model_dir, max_num_seqs=2, attention="split-kv"))
-    with pytest.raises(EngineError, match="attention 'flash' is not one of split-kv, sdpa, auto"):
+    for kernel in ("split-kv", "fused"):
+        with pytest.raises(EngineError, match=f"attention '{kernel}' needs CUDA and Triton"):
+            get_engine("torch-graph").factory(ctx(model_dir, max_num_seqs=2, attention=kernel))
+    with pytest.raises(EngineError, match="attention 'flash' is not one of fused, split-kv, sdpa, auto"):
         get_engine("torch-graph").factory(ctx(model_dir, max_num_seqs=2, attention="flash"))
 
 

@@ -167,6 +167,98 @@ def test_shared_prefix_attention_equals_sdpa_over_prompt_then_own_slots(cuda, dt
     torch.testing.assert_close(got[: n - 1], want[: n - 1], **tol)
 
 
+@pytest.mark.parametrize("dtype, heads, kv_heads, with_prefix", [
+    (torch.float32, 16, 2, True), (torch.bfloat16, 16, 2, True), (torch.bfloat16, 28, 4, True),
+    (torch.bfloat16, 16, 2, False)])
+def test_layer_attention_rotates_writes_and_attends_as_the_split_kernels(cuda, dtype, heads, kv_heads, with_prefix):
+    """``decode_layer_attention`` (one launch: RoPE of q and k, the step's k and v into the cache,
+    prompt and own stretches) against the rotary, cache write and ``shared_prefix_attention`` /
+    ``split_kv_attention`` it replaces, at the 3B and 7B head shapes and a 1088-token prompt; then
+    under a CUDA graph replayed on new inputs, as the decode step runs it."""
+    from rollplex.engines.decode_attention import (
+        PREFIX_MEMBERS,
+        decode_layer_attention,
+        shared_prefix_attention,
+        split_kv_attention,
+    )
+
+    torch.manual_seed(0)
+    dim, slots, prefix_len, max_len, n = 128, 3, 1088, 1024, 19  # 16 rows of one prompt, 2 of another, a pad
+    slot_of_row = [0] * 8 + [2, 2] + [0] * 8
+    lengths = torch.randint(1, max_len + 1, (n,), dtype=torch.int32, device=cuda)
+    last = (lengths - 1).long()
+    rows = torch.arange(n, device=cuda)
+
+    def rope(x, cos, sin):
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
+
+    def reference(qkv, cos, sin, k_cache, v_cache, prefix):
+        q, k, v = qkv.float().split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
+        c, s = cos.view(n, 1, dim), sin.view(n, 1, dim)
+        q, k = rope(q.view(n, heads, dim), c, s).to(dtype), rope(k.view(n, kv_heads, dim), c, s).to(dtype)
+        k_cache[rows, :, last], v_cache[rows, :, last] = k, v.view(n, kv_heads, dim).to(dtype)
+        if prefix[0] is None:
+            return split_kv_attention(q, k_cache, v_cache, lengths, dim ** -0.5)
+        return shared_prefix_attention(q, *prefix[:5], k_cache, v_cache, lengths, dim ** -0.5)
+
+    prefix = (None,) * 6
+    if with_prefix:
+        entry_slot, entry_len = torch.zeros(n, dtype=torch.int32), torch.zeros(n, dtype=torch.int32)
+        members = torch.full((n, PREFIX_MEMBERS), -1, dtype=torch.int32)
+        groups = [(0, list(range(8))), (2, [8, 9]), (0, list(range(10, 18)))]
+        for e, (slot, members_of) in enumerate(groups):
+            entry_slot[e], entry_len[e] = slot, prefix_len - 3 * slot
+            members[e, : len(members_of)] = torch.tensor(members_of)
+        prompt_len = torch.tensor([prefix_len - 3 * s for s in slot_of_row] + [0], device=cuda)
+        pk, pv = (torch.randn(slots, kv_heads, prefix_len, dim, device=cuda, dtype=dtype) for _ in range(2))
+        prefix = (pk, pv, entry_slot.to(cuda), entry_len.to(cuda), members.to(cuda), prompt_len)
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * dim, device=cuda, dtype=dtype)
+    angle = torch.randint(0, 3000, (n, 1), device=cuda).float() * torch.rand(1, dim // 2, device=cuda)
+    cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+    k_cache, v_cache = (torch.randn(n, kv_heads, max_len, dim, device=cuda, dtype=dtype) for _ in range(2))
+    k_want, v_want = k_cache.clone(), v_cache.clone()
+    want = reference(qkv, cos, sin, k_want, v_want, prefix)
+    got = decode_layer_attention(qkv, cos, sin, lengths, k_cache, v_cache, *prefix, heads, dim ** -0.5)
+    torch.testing.assert_close(got[: n - 1], want[: n - 1], **tol)
+    torch.testing.assert_close(k_cache, k_want, **tol)
+    torch.testing.assert_close(v_cache, v_want, **tol)
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        out = decode_layer_attention(qkv, cos, sin, lengths, k_cache, v_cache, *prefix, heads, dim ** -0.5)
+    qkv.copy_(torch.randn_like(qkv))
+    lengths.copy_(torch.randint(1, max_len + 1, (n,), dtype=torch.int32, device=cuda))
+    last = (lengths - 1).long()
+    k_want, v_want = k_cache.clone(), v_cache.clone()
+    want = reference(qkv, cos, sin, k_want, v_want, prefix)
+    graph.replay()
+    torch.testing.assert_close(out[: n - 1], want[: n - 1], **tol)
+    torch.testing.assert_close(k_cache, k_want, **tol)
+
+
+@pytest.mark.parametrize("options", [{}, {"shared_prefix": False}, {"compile": True}],
+                         ids=["shared", "per-row", "compiled"])
+def test_fused_layer_attention_samples_what_split_kv_does(cuda, tiny_model_dir, options):
+    """``attention: fused`` (rotary and cache write inside the attention kernel) against ``split-kv``
+    on the tiny model with q|k|v fused as a run shares them, under CUDA graphs."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from rollplex.engines.sharing import fuse_for_rollout
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_model_dir, dtype=torch.float32).to(cuda).eval()
+    fuse_for_rollout(model.requires_grad_(False))
+    runs = {}
+    for attention in ("split-kv", "fused"):
+        engine, runs[attention] = _decode_all(model, tiny_model_dir, cuda, {"attention": attention, **options}, 3)
+        assert engine.layer_kernel == (attention == "fused") and engine._graphs
+    assert runs["fused"].keys() == runs["split-kv"].keys()
+    for key, seq in runs["split-kv"].items():
+        assert runs["fused"][key].token_ids == seq.token_ids
+        assert runs["fused"][key].logprobs == pytest.approx(seq.logprobs, abs=1e-4)
+
+
 @pytest.mark.parametrize("options", [{"shared_prefix": False}, {"cuda_graphs": True, "compile": True}],
                          ids=["per-row", "compiled-graphs"])
 def test_shared_prefix_decode_samples_what_per_row_prompt_copies_do(cuda, tiny_model_dir, options):

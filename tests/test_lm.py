@@ -109,6 +109,38 @@ def test_prefix_plus_suffix_gradient_equals_full_sequence_gradient(model_and_pro
     model.zero_grad()
 
 
+def test_the_head_in_pieces_gives_the_same_logprobs_and_gradients_and_keeps_no_full_logits(monkeypatch):
+    """Above HEAD_CHUNK_TOKENS rows the LM head runs in checkpointed pieces: the log-probs and both
+    gradients (hidden state's and head's) are the one-piece ones, and no [N, V] tensor is kept for
+    the backward."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 300, bias=False)
+    hidden = torch.randn(37, 16, requires_grad=True)
+    tokens = torch.randint(0, 300, (37,))
+    weights = torch.linspace(0.5, 1.5, 37)
+
+    def run(chunk):
+        monkeypatch.setattr(vlm, "HEAD_CHUNK_TOKENS", chunk)
+        head.zero_grad()
+        hidden.grad = None
+        kept = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.numel()) or t, lambda t: t):
+            values = vlm.head_logprobs(head, hidden, tokens, temperature=0.7)
+        (values * weights).sum().backward()
+        return values.detach(), hidden.grad.clone(), head.weight.grad.clone(), max(kept, default=0)
+
+    whole, pieces = run(10_000), run(8)
+    for a, b in zip(whole[:3], pieces[:3]):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
+    assert whole[3] >= 37 * 300 and pieces[3] < 37 * 300
+
+
+def test_scoring_in_head_pieces_equals_full_sequence_gradient(model_and_prompt, monkeypatch):
+    """The prefix + packed suffix gradient still equals the full-sequence one with the head in pieces."""
+    monkeypatch.setattr(vlm, "HEAD_CHUNK_TOKENS", 2)
+    test_prefix_plus_suffix_gradient_equals_full_sequence_gradient(model_and_prompt)
+
+
 def _prompt(processor, size, text):
     image = Image.new("RGB", size, (30, 200, 30))
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]

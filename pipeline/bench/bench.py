@@ -95,8 +95,8 @@ class BenchConfig:
     # The decode engine's layer through torch.compile; None: on for CUDA (a 3B step at 64 rows 8.2 ->
     # 5.4 ms, benchmarks/decode_profile.py), off for the CPU (compile time outweighs a smoke run).
     compile_decode: bool | None = None
-    # The decode step's attention (engines/decode_attention.py): split-kv up to each row's length where
-    # CUDA and Triton are, else SDPA over every slot (auto); or either by name.
+    # The decode step's attention (engines/decode_attention.py): fused (split-KV with the rotary and the
+    # cache write in the kernel) where CUDA and Triton are, else SDPA over every slot (auto); or by name.
     decode_attention: str = "auto"
     # Each prompt's KV once for its samples in the decode cache (engines/graph_decode.py), or copied
     # into each of its rows (False).

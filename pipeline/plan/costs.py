@@ -33,7 +33,7 @@ from rollplex.pipeline.compile.ir import Node
 from rollplex.engines.modelspec import PRESETS, VLMSpec, vision_patches
 
 HOST_SECONDS = {"reward": 1e-3, "advantage": 1e-4, "custom": 1e-3, "report": 1e-2}  # assumed, per node
-MAX_LOGIT_TOKENS = 8192  # logits are produced in chunks of at most this many tokens (assumed)
+MAX_LOGIT_TOKENS = 2048  # the LM head's piece (engines/vlm.py HEAD_CHUNK_TOKENS): the most logits rows held
 
 
 @dataclass(frozen=True)

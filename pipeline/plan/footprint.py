@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from rollplex.pipeline.plan.costs import CostModel
+from rollplex.pipeline.plan.costs import MAX_LOGIT_TOKENS, CostModel
 from rollplex.pipeline.compile.ir import IterationGraph, Node
 from rollplex.pipeline.plan.memory import Resident
 from rollplex.pipeline.plan.schedule import copy_graph, rebuild
@@ -76,7 +76,7 @@ def _workspace(cm: CostModel, kind: str, prompts: list[int], full: bool) -> floa
     else:
         tokens = sum(cm.tokens(p, full) for p in prompts)
     gpus = lay.tp_train if kind != "loss" else len(lay.train)
-    logits = min(tokens, 8192) * m.vocab * 4 * (2 if kind == "loss" else 1) / lay.tp_train
+    logits = min(tokens, MAX_LOGIT_TOKENS) * m.vocab * 4 * (2 if kind == "loss" else 1) / lay.tp_train
     layer = (34 if kind == "loss" else 8) * m.hidden * tokens / gpus
     return logits + layer
 
