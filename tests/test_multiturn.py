@@ -198,3 +198,25 @@ def test_the_torch_engine_prefills_only_what_is_new(flaky_run):
     m = _metrics(flaky_run)[0]
     assert m["decode_prefill_tokens"] == m["decode_new_tokens"] > 0
     assert m["decode_continued_tokens"] > 2 * m["decode_new_tokens"]
+
+
+def test_ppo_trains_its_actor_and_critic_on_trajectories(tmp_path):
+    """PPO over two-turn trajectories: the critic's values cover the trajectory, the environment's
+    tokens sit in the mask's gap, and both the actor and the critic (trunk and value head) move."""
+    from safetensors.torch import load_file
+
+    from rollplex.engines.torch_train import VALUE_HEAD_FILE
+
+    run_dir = _run(tmp_path, "ppo", "algorithm=ppo", "engines.train=torch", "env.name=first-zoom-test")
+    last = run_dir / "checkpoints" / f"iter_{ITERATIONS - 1:06d}"
+    start = load_file(str(run_dir / "reference" / "model.safetensors"))  # the RL's start
+    for model in ("model.safetensors", "critic/model.safetensors"):
+        after = load_file(str(last / model))
+        assert any(not torch.equal(after[k], start[k]) for k in after if ".layers." in k), model
+    head = load_file(str(last / "critic" / VALUE_HEAD_FILE))["weight"]
+    assert bool(head.abs().sum() > 0)
+    m = _metrics(run_dir)[-1]
+    assert m["turns_mean"] == 2.0 and "value_loss" in m and m["value_loss"] == m["value_loss"]  # finite
+    for row in _rows(run_dir, ITERATIONS - 1):
+        start, end = row["turns"][0]["observation"]
+        assert row["response_mask"][start:end] == [0] * (end - start)
