@@ -283,17 +283,13 @@ WARMUP_STEPS = 12
 def warmed_model(tmp_path_factory):
     """The embedded model after a short answer-format warm-up (random valid answers: reward at
     chance), so that groups hold both rewards and every algorithm has a gradient to follow."""
-    import numpy as np
-
     from rollplex.pipeline.run.hostops import _warmup
-    from rollplex.tasks.data import format_warmup_batch
 
     out = tmp_path_factory.mktemp("warmed")
     session, host, _ = _host(out, "grpo", model_path=None)
     try:
-        rng = np.random.default_rng(0)
-        for _ in range(WARMUP_STEPS):
-            _warmup(host, format_warmup_batch(session.task, session.builder, rng, 16), 3e-3)
+        for step in range(WARMUP_STEPS):
+            _warmup(host, 0, step, 16, 3e-3)
         host.train_engine("actor").module.save_pretrained(out / "model")
         session.processor.save_pretrained(out / "model")
     finally:

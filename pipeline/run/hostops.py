@@ -9,7 +9,32 @@ import os
 from rollplex.pipeline.run.faults import point
 
 
-def _warmup(host, examples: list, lr: float) -> float:
+def _warmup_examples(host, seed: int | list[int], step: int, n: int) -> list:
+    """Warm-up step ``step``'s ``n`` examples, built here from the run's task (their pixels never
+    cross Dask). One generator seeded with ``seed`` draws every step's examples in turn, so a host
+    that starts mid-warm-up (a replaced worker) draws the steps before ``step`` again to catch up."""
+    import numpy as np
+
+    from rollplex.tasks.data import format_warmup_batch
+
+    if host.prompts is None:
+        raise RuntimeError("a warm-up step reached a worker without the run's task")
+    task, builder = host.prompts.task, host.prompts.builder
+    draws = getattr(host, "warmup_draws", None)
+    if draws is None or draws[1] > step or draws[2] != seed:
+        draws = [np.random.default_rng(seed), 0, seed]
+    host.warmup_draws = draws
+    while True:
+        if host.environment is not None:  # multi-turn: whole trajectories, the environment's turns included
+            examples = host.environment.warmup(task, builder, host.render, draws[0], n)
+        else:
+            examples = format_warmup_batch(task, builder, draws[0], n)
+        draws[1] += 1
+        if draws[1] > step:
+            return examples
+
+
+def _warmup(host, seed: int | list[int], step: int, batch_size: int, lr: float) -> float:
     """One supervised answer-format step: -mean log p(target | prompt) on the policy."""
     from rollplex.engines import vlm
     from rollplex.tasks.data import warmup_target_ids
@@ -22,6 +47,7 @@ def _warmup(host, examples: list, lr: float) -> float:
     trains_vision = any(p.requires_grad and is_vision_param(n) for n, p in engine.module.named_parameters())
     vision_model = engine.module if trains_vision else host.model(host.algorithm.vision_model)
     engine.set_lr(lr)
+    examples = _warmup_examples(host, seed, step, batch_size)
     if examples and isinstance(examples[0][1], list):  # multi-turn: whole trajectories
         loss_sum = _warmup_trajectories(host, engine, vision_model, examples)
         engine.step()

@@ -478,24 +478,15 @@ def _interrupted(stop, run_dir: Path, finished: int | None) -> Interrupted:
 
 
 def _run_warmup(cfg: RunConfig, session: Session, executor, metrics_path: Path, log, stop) -> None:
-    import numpy as np
-
-    from rollplex.tasks.data import format_warmup_batch
-
-    rng = np.random.default_rng([cfg.seed, 7919])
     what = "answer format" if session.environment is None else "turn format (tool calls and answers)"
     log(f"warm-up: {cfg.warmup.steps} supervised steps on the {what} (targets are random valid "
         f"answers, not the true ones, so the reward stays at chance ≈ {session.task.chance:.2f})")
     for step in range(cfg.warmup.steps):
         if stop.requested:  # no state worth a checkpoint before warm-up ends: abandon it
             raise _interrupted(stop, session.run_dir, None)
-        if session.environment is not None:  # multi-turn: whole trajectories, the environment's turns included
-            examples = session.environment[1].warmup(session.task, session.builder, session.renderer(), rng,
-                                                     cfg.warmup.batch_size)
-        else:
-            examples = format_warmup_batch(session.task, session.builder, rng, cfg.warmup.batch_size)
         t = time.time()
-        loss = executor.call(_warmup, examples, cfg.warmup.lr)
+        # The worker draws and builds the step's examples from the seed: only these numbers travel.
+        loss = executor.call(_warmup, [cfg.seed, 7919], step, cfg.warmup.batch_size, cfg.warmup.lr)
         row: dict[str, Any] = {"iteration": -cfg.warmup.steps + step, "phase": "warmup", "warmup_step": step,
                                "warmup_loss": loss, "iter_seconds": round(time.time() - t, 4)}
         append_line(metrics_path, json.dumps(row, sort_keys=True))

@@ -390,14 +390,6 @@ class Session:
                                         cfg.model.dtype, cfg.train.zero_stage, cfg.engines.weight_sharing,
                                         lora_targets=(cfg.train.lora or {}).get("target_modules", ()))
 
-    def renderer(self):
-        """A multi-turn run's observation renderer (tasks/turns.py), on the driver's processor."""
-        from rollplex.tasks.turns import ObservationRenderer
-
-        if getattr(self, "_renderer", None) is None:
-            self._renderer = ObservationRenderer(self.processor)
-        return self._renderer
-
     def checkpoint(self, executor, iteration: int, reward: float | None, pids: set[int]) -> Path:
         """The actor and optimizer (from the worker) plus the processor files, so that the
         checkpoint directory loads as is in transformers and vLLM. ``pids``: the workers whose
