@@ -23,6 +23,18 @@ os.environ["OMP_NUM_THREADS"] = str(_THREADS)
 runtime.configure(threads=_THREADS)
 
 
+@pytest.fixture
+def torch_threads():
+    """A setter of torch's intra-op threads for one test; the count it found comes back after it.
+    torch._C's own setter: once vLLM's CPU worker has loaded in this process, torch.set_num_threads
+    is a no-op, and a count a test left behind would change the bits of later tests' runs."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield torch._C.set_num_threads
+    torch._C.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     from rollplex.engines.models import ensure_tiny_vlm

@@ -220,7 +220,7 @@ def test_the_sharing_plan_gives_vllm_its_own_copy_of_each_layer_a_target_is_part
 
 
 @pytest.mark.slow
-def test_vllm_and_hf_decode_the_adapted_policy_on_the_trainers_base(tiny_model_dir):
+def test_vllm_and_hf_decode_the_adapted_policy_on_the_trainers_base(tiny_model_dir, torch_threads):
     """Weight sharing under LoRA: the hf engine runs the trainer's module, adapters and all; vLLM runs
     on the trainer's storage for every layer the adapters leave alone and keeps its own copy of the
     targets, merged at each sync. Both follow the adapters' steps and agree token for token."""
@@ -229,7 +229,7 @@ def test_vllm_and_hf_decode_the_adapted_policy_on_the_trainers_base(tiny_model_d
     from rollplex.engines.sharing import fuse_for_rollout
     from rollplex.pipeline.plan.weightshare import annotate_run
 
-    torch.set_num_threads(2)
+    torch_threads(2)
     dtype, device = torch.float32, torch.device("cpu")
     train = get_engine("torch", "train").factory(EngineContext(str(tiny_model_dir), device, dtype, 0,
                                                                {"lr": 0.05, "lora": LORA}))

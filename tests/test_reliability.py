@@ -146,6 +146,30 @@ def test_a_local_worker_process_keeps_glibcs_malloc_tuning_and_the_threads_asked
     assert env["OMP_NUM_THREADS"] == str(threads) and torch_threads == threads
 
 
+def test_a_host_computes_with_the_threads_asked_for_after_vllm_replaced_torchs_setter(tmp_path, monkeypatch):
+    """Once loaded, vLLM's CPU worker makes torch.set_num_threads a no-op. A run in that process (a
+    notebook, a test session) still computes with cluster.threads, not with whatever count ran before
+    it: another count sums in another order, and the run's bits would depend on its neighbours."""
+    import torch
+
+    from rollplex.config import load_config
+    from rollplex.pipeline.run.session import Session
+    from rollplex.pipeline.run.worker import WorkerHost
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    torch._C.set_num_threads(2)
+    try:
+        cfg = load_config(None, ["cluster.threads=1", "engines.decode=hf", "engines.train=torch"])
+        host = WorkerHost(Session(cfg, tmp_path / "run").host_spec())
+        try:
+            assert torch.get_num_threads() == 1
+        finally:
+            host.close()
+    finally:
+        torch._C.set_num_threads(before)
+
+
 def _tls_files(tmp_path: Path):
     from distributed.security import Security
 

@@ -29,12 +29,9 @@ TPS = (1, 2, 4, 8)
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
+def one_thread(torch_threads):
     """Thousands of tiny matmuls: one thread, or OMP's team start-up dominates on a busy box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    torch_threads(1)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -280,7 +277,7 @@ def test_deepspeed_zero2_shares_its_flat_buffer_and_zero3_is_refused(tiny_model_
 
 
 @pytest.mark.slow
-def test_vllm_and_hf_decode_run_on_the_trainers_storage(tiny_model_dir):
+def test_vllm_and_hf_decode_run_on_the_trainers_storage(tiny_model_dir, torch_threads):
     """vLLM (CPU, in-process) and the torch engine decode on the torch trainer's parameters: every
     vLLM weight lies inside a trainer parameter's storage, both engines give the same greedy tokens,
     and after an optimizer step they follow the new weights with nothing copied."""
@@ -288,7 +285,7 @@ def test_vllm_and_hf_decode_run_on_the_trainers_storage(tiny_model_dir):
     from rollplex.engines.base import DecodeRequest, EngineContext, get_engine
     from rollplex.engines.sharing import layouts_for_module
 
-    torch.set_num_threads(2)
+    torch_threads(2)
     dtype, device = torch.float32, torch.device("cpu")
     train = get_engine("torch", "train").factory(EngineContext(str(tiny_model_dir), device, dtype, 0, {"lr": 0.05}))
     fuse_parameters(train.module, layouts_for_module(train.module))

@@ -118,7 +118,10 @@ class WorkerHost:
 
         self.spec = spec
         self.name = name
-        torch.set_num_threads(spec.threads)
+        # torch._C's own setter: once vLLM's CPU worker has loaded in this process it replaces
+        # torch.set_num_threads with a no-op, and a run must not inherit the thread count of whatever
+        # ran here before it (another thread count sums in another order: other bits).
+        torch._C.set_num_threads(spec.threads)
         torch.manual_seed(spec.settings.seed)
         self.device = torch.device(spec.device)
         eager_attention_without_cudnn(self.device)
