@@ -247,8 +247,22 @@ def _continue(ctx, node, inputs, state, turn: int, turns: int) -> None:
     embeds: dict = {}
     for v in with_role(ctx, node.inputs, "vision"):
         embeds.update(inputs[v])
-    episodes = state["episodes"]
-    requests, ended, state["held"] = [], [], {}
+    continued, ended = next_turn_requests(state["episodes"], answers, embeds, turn, turns, s,
+                                          temperature=s.temperature, top_p=s.top_p)
+    state["held"] = {}
+    for key, request, held in continued:
+        state["requests"][(request.request_id, 0)] = key
+        state["waiting"].add(key)
+        state["held"][key] = held
+    ctx.decode_engine.release(ended)  # the KV it kept for them: nothing continues them
+    ctx.decode_engine.add_requests([request for _, request, _ in continued])
+
+
+def next_turn_requests(episodes: dict, answers: dict, embeds: dict, turn: int, turns: int, s, *,
+                       temperature: float, top_p: float) -> tuple[list, list]:
+    """Each answer joins its episode; ``([(key, the request that continues it in turn ``turn``, the
+    context tokens the engine holds of it)], [(request, sample) of the episodes that ended])``."""
+    continued, ended = [], []
     for key in sorted(answers):
         episode = episodes[key]
         held = len(episode.context()) - 1  # the engine holds the context but the last sampled token
@@ -259,27 +273,26 @@ def _continue(ctx, node, inputs, state, turn: int, turns: int) -> None:
         prompt, vis, g = episode.prompt, episode.vision, key[1]
         images = [t for t in (vis.image, *episode.image_embeds) if t is not None]
         grids = [t.reshape(-1, 3) for t in (prompt.image_grid_thw, *episode.image_grids) if t is not None]
-        rid = f"{episode.request_id}-t{turn}-s{g}"
-        requests.append(DecodeRequest(
-            request_id=rid, prompt_token_ids=episode.context(), image_embeds=torch.cat(images) if images else None,
-            image_grid_thw=torch.cat(grids) if grids else None, max_tokens=s.max_new_tokens,
-            seed=turn_seed(episode.seed, g, turn), temperature=s.temperature, top_p=s.top_p,
-            stop_token_ids=tuple(s.stop_token_ids), keep_kv=turn < turns - 1, continues=episode.last_request))
-        state["requests"][(rid, 0)] = key
-        state["waiting"].add(key)
-        state["held"][key] = held
-    ctx.decode_engine.release(ended)  # the KV it kept for them: nothing continues them
-    ctx.decode_engine.add_requests(requests)
+        continued.append((key, DecodeRequest(
+            request_id=f"{episode.request_id}-t{turn}-s{g}", prompt_token_ids=episode.context(),
+            image_embeds=torch.cat(images) if images else None, image_grid_thw=torch.cat(grids) if grids else None,
+            max_tokens=s.max_new_tokens, seed=turn_seed(episode.seed, g, turn), temperature=temperature, top_p=top_p,
+            stop_token_ids=tuple(s.stop_token_ids), keep_kv=turn < turns - 1, continues=episode.last_request), held))
+    return continued, ended
 
 
 @register_task("env_step")
 def env_step(ctx, node, inputs):
     """The environments of the samples one decode chunk finished their turn in, stepped all at once."""
-    host = ctx.host
-    spec, options, timeout = host.environment, host.spec.env_options, host.spec.env_timeout
-    handed = inputs[node.inputs[0]]
     final = node.args["turn"] == node.args["turns"] - 1
-    jobs = [Job(e.env, _env_prompt(e), ctx.decode_text(e.token_ids[slice(*e.turns[-1]["response"])]))
+    return {node.outputs[0]: answer_turns(ctx.host, inputs[node.inputs[0]], final, ctx.settings.max_new_tokens)}
+
+
+def answer_turns(host, handed: dict, final: bool, max_new_tokens: int) -> dict:
+    """Each handed episode's environment steps on its last response (all at once, each bound by the
+    host's timeout); what each gave, rendered as the next user turn where the episode goes on."""
+    spec, options, timeout = host.environment, host.spec.env_options, host.spec.env_timeout
+    jobs = [Job(e.env, _env_prompt(e), host.decode_text(e.token_ids[slice(*e.turns[-1]["response"])]))
             for e in handed.values()]
     limit = int(host.spec.decode_options.get("max_model_len") or 0)
     placeholders = {host.render.image_token_id, host.render.video_token_id}
@@ -299,10 +312,10 @@ def env_step(ctx, node, inputs):
             except Exception as exc:  # noqa: BLE001 - an observation the processor cannot take ends the episode
                 outcome = dataclasses.replace(outcome, done=True, end_reason=f"env_error: render: {exc}")
         if rendered is not None and limit and (len(episode.context()) + len(rendered.token_ids)
-                                               + ctx.settings.max_new_tokens > limit):
+                                               + max_new_tokens > limit):
             outcome, rendered = dataclasses.replace(outcome, done=True, end_reason="context_full"), None
         out[key] = Answer(outcome, rendered, env)
-    return {node.outputs[0]: out}
+    return out
 
 
 def _env_prompt(episode) -> EnvPrompt:
@@ -314,14 +327,18 @@ def _env_prompt(episode) -> EnvPrompt:
 @register_task("vit_observation")
 def vit_observation(ctx, node, inputs):
     """The vision tower on the observation images of one chunk's answers, in one call."""
-    answers = inputs[node.inputs[0]]
+    return {node.outputs[0]: observation_embeds(ctx.model(node.model), inputs[node.inputs[0]])}
+
+
+def observation_embeds(vision_model, answers: dict) -> dict:
+    """Each answer's observation images through ``vision_model``, in one call; by key."""
     keys = [k for k in sorted(answers) if answers[k].rendered is not None and answers[k].rendered.image_grid_thw
             is not None]
     prompts = [vlm.PromptInputs(f"obs-{k}", torch.tensor(answers[k].rendered.token_ids),
                                 pixel_values=answers[k].rendered.pixel_values,
                                 image_grid_thw=answers[k].rendered.image_grid_thw) for k in keys]
-    embeds = vlm.vision_embeds_batch(ctx.model(node.model), prompts) if prompts else []
-    return {node.outputs[0]: {k: e.image for k, e in zip(keys, embeds)}}
+    embeds = vlm.vision_embeds_batch(vision_model, prompts) if prompts else []
+    return {k: e.image for k, e in zip(keys, embeds)}
 
 
 def score_turn(ctx, node, inputs):

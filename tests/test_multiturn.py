@@ -60,10 +60,14 @@ def _run(tmp: Path, name: str, *extra: str) -> Path:
     return run_dir
 
 
+EVAL = ["eval.every=1", "eval.before_train=true", "eval.prompts=3", "eval.samples=2", "eval.temperature=1.0"]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("multiturn")
-    return {s: _run(tmp, s, f"schedule={s}", "env.name=first-zoom-test") for s in ("serial", "rollplex")}
+    out = {s: _run(tmp, s, f"schedule={s}", "env.name=first-zoom-test") for s in ("serial", "rollplex")}
+    return {**out, "validated": _run(tmp, "validated", "schedule=rollplex", "env.name=first-zoom-test", *EVAL)}
 
 
 def _rows(run_dir: Path, iteration: int) -> list[dict]:
@@ -91,7 +95,7 @@ def test_serial_and_rollplex_give_the_same_checkpoints(runs):
 
 
 def test_every_trajectory_has_its_turns_and_the_log_says_so(runs):
-    for run_dir in runs.values():
+    for run_dir in (runs["serial"], runs["rollplex"]):
         rows = _rows(run_dir, ITERATIONS - 1)
         assert len(rows) == 16
         for row in rows:
@@ -110,6 +114,33 @@ def test_every_trajectory_has_its_turns_and_the_log_says_so(runs):
     graph = (runs["rollplex"] / "graph.txt").read_text()
     for node in ("%decode_t0_c0 ", "%env_t0_c1 ", "%vit_obs_t0_c0 ", "%decode_t1_c0 ", "%env_t1_c1 ", "%episodes "):
         assert node in graph, node
+
+
+def test_validation_plays_whole_episodes_and_leaves_training_as_it_was(runs):
+    """With eval.* on, each validation decodes the held-out prompts' episodes through the environment
+    (a zoom, its image, the answer): eval/iter_N.jsonl holds trajectories like the rollouts', and the
+    training rollouts and checkpoints are byte for byte those of the run without validation."""
+    plain, validated = runs["rollplex"], runs["validated"]
+    for i in range(ITERATIONS):
+        for name in (f"rollouts/iter_{i:06d}.jsonl", f"checkpoints/iter_{i:06d}/model.safetensors"):
+            assert (plain / name).read_bytes() == (validated / name).read_bytes(), name
+    rows = [json.loads(line) for line in (validated / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if r["phase"] == "eval"]
+    assert [r["iteration"] for r in evals] == [0, 1, 2]
+    for row in evals:
+        episodes = [json.loads(line) for line in
+                    (validated / "eval" / f"iter_{row['iteration']:06d}.jsonl").read_text().splitlines()]
+        assert len(episodes) == 3 * 2 and len({e["prompt_id"] for e in episodes}) == 3
+        for e in episodes:
+            first = e["turns"][0]
+            assert len(e["turns"]) == 2 and first["tool_calls"] == 1 and first["sources"][0]["zoom"] >= 1
+            start, end = first["observation"]
+            assert e["response_mask"][start:end] == [0] * (end - start) and 1 in e["response_mask"][end:]
+            assert e["reward"] == sum(t.get("reward", 0.0) for t in e["turns"])
+        assert row["val/tool_use_rate"] == 1.0 and row["val/turns_mean"] == 2.0
+        assert row["val/reward_mean"] == pytest.approx(sum(e["reward"] for e in episodes) / len(episodes))
+        assert row["val/response_len_mean"] == pytest.approx(
+            sum(sum(e["response_mask"]) for e in episodes) / len(episodes))
 
 
 def test_the_reference_scores_a_turn_while_the_next_one_decodes(runs):

@@ -16,7 +16,8 @@ ZOOM = ("--set", "task.name=zoom")
     ((*ZOOM, "--set", "rollout.max_turns=2", "--set", "cluster.workers=2"), ("cluster.workers",), "multi-turn"),
     ((*ZOOM, "--set", "rollout.max_turns=2", "--set", "train.prefix_sharing=false"), ("train.prefix_sharing",),
      "multi-turn"),
-    ((*ZOOM, "--set", "rollout.max_turns=2", "--set", "eval.every=5"), ("eval.every",), "multi-turn"),
+    ((*ZOOM, "--set", "rollout.max_turns=2", "--set", "cluster.memory_plan=true"), ("cluster.memory_plan",),
+     "multi-turn"),
     ((*ZOOM, "--set", "data.path=rows.jsonl"), ("task.name",), "data.path"),
 ])
 def test_config_errors_name_the_field(tmp_path, args, names, says):

@@ -7,7 +7,8 @@ window, so the compiled iteration, its window and the engines stay exactly as th
 requests carry their own samples, temperature and seeds (``DecodeRequest``), so no engine setting
 changes, and it runs the decode engine until no request is left, so the next iteration starts on
 the engine as it would have without it; a run's training rollouts are the same with validation on
-or off (tests/test_evaluation.py).
+or off (tests/test_evaluation.py). A multi-turn run's validation plays whole episodes through the
+run's environment, turn by turn as its rollouts do (tests/test_multiturn.py).
 
 The evaluation after RL iteration N runs the policy that samples iteration N + 1, so it is
 recorded as iteration N + 1: the row ``{"phase": "eval", "iteration": N + 1, "val/reward_mean": ...}``
@@ -85,7 +86,7 @@ class Validation:
         rows, skipped = [], []
         for at in range(0, len(self.refs), self.per_call):
             out = executor.call(_evaluate, self.refs[at:at + self.per_call], iteration, e.samples, e.temperature,
-                                pids, stream="decode")
+                                pids, self.cfg.rollout.max_turns, stream="decode")
             rows += out["rows"]
             skipped += out["skipped"]
         atomic_write_text(self.run_dir / "eval" / f"iter_{iteration:06d}.jsonl",
@@ -105,7 +106,13 @@ class Validation:
         out = {"val/reward_mean": mean,
                "val/reward_std": math.sqrt(sum((x - mean) ** 2 for x in rewards) / (len(rewards) - 1))
                if len(rewards) > 1 else 0.0,
-               "val/response_len_mean": sum(len(r["response_token_ids"]) for r in rows) / max(len(rows), 1)}
+               # the policy's tokens: a multi-turn trajectory's environment answers are not its response
+               "val/response_len_mean": sum(sum(r["response_mask"]) if "response_mask" in r
+                                            else len(r["response_token_ids"]) for r in rows) / max(len(rows), 1)}
+        if rows and "turns" in rows[0]:  # multi-turn: what the episodes did, as the training rows log it
+            out.update({"val/turns_mean": sum(len(r["turns"]) for r in rows) / len(rows),
+                        "val/tool_calls_mean": sum(r["tool_calls"] for r in rows) / len(rows),
+                        "val/tool_use_rate": sum(r["tool_calls"] > 0 for r in rows) / len(rows)})
         for k in sorted({1, e.samples}):
             out[f"val/pass@{k}"] = sum(pass_at_k(len(g), sum(x >= e.pass_reward for x in g), k)
                                        for g in groups.values()) / max(len(groups), 1)
@@ -118,9 +125,11 @@ class Validation:
                 f"({len(self.refs)} prompts × {k}, {row['eval_seconds']:.2f}s)")
 
 
-def _evaluate(host, refs: list, iteration: int, samples: int, temperature: float, pids: set[int]) -> dict:
+def _evaluate(host, refs: list, iteration: int, samples: int, temperature: float, pids: set[int],
+              turns: int = 1) -> dict:
     """On the worker: decode ``samples`` responses to each prompt of ``refs`` (the validation set's
-    item indices) on the decode engine's current weights, reward them; the rows of eval/iter_N.jsonl."""
+    item indices) on the decode engine's current weights, reward them; the rows of eval/iter_N.jsonl.
+    A multi-turn run's validation plays whole episodes (``_play``)."""
     from rollplex.engines import vlm
     from rollplex.pipeline.run.recovery import expect_host
     from rollplex.tasks.data import BadPrompt
@@ -144,6 +153,8 @@ def _evaluate(host, refs: list, iteration: int, samples: int, temperature: float
                                seed=sample_seed(s.seed, iteration, f"eval/{p.prompt_id}"),
                                top_p=s.top_p if temperature > 0 else 1.0)
                 for (index, p), v in zip(built, visions)]
+    if turns > 1:
+        return {"rows": _play(host, prompts, visions, requests, turns, temperature), "skipped": skipped}
     host.decode.add_requests(requests)
     finished = {}
     while host.decode.has_unfinished():  # every request runs to its end: the engine is left empty
@@ -159,3 +170,50 @@ def _evaluate(host, refs: list, iteration: int, samples: int, temperature: float
                          "text": text, "answer": prompt.answer, "reward": float(host.reward_fn(text, prompt.answer)),
                          "rollout_logprobs": [float(x) for x in seq.logprobs]})
     return {"rows": rows, "skipped": skipped}
+
+
+def _play(host, prompts: list, visions: list, requests: list, turns: int, temperature: float) -> list[dict]:
+    """Validation's episodes, turn by turn as a rollout plays them (tasks/turns.py): decode every live
+    sample to the end of its turn, step the environments, encode the answers' images, continue the
+    samples that go on. Every request runs to its end, so the decode engine is left empty."""
+    import dataclasses
+
+    from rollplex.tasks.nodes import sample_key
+    from rollplex.tasks.turns import Episode, answer_turns, next_turn_requests, observation_embeds, turn_row
+
+    s, engine = host.spec.settings, host.decode
+    top_p = s.top_p if temperature > 0 else 1.0
+    episodes, owner = {}, {}
+    for p, (prompt, vision, request) in enumerate(zip(prompts, visions, requests)):
+        for g in range(request.n):
+            episodes[(p, g)] = Episode((p, g), prompt, vision, request.seed, request_id=request.request_id)
+            owner[(request.request_id, g)] = (p, g)
+    engine.add_requests([dataclasses.replace(r, keep_kv=True) for r in requests])
+    for turn in range(turns):
+        handed = {}
+        while engine.has_unfinished():
+            for seq in engine.step(s.max_new_tokens):
+                key = owner.pop(sample_key(seq))
+                episodes[key].add_response(seq, turn)
+                handed[key] = episodes[key]
+        answers = answer_turns(host, dict(sorted(handed.items())), turn == turns - 1, s.max_new_tokens)
+        if turn == turns - 1:  # every episode ends here; the engine kept no KV of this turn
+            for key in sorted(answers):
+                episodes[key].add_answer(answers[key], None)
+            break
+        embeds = observation_embeds(host.model(host.algorithm.vision_model), answers)
+        continued, ended = next_turn_requests(episodes, answers, embeds, turn + 1, turns, s,
+                                              temperature=temperature, top_p=top_p)
+        engine.release(ended)
+        for key, request, _ in continued:
+            owner[(request.request_id, 0)] = key
+        engine.add_requests([request for _, request, _ in continued])
+    rows = []
+    for key in sorted(episodes):
+        seq = episodes[key].trajectory()
+        prompt = episodes[key].prompt
+        rows.append({"prompt_id": prompt.prompt_id, "sample": key[1], "prompt_token_ids": prompt.input_ids.tolist(),
+                     "images": prompt.meta.get("images", []), "response_token_ids": list(seq.token_ids),
+                     "text": host.decode_text(seq.token_ids), "answer": prompt.answer, "reward": float(seq.reward),
+                     "rollout_logprobs": [float(x) for x in seq.logprobs], **turn_row(host, seq)})
+    return rows

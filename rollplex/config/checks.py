@@ -80,7 +80,6 @@ def _validate_turns(cfg: RunConfig) -> None:
     refused = {
         "cluster.workers": (cfg.cluster.workers > 1, "data-parallel ranks"),
         "train.prefix_sharing": (not cfg.train.prefix_sharing, "full-sequence scoring"),
-        "eval.every": (bool(cfg.eval.every or cfg.eval.before_train), "validation (it decodes one turn)"),
         "cluster.memory_plan": (cfg.cluster.memory_plan, "the memory plan (it sizes one turn)"),
         "train.freeze_vision": (not cfg.train.freeze_vision, "a vision tower that trains"),
     }
