@@ -143,6 +143,26 @@ def test_validation_plays_whole_episodes_and_leaves_training_as_it_was(runs):
             sum(sum(e["response_mask"]) for e in episodes) / len(episodes))
 
 
+def test_a_resumed_run_ends_where_the_uninterrupted_one_ends(runs, tmp_path):
+    """Rolled back to checkpoint 0, the rollplex run replays iteration 1: the same trajectories (turns,
+    zooms, rewards), the same metrics, the same weights."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(runs["rollplex"], run)
+    shutil.rmtree(run / "checkpoints" / f"iter_{ITERATIONS - 1:06d}")
+    (run / "rollouts" / f"iter_{ITERATIONS - 1:06d}.jsonl").unlink()
+    train(load_config(None, BASE + ["schedule=rollplex", "env.name=first-zoom-test"]), run, resume=True,
+          progress=False, log=lambda *a: None)
+    name = f"rollouts/iter_{ITERATIONS - 1:06d}.jsonl"
+    assert (run / name).read_bytes() == (runs["rollplex"] / name).read_bytes()
+    weights = f"checkpoints/iter_{ITERATIONS - 1:06d}/model.safetensors"
+    assert (run / weights).read_bytes() == (runs["rollplex"] / weights).read_bytes()
+    untimed = [{k: v for k, v in r.items() if "seconds" not in k and k != "peak_memory_bytes"} for r in _metrics(run)]
+    assert untimed == [{k: v for k, v in r.items() if "seconds" not in k and k != "peak_memory_bytes"}
+                       for r in _metrics(runs["rollplex"])]
+
+
 def test_the_reference_scores_a_turn_while_the_next_one_decodes(runs):
     """The graph each run wrote (``rollplex graph``'s table, in topological order). Under rollplex the
     reference's node for each chunk of turn 0 reads turn 0's values alone and comes before turn 1's
