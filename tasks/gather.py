@@ -16,9 +16,12 @@ from rollplex.tasks.registry import register_task
 
 
 def merge_stats(parts: list[dict]) -> dict:
-    return {"tokens": sum(p["tokens"] for p in parts), "sequences": sum(p["sequences"] for p in parts),
-            "max_len": max((p["max_len"] for p in parts), default=0),
-            "by_prompt": {k: v for p in parts for k, v in p.get("by_prompt", {}).items()}}
+    merged = {"tokens": sum(p["tokens"] for p in parts), "sequences": sum(p["sequences"] for p in parts),
+              "max_len": max((p["max_len"] for p in parts), default=0),
+              "by_prompt": {k: v for p in parts for k, v in p.get("by_prompt", {}).items()}}
+    if "prefill" in parts[0]:  # multi-turn: the decode engines' prefill counts, summed
+        merged["prefill"] = {k: sum(p["prefill"][k] for p in parts) for k in parts[0]["prefill"]}
+    return merged
 
 
 def merge_reports(parts: list[dict]) -> dict:

@@ -440,6 +440,11 @@ def turn_row(ctx, seq) -> dict:
             "end_reason": seq.end_reason}
 
 
+# turn_metrics' keys that a data-parallel report gather adds up (the decode_* counts are the batch's already).
+TURN_SUMS = ("turns_mean", "tool_calls_mean", "tool_use_rate", "forward_tokens", "forward_tokens_per_sample",
+             "forward_tokens_per_turn")
+
+
 def turn_metrics(rows: list[dict], stats: dict, prompt_tokens: list[int], samples: int) -> dict:
     """What a multi-turn rollout did: turns and tool calls per trajectory, the share that used a tool,
     how episodes ended (``episodes_<reason>``, shares); the decode engine's prefill of the continued
@@ -447,8 +452,11 @@ def turn_metrics(rows: list[dict], stats: dict, prompt_tokens: list[int], sample
     (``decode_continued_tokens``), and the tokens new since each sample's last turn
     (``decode_new_tokens``); and the tokens one scoring forward computes, with the group's prompt as
     one prefix and each sample's turns on it (``forward_tokens``), against a forward per sample
-    (``..._per_sample``) and one per turn, each with its history (``..._per_turn``)."""
-    n = max(len(rows), 1)
+    (``..._per_sample``) and one per turn, each with its history (``..._per_turn``).
+
+    ``rows`` are this rank's; ``stats`` are the whole batch's (gathered over data-parallel ranks), so
+    every mean divides by the batch's trajectories and the ranks' reports add up (``TURN_SUMS``)."""
+    n = max(stats["sequences"], 1)
     ends: dict[str, int] = {}
     for r in rows:
         reason = r["end_reason"].split(":")[0]

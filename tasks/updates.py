@@ -292,13 +292,16 @@ def report(ctx, node, inputs):
         cache = ctx.refcache.stats()
         metrics.update(ref_cache_hit_rate=cache.hit_rate, ref_cache_bytes=cache.host_bytes + cache.disk_bytes)
     metrics.update(scalars)
+    turn_sums: list[str] = []
     if "prefill" in stats:  # a multi-turn rollout
-        from rollplex.tasks.turns import turn_metrics
+        from rollplex.tasks.turns import TURN_SUMS, turn_metrics
 
-        metrics.update(turn_metrics(rows, stats, [inputs[prompts[p]].num_tokens for p in sorted(responses_of)],
-                                    ctx.settings.samples))
+        turned = turn_metrics(rows, stats, [inputs[prompts[p]].num_tokens for p in sorted(responses_of)],
+                              ctx.settings.samples)
+        metrics.update(turned)
+        turn_sums = [k for k in turned if k in TURN_SUMS or k.startswith("episodes_")]
     if "kl" not in metrics:
         metrics["kl"] = 0.0
     # "additive": metrics that are sums over the batch, which a data-parallel gather adds up.
-    additive = ["loss", *sums, *(gap if policy_lp is not None else ())]
+    additive = ["loss", *sums, *(gap if policy_lp is not None else ()), *turn_sums]
     return {node.outputs[0]: {"rows": rows, "metrics": metrics, "additive": additive}}

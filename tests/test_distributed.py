@@ -245,3 +245,32 @@ def test_ppo_trains_on_two_ranks(tmp_path):
     rows = rl_rows(tmp_path / "two")
     assert len(rows) == 2 and rows[1]["grad_norm"] > 0 and rows[1]["grad_norm_critic"] > 0
     assert "%relay_old_values_p2 : rank1/host" in (tmp_path / "two" / "graph.txt").read_text()
+
+
+def test_two_ranks_play_multi_turn_episodes_as_one_worker(tmp_path):
+    """Multi-turn GRPO (tests/multiturn_dp_dag.py: a zoom, its crop, then a reward by the answer's
+    length) on two ranks: each rank plays its own prompts' episodes on its own decode engine
+    (``decode_t*_r*``, ``env_t*_r*``, ``episodes_r*``), the rollout stats and the reports are gathered,
+    and rewards, grad norms, losses, the turn metrics and the weights are the one-worker run's."""
+    dag = Path(__file__).with_name("multiturn_dp_dag.py")
+    args = (str(dag), *ARGS[1:], "--set", "task.name=zoom", "--set", "rollout.max_turns=2",
+            "--set", "env.name=zoom-then-length", "--set", "engines.train=torch")
+    done = run_concurrently(*(partial(subprocess.run, [str(BIN / "rollplex"), "train", *args, "--out",
+                                                       str(tmp_path / name), *extra],
+                                      capture_output=True, text=True, timeout=900)
+                              for name, extra in (("one", ()), ("two", ("--workers", "2")))))
+    for result in done:
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    graph = (tmp_path / "two" / "graph.txt").read_text()
+    for node in ("%decode_t1_c0_r1 : rank1/decode", "%env_t0_c1_r0 : rank0/host", "%episodes_r1 : rank1/host",
+                 "%gather_rollout_stats : rank0/host"):
+        assert node in graph, node
+    one, two = rl_rows(tmp_path / "one"), rl_rows(tmp_path / "two")
+    assert one[1]["grad_norm"] > 0.01 and one[1]["turns_mean"] == 2.0 and one[1]["tool_use_rate"] == 1.0
+    for a, b in zip(one, two):
+        for key in ("reward_mean", "reward_std", "response_len_mean", "turns_mean", "tool_use_rate",
+                    "forward_tokens", "forward_tokens_per_turn", "decode_prefill_tokens", "episodes_done"):
+            assert b[key] == pytest.approx(a[key], rel=1e-6), key
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-7)
+    assert_same_update(tmp_path / "one", tmp_path / "two")

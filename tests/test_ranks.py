@@ -111,6 +111,36 @@ def test_train_fusion_splits_per_rank_each_training_its_own_chains_groups():
     assert not [n for n in g if n.name.startswith("train_c") and "_r" not in n.name]
 
 
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("policy", ["rollplex", "serial"])
+def test_each_rank_plays_its_own_prompts_multi_turn_episodes(ranks, policy):
+    """Every node of the turns (decode, environment, observation vision, each turn's frozen scoring,
+    the episodes' join) is one per rank over that rank's prompts and reads only its rank's values; the
+    rollout stats are gathered through host relays, and each prompt's trajectories and reference
+    log-probs come from its own rank."""
+    shape = BatchShape(prompts=8, samples=2, max_new_tokens=4, chunk_tokens=2, prompts_per_node=2, max_turns=2,
+                       observation_tokens=8)
+    g = schedule(distribute(compile_iteration(load_algorithm("grpo"), shape, ENGINES, DIMS), ranks), policy)
+    check_placement(g)
+    turned = [n for n in g if "turn" in n.args or n.args.get("episodes")]
+    assert len(turned) == ranks * len({n.name.rsplit("_r", 1)[0] for n in turned})
+    for node in turned:
+        r = node.meta["rank"]
+        mine = list(range(r * 8 // ranks, (r + 1) * 8 // ranks))
+        assert node.name.endswith(f"_r{r}") and node.args.get("prompts", mine) == mine, node.name
+        for v in node.inputs:
+            producer = g.values[v].producer
+            assert producer is None or g.nodes[producer].meta["rank"] == r, (node.name, v)
+            assert all(p in mine for p in g.values[v].prompts), (node.name, v)
+        if node.args.get("episodes"):
+            assert {o for o in node.outputs if o.startswith("responses_")} == {f"responses_p{p}" for p in mine}
+    (gather,) = [n for n in g.of_kind("gather") if n.outputs == ("rollout_stats",)]
+    assert gather.inputs == ("rollout_stats_r0", *(f"host_rollout_stats_r{r}" for r in range(1, ranks)))
+    for p in range(8):
+        (join,) = [n for n in g if f"ref_logprobs_p{p}" in n.outputs]
+        assert join.meta["rank"] == prompt_rank(p, 8, ranks)
+
+
 def test_one_rank_is_the_compiled_graph_itself():
     shape = BatchShape(prompts=4, samples=2, max_new_tokens=2, chunk_tokens=2)
     g = compile_iteration(load_algorithm("grpo"), shape, ENGINES, DIMS)

@@ -15,6 +15,9 @@
               joins each rank's copy to the nodes on that rank.
               Under stage fusion each rank's chain hands on its own finished samples and groups, and
               the nodes that work on them (frozen scoring, train fusion's ``train_c``) split per rank.
+              A multi-turn rollout's nodes (each turn's decode chunks, environment steps, observation
+              vision and frozen scoring, and the episodes' join) are one per rank over its prompts:
+              each rank plays its own samples' episodes.
               With ``tp_rollout`` K, each K consecutive ranks form one tensor-parallel decode engine:
               every rank's chain decodes the group's prompts (a step needs every rank of the group)
               and hands on its own; each vision node gets a copy on the group's other ranks.
@@ -155,6 +158,9 @@ def distribute(graph: IterationGraph, ranks: int, tp_rollout: int = 1) -> Iterat
     split: set[str] = set()  # nodes over every prompt made one per rank; a join of their outputs splits too
     for name in graph.topological_order():
         node = graph.nodes[name]
+        if "turn" in node.args or node.args.get("episodes"):
+            _split_turns(s, node)
+            continue
         if node.kind == "decode_chunk":
             if node is decode[0]:
                 _split_decode(s, decode)
@@ -305,6 +311,61 @@ def _split_decode(s: _Split, chain: list[Node]) -> None:
     s.add(Node(f"gather_{stats.name}", "gather", tuple(stats_parts), (stats.name,), args={"what": "rollout_stats"}),
           0, {stats.name: stats})
     s.rank_of_value[stats.name] = None  # read on every rank (host data)
+
+
+def _split_turns(s: _Split, node: Node) -> None:
+    """A multi-turn rollout's node (a turn's decode chunk, environment step, observation vision or
+    frozen scoring, or the episodes' join; pipeline/compile/turns.py) becomes one per rank over the
+    rank's own prompts, fed by that rank's copies: each rank plays its samples' episodes on its own
+    decode engine. The join's ``rollout_stats`` becomes a host gather, as a single-turn chain's does."""
+    graph, layout = s.graph, s.layout
+    if layout.tp_rollout > 1:
+        raise GraphError("a multi-turn rollout is not split over tensor-parallel decode groups (tp_rollout 1 only)")
+    parts = []
+    for r in range(layout.ranks):
+        mine = layout.prompts_of(r)
+        inputs = []
+        for v in node.inputs:
+            if (v, r) in s.local:
+                inputs.append(s.local[v, r])
+            elif len(graph.values[v].prompts) != 1:
+                raise GraphError(f"%{node.name} reads {v}, which covers several ranks' prompts")
+            elif graph.values[v].prompts[0] in mine:  # a prompt, its vision or a frozen model's prefix
+                inputs.append(v)
+        outputs, infos = [], {}
+        for o in node.outputs:
+            v = graph.values[o]
+            if len(v.prompts) == 1:  # a prompt's trajectories keep their name, on the prompt's rank
+                if v.prompts[0] in mine:
+                    outputs.append(o)
+                    infos[o] = v
+                continue
+            copy = f"{o}_r{r}"
+            outputs.append(copy)
+            infos[copy] = replace(v, name=copy, nbytes=v.nbytes // layout.ranks, prompts=tuple(mine))
+            if v.role == "rollout_stats":  # every reader reads the gathered batch's
+                parts.append((copy, r))
+            else:
+                s.local[o, r] = copy
+        # a decode chunk keys its episodes by prompt index, so it learns its rank's prompts too
+        mapped = "prompts" in node.args or node.kind == "decode_chunk"
+        args = {**node.args, "prompts": mine} if mapped else dict(node.args)
+        s.add(Node(f"{node.name}_r{r}", node.kind, tuple(inputs), tuple(outputs), node.model, node.engine, args,
+                   dict(node.meta)), r, infos, of=node.name)
+    if parts:
+        (stats,) = [graph.values[o] for o in node.outputs if graph.values[o].role == "rollout_stats"]
+        # The join's trajectories carry their observations' vision embeddings (device tensors), and Dask
+        # moves a node's whole bundle: another rank's stats come through a host relay on that rank.
+        read = []
+        for copy, r in parts:
+            if r != 0:
+                s.add(Node(f"relay_{copy}", "gather", (copy,), (f"host_{copy}",), args={"what": "relay"}), r,
+                      {f"host_{copy}": replace(graph.values[stats.name], name=f"host_{copy}")})
+                copy = f"host_{copy}"
+            read.append(copy)
+        s.add(Node(f"gather_{stats.name}", "gather", tuple(read), (stats.name,), args={"what": "rollout_stats"}),
+              0, {stats.name: stats})
+        s.rank_of_value[stats.name] = None  # read on every rank (host data)
 
 
 def _split_per_rank(s: _Split, node: Node) -> None:
