@@ -276,6 +276,12 @@ def suffix_score(ctx, node, inputs):
 
         values = score_trajectories(ctx, model, [inputs[v] for v in node.inputs[:n]],
                                     [inputs[v] for v in node.inputs[-n:]], grad=grad, head=head)
+    elif node.args.get("full_sequence") and inputs[node.inputs[-1]].multi_turn:
+        from rollplex.tasks.turns import score_trajectories_unshared
+
+        values = score_trajectories_unshared(ctx, model, [inputs[v] for v in node.inputs[:n]],
+                                             [inputs[v] for v in node.inputs[n:2 * n]],
+                                             [inputs[v] for v in node.inputs[-n:]], grad=grad, head=head)
     elif node.args.get("full_sequence"):
         prompts, visions = [inputs[v] for v in node.inputs[:n]], [inputs[v] for v in node.inputs[n:2 * n]]
         values = [vlm.full_sequence_logprobs(model, p, r, pad_id=s.pad_id, temperature=s.score_temperature,

@@ -404,6 +404,27 @@ def score_trajectories(ctx, model, prefixes: list, responses: list, *, grad: boo
                                      grad=grad)
 
 
+def score_trajectories_unshared(ctx, model, prompts: list, visions: list, responses: list, *, grad: bool,
+                                head: str) -> list[torch.Tensor]:
+    """``train.prefix_sharing: false``: the same per-token outputs [G, R], each trajectory computed
+    over its whole sequence, its prompt again for every sample, as a runtime without prefix reuse
+    computes them (the baseline the shared scoring is measured against)."""
+    from rollplex.engines import trajectory
+
+    s, out = ctx.settings, []
+    for prompt, vis, group in zip(prompts, visions, responses):
+        alone = [[trajectory.continuation_of(q)] for q in group.sequences]
+        prefixes = vlm.prefix_forward_batch(model, [prompt] * len(alone), [vis] * len(alone), grad=grad)
+        if head == "value":
+            rows = trajectory.head_outputs_batch(model, prefixes, alone, grad=grad)
+        else:
+            rows = trajectory.logprobs_batch(model, prefixes, alone, pad_id=s.pad_id,
+                                             temperature=s.score_temperature, grad=grad)
+        width = max(r.shape[1] for r in rows)
+        out.append(torch.cat([torch.nn.functional.pad(r, (0, width - r.shape[1])) for r in rows]))
+    return out
+
+
 def join_episodes(ctx, node, inputs):
     """After the last turn: the last answers join their episodes, and each prompt's trajectories are
     handed on as its ``responses``, with the batch's rollout statistics."""
@@ -445,7 +466,8 @@ TURN_SUMS = ("turns_mean", "tool_calls_mean", "tool_use_rate", "forward_tokens",
              "forward_tokens_per_turn")
 
 
-def turn_metrics(rows: list[dict], stats: dict, prompt_tokens: list[int], samples: int) -> dict:
+def turn_metrics(rows: list[dict], stats: dict, prompt_tokens: list[int], samples: int,
+                 shared: bool = True) -> dict:
     """What a multi-turn rollout did: turns and tool calls per trajectory, the share that used a tool,
     how episodes ended (``episodes_<reason>``, shares); the decode engine's prefill of the continued
     contexts (``decode_prefill_tokens``) against their length, what a recompute of each would prefill
@@ -454,8 +476,10 @@ def turn_metrics(rows: list[dict], stats: dict, prompt_tokens: list[int], sample
     one prefix and each sample's turns on it (``forward_tokens``), against a forward per sample
     (``..._per_sample``) and one per turn, each with its history (``..._per_turn``).
 
-    ``rows`` are this rank's; ``stats`` are the whole batch's (gathered over data-parallel ranks), so
-    every mean divides by the batch's trajectories and the ranks' reports add up (``TURN_SUMS``)."""
+    Without prefix sharing (``shared`` false) the scoring forwards are the per-sample ones, and
+    ``forward_tokens`` says so. ``rows`` are this rank's; ``stats`` are the whole batch's (gathered
+    over data-parallel ranks), so every mean divides by the batch's trajectories and the ranks'
+    reports add up (``TURN_SUMS``)."""
     n = max(stats["sequences"], 1)
     ends: dict[str, int] = {}
     for r in rows:
@@ -464,6 +488,7 @@ def turn_metrics(rows: list[dict], stats: dict, prompt_tokens: list[int], sample
     pre = stats["prefill"]
     prompt_of = [prompt_tokens[i // samples] for i in range(len(rows))]
     lengths = [len(r["response_token_ids"]) for r in rows]
+    per_sample = sum(prompt_of) + sum(lengths)
     return {
         "turns_mean": sum(len(r["turns"]) for r in rows) / n,
         "tool_calls_mean": sum(r["tool_calls"] for r in rows) / n,
@@ -471,7 +496,7 @@ def turn_metrics(rows: list[dict], stats: dict, prompt_tokens: list[int], sample
         **{f"episodes_{k}": v / n for k, v in sorted(ends.items())},
         "decode_continued_tokens": pre["context"], "decode_prefill_tokens": pre["computed"],
         "decode_new_tokens": pre["new"],
-        "forward_tokens": sum(prompt_tokens) + sum(lengths),
-        "forward_tokens_per_sample": sum(prompt_of) + sum(lengths),
+        "forward_tokens": sum(prompt_tokens) + sum(lengths) if shared else per_sample,
+        "forward_tokens_per_sample": per_sample,
         "forward_tokens_per_turn": sum(p + t["span"][1] for p, r in zip(prompt_of, rows) for t in r["turns"]),
     }

@@ -297,7 +297,7 @@ def report(ctx, node, inputs):
         from rollplex.tasks.turns import TURN_SUMS, turn_metrics
 
         turned = turn_metrics(rows, stats, [inputs[prompts[p]].num_tokens for p in sorted(responses_of)],
-                              ctx.settings.samples)
+                              ctx.settings.samples, shared=node.args.get("prefix_sharing", True))
         metrics.update(turned)
         turn_sums = [k for k in turned if k in TURN_SUMS or k.startswith("episodes_")]
     if "kl" not in metrics:

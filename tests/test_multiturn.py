@@ -19,7 +19,7 @@ import torch
 
 from rollplex.config import load_config
 from rollplex.pipeline.run.runner import train
-from rollplex.tasks.environments import EnvSpec, register_environment
+from rollplex.tasks.environments import EnvSpec, StepResult, register_environment
 from rollplex.tasks.zoom import ZoomEnv, ZoomTask, warmup_examples
 
 ITERATIONS = 2
@@ -30,13 +30,15 @@ BASE = ["task.name=zoom", "rollout.max_turns=2", f"iterations={ITERATIONS}", f"s
 
 
 class FirstZoom(ZoomEnv):
-    """Zooms into the square's quarter on the first turn whatever the response says; judges the next."""
+    """Zooms into the square's quarter on the first turn whatever the response says; the next turn's
+    reward is its length modulo 3, halved, so that every group's advantages are rarely all zero and
+    each update is a real one (the tiny model rarely answers right)."""
 
     def step(self, response):
         if not getattr(self, "zoomed", False):
             self.zoomed = True
             return super().step(f"zoom({self.prompt.meta['quadrant']})")
-        return super().step(response if "zoom" not in response else "")
+        return StepResult(None, float(len(response) % 3) / 2, done=True)
 
 
 class Flaky(FirstZoom):
@@ -67,6 +69,7 @@ EVAL = ["eval.every=1", "eval.before_train=true", "eval.prompts=3", "eval.sample
 def runs(tmp_path_factory) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("multiturn")
     out = {s: _run(tmp, s, f"schedule={s}", "env.name=first-zoom-test") for s in ("serial", "rollplex")}
+    out["noshare"] = _run(tmp, "noshare", "schedule=serial", "train.prefix_sharing=false", "env.name=first-zoom-test")
     return {**out, "validated": _run(tmp, "validated", "schedule=rollplex", "env.name=first-zoom-test", *EVAL)}
 
 
@@ -80,18 +83,41 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [r for r in rows if r["phase"] == "rl"]
 
 
-def test_serial_and_rollplex_give_the_same_checkpoints(runs):
+def _weights(run_dir: Path, name: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
+    return load_file(str(run_dir / "checkpoints" / name / "model.safetensors"))
+
+
+def test_serial_and_rollplex_give_the_same_checkpoints(runs):
     for iteration in range(ITERATIONS):
-        name = f"checkpoints/iter_{iteration:06d}/model.safetensors"
-        a, b = load_file(str(runs["serial"] / name)), load_file(str(runs["rollplex"] / name))
+        a, b = (_weights(runs[s], f"iter_{iteration:06d}") for s in ("serial", "rollplex"))
         for key in a:
             scale = a[key].abs().max().clamp(min=1e-12)
             assert float((a[key] - b[key]).abs().max() / scale) <= 1e-5, (iteration, key)
-        for x, y in zip(_rows(runs["serial"], iteration), _rows(runs["rollplex"], iteration)):
+        for x, y in zip(_rows(runs["serial"], iteration), _rows(runs["rollplex"], iteration), strict=True):
             assert x["response_token_ids"] == y["response_token_ids"] and x["reward"] == y["reward"]
             assert x["ref_logprobs"] == pytest.approx(y["ref_logprobs"], rel=1e-5, abs=1e-6)
+
+
+def test_scoring_without_prefix_sharing_gives_the_same_update(runs):
+    """``train.prefix_sharing: false`` scores every trajectory over its whole sequence, its prompt again
+    per sample (the no-reuse baseline): the same log-probs to 1e-5 on the same weights, and an update
+    equal up to summation order (‖Δ‖ ≤ 1% of the step's norm: Adam's g/√v makes rounding in a tiny
+    gradient a share of lr, so an element-wise bound would not hold)."""
+    for x, y in zip(_rows(runs["serial"], 0), _rows(runs["noshare"], 0), strict=True):
+        assert x["response_token_ids"] == y["response_token_ids"] and x["reward"] == y["reward"]
+        for key in ("ref_logprobs", "old_logprobs"):
+            assert x[key] == pytest.approx(y[key], rel=1e-5, abs=1e-6), key
+    start, a, b = (_weights(runs[s], n) for s, n in (("serial", "after_warmup"), ("serial", "iter_000000"),
+                                                      ("noshare", "iter_000000")))
+    step = sum(float((a[k] - start[k]).norm()) ** 2 for k in a) ** 0.5
+    assert step > 0 and sum(float((a[k] - b[k]).norm()) ** 2 for k in a) ** 0.5 <= 1e-2 * step
+    assert _metrics(runs["noshare"])[0]["grad_norm"] == pytest.approx(_metrics(runs["serial"])[0]["grad_norm"],
+                                                                      rel=1e-4)
+    shared, unshared = _metrics(runs["serial"])[0], _metrics(runs["noshare"])[0]
+    assert unshared["forward_tokens"] == unshared["forward_tokens_per_sample"] == shared["forward_tokens_per_sample"]
+    assert shared["forward_tokens"] < shared["forward_tokens_per_sample"]
 
 
 def test_every_trajectory_has_its_turns_and_the_log_says_so(runs):

@@ -15,8 +15,6 @@ ZOOM = ("--set", "task.name=zoom")
     ((*ZOOM, "--set", "rollout.max_turns=2", "--set", "env.timeout_s=0"), ("env.timeout_s",), "below the minimum"),
     ((*ZOOM, "--set", "rollout.max_turns=2", "--set", "cluster.tp_rollout=2", "--set", "cluster.workers=2",
       "--set", "engines.decode=torch-graph"), ("engines.decode",), "multi-turn"),
-    ((*ZOOM, "--set", "rollout.max_turns=2", "--set", "train.prefix_sharing=false"), ("train.prefix_sharing",),
-     "multi-turn"),
     ((*ZOOM, "--set", "rollout.max_turns=2", "--set", "cluster.memory_plan=true"), ("cluster.memory_plan",),
      "multi-turn"),
     ((*ZOOM, "--set", "data.path=rows.jsonl"), ("task.name",), "data.path"),

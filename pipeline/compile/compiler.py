@@ -573,6 +573,7 @@ def _compile_train_fusion(g: IterationGraph, alg: Algorithm, shape: BatchShape, 
         report_inputs += [f"prompt_p{p}", f"responses_p{p}", f"rewards_p{p}", f"advantages_p{p}"]
         report_inputs += [f"old_{s.as_}_p{p}" if s.grad else f"{s.as_}_p{p}" for s in alg.scores]
     add("report", "report", list(dict.fromkeys(report_inputs)), ["report"],
+        args={} if shape.prefix_sharing else {"prefix_sharing": False},
         report=host(P * G * 256, "report", prompts=every))
     g.connect()
     for c in range(1, shape.chunks):  # gradients accumulate in chunk order, the same bits under any schedule

@@ -113,7 +113,8 @@ def add_updates(g: IterationGraph, alg, shape, add, host, dev, dims, bind, value
         for s in alg.scores:
             report_inputs.append(f"old_{s.as_}_p{p}" if s.grad else f"{s.as_}_p{p}")
     add("report", "report", list(dict.fromkeys(report_inputs)), ["report"],
-        args={"steps": steps, "epochs": shape.epochs} if steps > 1 else {},
+        args={**({"steps": steps, "epochs": shape.epochs} if steps > 1 else {}),
+              **({} if shape.prefix_sharing else {"prefix_sharing": False})},
         report=host(P * G * 256, "report", prompts=tuple(range(P))))
     g.connect()
     for chain in chains:

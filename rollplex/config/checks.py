@@ -78,7 +78,6 @@ def _validate_turns(cfg: RunConfig) -> None:
         raise ConfigError(f"rollout.max_turns: {turns} turns need an environment to answer between them; set "
                           "env.name (zoom is built in)")
     refused = {
-        "train.prefix_sharing": (not cfg.train.prefix_sharing, "full-sequence scoring"),
         "cluster.memory_plan": (cfg.cluster.memory_plan, "the memory plan (it sizes one turn)"),
         "train.freeze_vision": (not cfg.train.freeze_vision, "a vision tower that trains"),
     }
