@@ -254,7 +254,8 @@ def test_two_ranks_play_multi_turn_episodes_as_one_worker(tmp_path):
     and rewards, grad norms, losses, the turn metrics and the weights are the one-worker run's."""
     dag = Path(__file__).with_name("multiturn_dp_dag.py")
     args = (str(dag), *ARGS[1:], "--set", "task.name=zoom", "--set", "rollout.max_turns=2",
-            "--set", "env.name=zoom-then-length", "--set", "engines.train=torch")
+            "--set", "env.name=zoom-then-length", "--set", "engines.train=torch", "--set", "eval.every=2",
+            "--set", "eval.prompts=3", "--set", "eval.samples=2", "--set", "eval.temperature=1.0")
     done = run_concurrently(*(partial(subprocess.run, [str(BIN / "rollplex"), "train", *args, "--out",
                                                        str(tmp_path / name), *extra],
                                       capture_output=True, text=True, timeout=900)
@@ -274,3 +275,9 @@ def test_two_ranks_play_multi_turn_episodes_as_one_worker(tmp_path):
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-7)
     assert_same_update(tmp_path / "one", tmp_path / "two")
+    # Validation: the ranks split the prompts (2 and 1) and play the same episodes as one worker.
+    a, b = ([json.loads(line) for line in (tmp_path / run / "eval" / "iter_000002.jsonl").read_text().splitlines()]
+            for run in ("one", "two"))
+    assert [(r["prompt_id"], r["response_token_ids"], r["reward"]) for r in b] == \
+        [(r["prompt_id"], r["response_token_ids"], r["reward"]) for r in a]
+    assert len(a) == 3 * 2 and all(len(r["turns"]) == 2 for r in a)

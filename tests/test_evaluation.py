@@ -116,6 +116,40 @@ def test_held_out_items_lie_beyond_the_training_items_and_are_the_same_task():
     assert [larger.item(i).answer for i in range(16)] == [task.item(i).answer for i in range(16)]
 
 
+class _Ranks:
+    """An executor of ``ranks`` data-parallel workers that records what each rank is asked to validate
+    and answers with one row per prompt."""
+
+    def __init__(self, ranks: int) -> None:
+        self.ranks, self.asked = [f"tcp://127.0.0.1:{9000 + r}" for r in range(ranks)], []
+
+    def call_each(self, fn, args_of_rank, stream):
+        self.asked.append([[ref.index for ref in args[0]] for args in args_of_rank])
+        return [{"rows": [{"prompt_id": ref.prompt_id, "reward": 1.0, "response_token_ids": [1]} for ref in args[0]],
+                 "skipped": []} for args in args_of_rank]
+
+
+@pytest.mark.parametrize("ranks, tp", [(2, 1), (4, 1), (4, 2)])
+def test_each_rank_validates_its_share_and_the_rows_keep_prompt_order(tmp_path, ranks, tp):
+    """Ranks split the validation prompts (a tensor-parallel group's ranks take one share together),
+    so no prompt is decoded twice, and eval/iter_N.jsonl lists them as one worker would."""
+    cfg = load_config(None, ["rollout.prompts_per_iteration=4", "rollout.samples_per_prompt=2", "eval.every=1",
+                             "eval.prompts=10", "eval.samples=2", "eval.temperature=1.0",
+                             f"cluster.tp_rollout={tp}"])
+    from rollplex.tasks.data import SyntheticVisualTask
+
+    (tmp_path / "eval").mkdir()
+    validation = evaluation.Validation(cfg, SyntheticVisualTask(size=10, seed=0), tmp_path)
+    executor = _Ranks(ranks)
+    validation.run(executor, 1, set())
+    decoded = [i for call in executor.asked for r, share in enumerate(call) if r % tp == 0 for i in share]
+    assert sorted(decoded) == list(range(10))  # each prompt once
+    for call in executor.asked:  # a group's ranks decode the same share
+        assert all(call[r] == call[r - r % tp] for r in range(ranks))
+    written = _jsonl(tmp_path / "eval" / "iter_000001.jsonl")
+    assert [r["prompt_id"] for r in written] == [f"syn-{i:06d}" for i in range(10)]
+
+
 # -- end to end -----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:

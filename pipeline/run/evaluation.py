@@ -80,15 +80,27 @@ class Validation:
         self.per_call = max(1, capacity // e.samples)
 
     def run(self, executor, iteration: int, pids: set[int]) -> dict:
-        """Validate the policy that samples RL iteration ``iteration``; its metrics row."""
+        """Validate the policy that samples RL iteration ``iteration``; its metrics row. Data-parallel
+        ranks each take a contiguous share of the prompts (a tensor-parallel decode group one share
+        for all its ranks); the rows come back in prompt order, and a prompt's samples follow its
+        seed, not its rank, so they are those one worker would draw."""
         e = self.cfg.eval
         start = time.time()
-        rows, skipped = [], []
-        for at in range(0, len(self.refs), self.per_call):
-            out = executor.call(_evaluate, self.refs[at:at + self.per_call], iteration, e.samples, e.temperature,
-                                pids, self.cfg.rollout.max_turns, stream="decode")
-            rows += out["rows"]
-            skipped += out["skipped"]
+        ranks, tp = max(1, len(getattr(executor, "ranks", None) or ())), self.cfg.cluster.tp_rollout
+        groups = max(1, ranks // tp)
+        size = -(-len(self.refs) // groups)
+        shares = [self.refs[g * size:(g + 1) * size] for g in range(groups)]
+        rows_of: list[list[dict]] = [[] for _ in range(groups)]
+        skipped = []
+        for at in range(0, size, self.per_call):
+            outs = executor.call_each(_evaluate, [(shares[r // tp][at:at + self.per_call], iteration, e.samples,
+                                                   e.temperature, pids, self.cfg.rollout.max_turns)
+                                                  for r in range(ranks)], stream="decode")
+            for g in range(groups):
+                out = outs[g * tp]  # a group's ranks decode its share together: its first rank's rows
+                rows_of[g] += out["rows"]
+                skipped += out["skipped"]
+        rows = [row for share in rows_of for row in share]
         atomic_write_text(self.run_dir / "eval" / f"iter_{iteration:06d}.jsonl",
                           "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
         return {"iteration": iteration, "phase": "eval", **self.metrics(rows),

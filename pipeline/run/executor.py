@@ -185,6 +185,17 @@ class DaskExecutor:
         results = self.client.gather(futures)
         return results[0]
 
+    def call_each(self, fn, args_of_rank: list[tuple], stream: str = "compute") -> list:
+        """``fn(host, *args_of_rank[r])`` on every rank r at once (one worker: rank 0's); each result."""
+        from rollplex.pipeline.run.execution import call_on_host
+
+        if not self.ranks:
+            return [self.call(fn, *args_of_rank[0], stream=stream)]
+        futures = [self.client.submit(call_on_host, fn, *args, stream=stream, resources={stream: 1}, pure=False,
+                                      workers=[address], allow_other_workers=False)
+                   for address, args in zip(self.ranks, args_of_rank, strict=True)]
+        return self.client.gather(futures)
+
 
 def _drain(dask_worker=None) -> dict:
     from rollplex.pipeline.run.worker import current_host
