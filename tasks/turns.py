@@ -93,7 +93,19 @@ class ObservationRenderer:
         text = closing + after[len(self._before):]
         enc = self.processor(text=[text], images=list(observation.images) or None, return_tensors="pt")
         return Rendered(enc["input_ids"][0].tolist(), enc.get("pixel_values"), enc.get("image_grid_thw"),
-                        list(getattr(observation, "sources", [])), text)
+                        image_sources(observation), text)
+
+
+def image_sources(observation) -> list[dict]:
+    """Where each of an observation's images came from, for the rollout log: the environment's own
+    word where it gave one, else the image's identity, the sha256 of its RGB pixels and its size."""
+    import hashlib
+
+    given = list(getattr(observation, "sources", []))
+    for image in observation.images[len(given):]:
+        rgb = image.convert("RGB")
+        given.append({"sha256": hashlib.sha256(rgb.tobytes()).hexdigest(), "size": list(rgb.size)})
+    return given
 
 
 @dataclass
