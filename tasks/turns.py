@@ -42,6 +42,7 @@ class Trajectory(FinishedSequence):
     policy_mask: list[int] = field(default_factory=list)  # 1: sampled by the policy; 0: the environment's
     image_embeds: torch.Tensor | None = None  # the observations' vision embeddings, in order
     image_grid_thw: torch.Tensor | None = None  # [images, 3]
+    pixel_values: torch.Tensor | None = None  # their pixels: a vision tower that trains encodes them again
     turns: list[dict] = field(default_factory=list)  # per turn: its span, what its step gave
     tool_calls: int = 0
     reward: float = 0.0
@@ -131,6 +132,7 @@ class Episode:
     policy_mask: list[int] = field(default_factory=list)
     image_embeds: list[torch.Tensor] = field(default_factory=list)
     image_grids: list[torch.Tensor] = field(default_factory=list)
+    image_pixels: list[torch.Tensor] = field(default_factory=list)
     turns: list[dict] = field(default_factory=list)
     env: Any = None
     tool_calls: int = 0
@@ -167,6 +169,7 @@ class Episode:
         if r.image_grid_thw is not None:
             self.image_embeds.append(embeds)
             self.image_grids.append(r.image_grid_thw)
+            self.image_pixels.append(r.pixel_values)
         self.turns[-1].update(observation=[start, len(self.token_ids)], sources=r.sources)
 
     def context(self) -> list[int]:
@@ -177,6 +180,7 @@ class Episode:
                           index=self.key[1], policy_mask=list(self.policy_mask),
                           image_embeds=torch.cat(self.image_embeds) if self.image_embeds else None,
                           image_grid_thw=torch.cat(self.image_grids).reshape(-1, 3) if self.image_grids else None,
+                          pixel_values=torch.cat(self.image_pixels) if self.image_pixels else None,
                           turns=[dict(t) for t in self.turns], tool_calls=self.tool_calls, reward=self.reward,
                           end_reason=self.end_reason)
 
@@ -410,10 +414,42 @@ def score_trajectories(ctx, model, prefixes: list, responses: list, *, grad: boo
 
     s = ctx.settings
     groups = [[trajectory.continuation_of(q) for q in r.sequences] for r in responses]
+    if grad and trains_vision(model):
+        groups = own_observation_embeds(model, responses, groups)
     if head == "value":
         return trajectory.head_outputs_batch(model, prefixes, groups, grad=grad)
     return trajectory.logprobs_batch(model, prefixes, groups, pad_id=s.pad_id, temperature=s.score_temperature,
                                      grad=grad)
+
+
+def trains_vision(model) -> bool:
+    from rollplex.engines.torch_train import is_vision_param
+
+    return any(p.requires_grad and is_vision_param(n) for n, p in model.named_parameters())
+
+
+def own_observation_embeds(model, responses: list, groups: list[list]) -> list[list]:
+    """The continuations with their observations' images encoded again by ``model``'s own tower, with
+    grad, so that the loss reaches the tower through them as through the prompt's images (the rollout
+    encoded them with the policy's tower as it was, without grad)."""
+    from rollplex.engines import trajectory
+
+    seqs = [q for r in responses for q in r.sequences]
+    owners = [i for i, q in enumerate(seqs) if q.pixel_values is not None]
+    encoded = vlm.vision_embeds_batch(model, [vlm.PromptInputs(f"obs-{i}", torch.tensor(seqs[i].token_ids),
+                                                               pixel_values=seqs[i].pixel_values,
+                                                               image_grid_thw=seqs[i].image_grid_thw)
+                                              for i in owners], grad=True) if owners else []
+    embeds = dict(zip(owners, (e.image for e in encoded)))
+    out, i = [], 0
+    for group in groups:
+        row = []
+        for c in group:
+            row.append(trajectory.Continuation(c.token_ids, embeds.get(i, c.image_embeds), c.image_grid_thw,
+                                               c.policy_mask))
+            i += 1
+        out.append(row)
+    return out
 
 
 def score_trajectories_unshared(ctx, model, prompts: list, visions: list, responses: list, *, grad: bool,
@@ -426,6 +462,9 @@ def score_trajectories_unshared(ctx, model, prompts: list, visions: list, respon
     s, out = ctx.settings, []
     for prompt, vis, group in zip(prompts, visions, responses):
         alone = [[trajectory.continuation_of(q)] for q in group.sequences]
+        if grad and trains_vision(model):
+            alone = own_observation_embeds(model, [group], [[c for [c] in alone]])[0]
+            alone = [[c] for c in alone]
         prefixes = vlm.prefix_forward_batch(model, [prompt] * len(alone), [vis] * len(alone), grad=grad)
         if head == "value":
             rows = trajectory.head_outputs_batch(model, prefixes, alone, grad=grad)

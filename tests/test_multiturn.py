@@ -70,6 +70,9 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("multiturn")
     out = {s: _run(tmp, s, f"schedule={s}", "env.name=first-zoom-test") for s in ("serial", "rollplex")}
     out["noshare"] = _run(tmp, "noshare", "schedule=serial", "train.prefix_sharing=false", "env.name=first-zoom-test")
+    for s in ("serial", "rollplex"):  # a vision tower that trains: the observations through each model's own
+        out[f"vit-{s}"] = _run(tmp, f"vit-{s}", f"schedule={s}", "env.name=first-zoom-test",
+                               "train.freeze_vision=false")
     return {**out, "validated": _run(tmp, "validated", "schedule=rollplex", "env.name=first-zoom-test", *EVAL)}
 
 
@@ -89,15 +92,22 @@ def _weights(run_dir: Path, name: str) -> dict[str, torch.Tensor]:
     return load_file(str(run_dir / "checkpoints" / name / "model.safetensors"))
 
 
-def test_serial_and_rollplex_give_the_same_checkpoints(runs):
+@pytest.mark.parametrize("prefix", ["", "vit-"])
+def test_serial_and_rollplex_give_the_same_checkpoints(runs, prefix):
+    serial, rollplex = runs[f"{prefix}serial"], runs[f"{prefix}rollplex"]
     for iteration in range(ITERATIONS):
-        a, b = (_weights(runs[s], f"iter_{iteration:06d}") for s in ("serial", "rollplex"))
+        a, b = (_weights(run, f"iter_{iteration:06d}") for run in (serial, rollplex))
         for key in a:
             scale = a[key].abs().max().clamp(min=1e-12)
             assert float((a[key] - b[key]).abs().max() / scale) <= 1e-5, (iteration, key)
-        for x, y in zip(_rows(runs["serial"], iteration), _rows(runs["rollplex"], iteration), strict=True):
+        for x, y in zip(_rows(serial, iteration), _rows(rollplex, iteration), strict=True):
             assert x["response_token_ids"] == y["response_token_ids"] and x["reward"] == y["reward"]
             assert x["ref_logprobs"] == pytest.approx(y["ref_logprobs"], rel=1e-5, abs=1e-6)
+    from safetensors.torch import load_file
+
+    start, end = load_file(str(rollplex / "reference" / "model.safetensors")), _weights(rollplex, "iter_000001")
+    moved = {k for k in end if "visual" in k and not torch.equal(start[k], end[k])}
+    assert bool(moved) == (prefix == "vit-"), sorted(moved)[:3]  # the tower trains only when asked
 
 
 def test_scoring_without_prefix_sharing_gives_the_same_update(runs):
@@ -207,19 +217,25 @@ def test_the_reference_scores_a_turn_while_the_next_one_decodes(runs):
         assert serial[name][0] > serial[last][0]
 
 
-def test_ref_logprobs_equal_a_plain_forward_over_the_whole_trajectory(runs):
+@pytest.mark.parametrize("run, model, logged", [("rollplex", "reference", "ref_logprobs"),
+                                                ("vit-rollplex", "reference", "ref_logprobs"),
+                                                ("vit-rollplex", "checkpoints/iter_000000", "old_logprobs")])
+def test_ref_logprobs_equal_a_plain_forward_over_the_whole_trajectory(runs, run, model, logged):
     """Each logged row: prompt and trajectory through the reference model in one transformers forward,
     the prompt's image and the zoomed one (rebuilt from the logged source) as pixels; at every policy
-    token its log-prob equals the logged one to 1e-5 (the environment's tokens are not the policy's)."""
+    token its log-prob equals the logged one to 1e-5 (the environment's tokens are not the policy's).
+    With a vision tower that trains, the reference's tower (the one it started with) reads both
+    images, and the policy's old log-probs are those of the policy that sampled the iteration, its
+    own tower (a step later than the reference's) included."""
     from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
 
     from rollplex.engines.vlm import mm_token_types
     from rollplex.tasks.data import PromptBuilder
     from rollplex.tasks.environments import EnvPrompt
 
-    run_dir = runs["rollplex"]
-    reference = Qwen2_5_VLForConditionalGeneration.from_pretrained(run_dir / "reference").eval()
-    processor = AutoProcessor.from_pretrained(run_dir / "reference")
+    run_dir = runs[run]
+    reference = Qwen2_5_VLForConditionalGeneration.from_pretrained(run_dir / model).eval()
+    processor = AutoProcessor.from_pretrained(run_dir / model)
     task = ZoomTask(seed=SEED)
     worst, checked = 0.0, 0
     pads = {processor.tokenizer.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|video_pad|>")}
@@ -242,7 +258,7 @@ def test_ref_logprobs_equal_a_plain_forward_over_the_whole_trajectory(runs):
         response = torch.tensor(row["response_token_ids"]).view(-1, 1)
         logp = torch.log_softmax(logits[start - 1:-1], -1).gather(-1, response)
         mask = torch.tensor(row["response_mask"], dtype=torch.bool)
-        diff = (logp.view(-1) - torch.tensor(row["ref_logprobs"]))[mask]
+        diff = (logp.view(-1) - torch.tensor(row[logged]))[mask]
         worst, checked = max(worst, float(diff.abs().max())), checked + 1
     assert checked >= 5 and worst <= 1e-5
 

@@ -227,3 +227,32 @@ def test_a_placeholder_the_policy_sampled_is_text(model_parts, prompt):
                                         pad_id=0, grad=False)[0]
         want = vlm.suffix_logprobs_batch(model, [state], [[ids]], pad_id=0, grad=False)[0][0]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_a_vision_tower_that_trains_encodes_the_observations_again_with_grad(tiny_model_dir, model_parts):
+    """The rollout encodes an observation's image without grad; a trained model's scoring encodes it
+    again with its own tower (the same values at the same weights), so the loss reaches the tower
+    through the observations too."""
+    import types
+
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from rollplex.tasks.turns import Trajectory, own_observation_embeds, trains_vision
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    assert trains_vision(model)
+    o, o_vis = observation(model_parts, (112, 112), (0, 200, 0))
+    ids = [11, 12] + o.input_ids.tolist()
+    seq = Trajectory("r", ids, [0.0] * len(ids), "stop", policy_mask=[1, 1] + [0] * o.num_tokens,
+                     image_embeds=o_vis.image, image_grid_thw=o.image_grid_thw, pixel_values=o.pixel_values)
+    bare = dataclasses.replace(seq, pixel_values=None)
+    groups = [[trajectory.continuation_of(seq)], [trajectory.continuation_of(bare)]]
+    [[again], [kept]] = own_observation_embeds(model, [types.SimpleNamespace(sequences=[seq]),
+                                                       types.SimpleNamespace(sequences=[bare])], groups)
+    assert again.image_embeds.requires_grad and torch.allclose(again.image_embeds, o_vis.image, atol=1e-6)
+    assert kept.image_embeds is o_vis.image  # nothing to encode again: the rollout's embeddings stay
+    again.image_embeds.square().sum().backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.named_parameters() if "visual" in n)
+    for n, p in model.named_parameters():
+        p.requires_grad_("visual" not in n)
+    assert not trains_vision(model)

@@ -39,7 +39,10 @@ from __future__ import annotations
 def add_turns(g, shape, add, host, dev, dims, policy: str, vision_model: str, vision_role: str,
               every: tuple[int, ...], scores: list[tuple[str, str, str]] = ()) -> None:
     """``scores``: (as, model, role) of the frozen log-prob scores fused per turn (their prefix
-    values ``prefix_{model}_p{p}`` made by the caller)."""
+    values ``prefix_{model}_p{p}`` made by the caller). With a vision tower that trains
+    (``shape.trains_vision``) the rollout's observations go through the policy's tower and each
+    frozen model's through its own (``vit_obs_{model}_t{t}_c{c}``), as their prompts' images do."""
+    own_tower = {model for _, model, _ in scores if shape.trains_vision and model != vision_model}
     P, G, T, C, K = shape.prompts, shape.samples, shape.max_turns, shape.chunks, shape.chunk_tokens
     per_chunk = P * G / C  # samples a chunk hands on, for the byte estimates
     state = None
@@ -62,13 +65,18 @@ def add_turns(g, shape, add, host, dev, dims, policy: str, vision_model: str, vi
             add(f"env_t{t}_c{c}", "env_step", [turn], [obs], args={"turn": t, "turns": T, "chunk": c},
                 **{obs: host(per_chunk * shape.observation_tokens * 8, "observation", prompts=every, chunk=c)})
             if t < T - 1:
-                vis = f"obsvis_t{t}_c{c}"
-                add(f"vit_obs_t{t}_c{c}", "vit_observation", [obs], [vis], model=vision_model, role=vision_role,
-                    args={"turn": t, "chunk": c},
-                    **{vis: dev(dims.vision_bytes(per_chunk * shape.observation_tokens), "vision", model=vision_model,
-                                prompts=every, chunk=c, label="observation")})
+                for model, role in [(vision_model, vision_role)] + [(m, r) for _, m, r in scores if m in own_tower]:
+                    tag = "" if model == vision_model else f"{model}_"
+                    vis = f"obsvis_{tag}t{t}_c{c}"
+                    if vis in g.values:
+                        continue
+                    add(f"vit_obs_{tag}t{t}_c{c}", "vit_observation", [obs], [vis], model=model, role=role,
+                        args={"turn": t, "chunk": c},
+                        **{vis: dev(dims.vision_bytes(per_chunk * shape.observation_tokens), "vision", model=model,
+                                    prompts=every, chunk=c, label="observation")})
             for as_, model, role in scores:
-                _score_turn(shape, add, dev, dims, as_, model, role, t, c, per_chunk, every)
+                _score_turn(shape, add, dev, dims, as_, model, role, t, c, per_chunk, every,
+                            tag=f"{model}_" if model in own_tower else "")
     outputs = [f"responses_p{p}" for p in range(P)] + ["rollout_stats"]
     info = {f"responses_p{p}": host(G * shape.continuation_tokens * 12, "responses", model=policy, prompts=(p,))
             for p in range(P)}
@@ -88,12 +96,13 @@ def add_turns(g, shape, add, host, dev, dims, policy: str, vision_model: str, vi
 
 
 def _score_turn(shape, add, dev, dims, as_: str, model: str, role: str, t: int, c: int, per_chunk: float,
-                every: tuple[int, ...]) -> None:
-    """``%suffix_{as}_t{t}_c{c}``: the frozen model on the samples chunk c ended turn t of (module docstring)."""
+                every: tuple[int, ...], tag: str = "") -> None:
+    """``%suffix_{as}_t{t}_c{c}``: the frozen model on the samples chunk c ended turn t of (module
+    docstring); ``tag``: whose observation vision it reads (``obsvis_{tag}t{t}_c{c}``)."""
     T, C = shape.max_turns, shape.chunks
     history = ([f"prefix_{model}_p{p}" for p in range(shape.prompts)] if t == 0 else
                [f"{as_}_history_t{t - 1}_c{k}" for k in range(C)])
-    inputs = history + [f"turn_t{t}_c{c}", f"obs_t{t}_c{c}"] + ([f"obsvis_t{t}_c{c}"] if t < T - 1 else [])
+    inputs = history + [f"turn_t{t}_c{c}", f"obs_t{t}_c{c}"] + ([f"obsvis_{tag}t{t}_c{c}"] if t < T - 1 else [])
     out, state = f"{as_}_t{t}_c{c}", f"{as_}_history_t{t}_c{c}"
     info = {out: dev(dims.score_bytes(per_chunk * shape.continuation_tokens), "score", model=model, prompts=every,
                      chunk=c, label=as_)}

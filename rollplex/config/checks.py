@@ -79,7 +79,6 @@ def _validate_turns(cfg: RunConfig) -> None:
                           "env.name (zoom is built in)")
     refused = {
         "cluster.memory_plan": (cfg.cluster.memory_plan, "the memory plan (it sizes one turn)"),
-        "train.freeze_vision": (not cfg.train.freeze_vision, "a vision tower that trains"),
     }
     for name, (bad, what) in refused.items():
         if bad:
