@@ -253,19 +253,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _run_is_over() -> None:
+    """Dask's teardown can leave an asyncio future holding an exception (a close that timed out);
+    collected later, asyncio logs it as a traceback after the command's last line. The command has
+    said what happened: nothing of its engines' teardown is printed after it."""
+    import logging
+
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
     except Interrupted as exc:  # not an error: a requested stop, resumable
+        _run_is_over()
         print(f"rollplex: {exc}", file=sys.stderr)
         return exc.exit_code
     except RollplexError as exc:
+        _run_is_over()
         print(f"rollplex: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
+        _run_is_over()
         print("rollplex: interrupted", file=sys.stderr)
         return 130
+    finally:
+        _run_is_over()
 
 
 if __name__ == "__main__":
