@@ -30,6 +30,11 @@ def is_vision_param(name: str) -> bool:
     return "visual" in name
 
 
+def trains_vision(module) -> bool:
+    """Whether any of ``module``'s vision-tower parameters trains (``train.freeze_vision: false``)."""
+    return any(p.requires_grad and is_vision_param(n) for n, p in module.named_parameters())
+
+
 VALUE_HEAD_FILE = "value_head.safetensors"  # a critic's value head, beside the folder's model.safetensors
 
 

@@ -267,18 +267,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except Interrupted as exc:  # not an error: a requested stop, resumable
-        _run_is_over()
         print(f"rollplex: {exc}", file=sys.stderr)
         return exc.exit_code
     except RollplexError as exc:
-        _run_is_over()
         print(f"rollplex: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
-        _run_is_over()
         print("rollplex: interrupted", file=sys.stderr)
         return 130
-    finally:
+    finally:  # after the command's last line
         _run_is_over()
 
 

@@ -413,43 +413,34 @@ def score_trajectories(ctx, model, prefixes: list, responses: list, *, grad: boo
     from rollplex.engines import trajectory
 
     s = ctx.settings
-    groups = [[trajectory.continuation_of(q) for q in r.sequences] for r in responses]
-    if grad and trains_vision(model):
-        groups = own_observation_embeds(model, responses, groups)
+    groups = continuations(model, responses, grad=grad)
     if head == "value":
         return trajectory.head_outputs_batch(model, prefixes, groups, grad=grad)
     return trajectory.logprobs_batch(model, prefixes, groups, pad_id=s.pad_id, temperature=s.score_temperature,
                                      grad=grad)
 
 
-def trains_vision(model) -> bool:
-    from rollplex.engines.torch_train import is_vision_param
-
-    return any(p.requires_grad and is_vision_param(n) for n, p in model.named_parameters())
-
-
-def own_observation_embeds(model, responses: list, groups: list[list]) -> list[list]:
-    """The continuations with their observations' images encoded again by ``model``'s own tower, with
-    grad, so that the loss reaches the tower through them as through the prompt's images (the rollout
+def continuations(model, responses: list, *, grad: bool) -> list[list]:
+    """Each group's trajectories as ``trajectory.Continuation``s. Where ``model``'s vision tower
+    trains (and grad is asked), their observations' images are encoded again by that tower, with
+    grad, so that the loss reaches it through them as through the prompt's images (the rollout
     encoded them with the policy's tower as it was, without grad)."""
     from rollplex.engines import trajectory
+    from rollplex.engines.torch_train import trains_vision
 
-    seqs = [q for r in responses for q in r.sequences]
-    owners = [i for i, q in enumerate(seqs) if q.pixel_values is not None]
-    encoded = vlm.vision_embeds_batch(model, [vlm.PromptInputs(f"obs-{i}", torch.tensor(seqs[i].token_ids),
-                                                               pixel_values=seqs[i].pixel_values,
-                                                               image_grid_thw=seqs[i].image_grid_thw)
-                                              for i in owners], grad=True) if owners else []
-    embeds = dict(zip(owners, (e.image for e in encoded)))
-    out, i = [], 0
-    for group in groups:
-        row = []
-        for c in group:
-            row.append(trajectory.Continuation(c.token_ids, embeds.get(i, c.image_embeds), c.image_grid_thw,
-                                               c.policy_mask))
-            i += 1
-        out.append(row)
-    return out
+    to_encode = [q for r in responses for q in r.sequences if q.pixel_values is not None] \
+        if grad and trains_vision(model) else []
+    encoded = vlm.vision_embeds_batch(model, [vlm.PromptInputs(f"obs-{i}", torch.tensor(q.token_ids),
+                                                               pixel_values=q.pixel_values,
+                                                               image_grid_thw=q.image_grid_thw)
+                                              for i, q in enumerate(to_encode)], grad=True) if to_encode else []
+    again = {id(q): e.image for q, e in zip(to_encode, encoded)}
+
+    def continuation(q):
+        c = trajectory.continuation_of(q)
+        return dataclasses.replace(c, image_embeds=again[id(q)]) if id(q) in again else c
+
+    return [[continuation(q) for q in r.sequences] for r in responses]
 
 
 def score_trajectories_unshared(ctx, model, prompts: list, visions: list, responses: list, *, grad: bool,
@@ -461,10 +452,7 @@ def score_trajectories_unshared(ctx, model, prompts: list, visions: list, respon
 
     s, out = ctx.settings, []
     for prompt, vis, group in zip(prompts, visions, responses):
-        alone = [[trajectory.continuation_of(q)] for q in group.sequences]
-        if grad and trains_vision(model):
-            alone = own_observation_embeds(model, [group], [[c for [c] in alone]])[0]
-            alone = [[c] for c in alone]
+        alone = [[c] for c in continuations(model, [group], grad=grad)[0]]
         prefixes = vlm.prefix_forward_batch(model, [prompt] * len(alone), [vis] * len(alone), grad=grad)
         if head == "value":
             rows = trajectory.head_outputs_batch(model, prefixes, alone, grad=grad)

@@ -237,7 +237,8 @@ def test_a_vision_tower_that_trains_encodes_the_observations_again_with_grad(tin
 
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from rollplex.tasks.turns import Trajectory, own_observation_embeds, trains_vision
+    from rollplex.engines.torch_train import trains_vision
+    from rollplex.tasks.turns import Trajectory, continuations
 
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_model_dir, dtype=torch.float32)
     assert trains_vision(model)
@@ -246,9 +247,8 @@ def test_a_vision_tower_that_trains_encodes_the_observations_again_with_grad(tin
     seq = Trajectory("r", ids, [0.0] * len(ids), "stop", policy_mask=[1, 1] + [0] * o.num_tokens,
                      image_embeds=o_vis.image, image_grid_thw=o.image_grid_thw, pixel_values=o.pixel_values)
     bare = dataclasses.replace(seq, pixel_values=None)
-    groups = [[trajectory.continuation_of(seq)], [trajectory.continuation_of(bare)]]
-    [[again], [kept]] = own_observation_embeds(model, [types.SimpleNamespace(sequences=[seq]),
-                                                       types.SimpleNamespace(sequences=[bare])], groups)
+    [[again], [kept]] = continuations(model, [types.SimpleNamespace(sequences=[seq]),
+                                              types.SimpleNamespace(sequences=[bare])], grad=True)
     assert again.image_embeds.requires_grad and torch.allclose(again.image_embeds, o_vis.image, atol=1e-6)
     assert kept.image_embeds is o_vis.image  # nothing to encode again: the rollout's embeddings stay
     again.image_embeds.square().sum().backward()

@@ -236,10 +236,15 @@ class _Split:
             return v
         if all(self.out.values[o].device == "host" for o in self.out.nodes[producer].outputs):
             return v
+        return self.relay(v, self.graph.values[v])
+
+    def relay(self, v: str, info: Value) -> str:
+        """A host-only copy of ``v`` (with ``info``'s facts) made on its producer's rank, so that a node
+        on another rank reads it without the rest of that producer's output bundle."""
         copy = f"host_{v}"
         if copy not in self.out.values:
-            self.add(Node(f"relay_{v}", "gather", (v,), (copy,), args={"what": "relay"}), home,
-                     {copy: self.graph.values[v]})
+            self.add(Node(f"relay_{v}", "gather", (v,), (copy,), args={"what": "relay"}), self.rank_of_value[v],
+                     {copy: info})
         return copy
 
     def add(self, node: Node, rank: int, infos: dict[str, Value], of: str | None = None) -> None:
@@ -356,13 +361,7 @@ def _split_turns(s: _Split, node: Node) -> None:
         (stats,) = [graph.values[o] for o in node.outputs if graph.values[o].role == "rollout_stats"]
         # The join's trajectories carry their observations' vision embeddings (device tensors), and Dask
         # moves a node's whole bundle: another rank's stats come through a host relay on that rank.
-        read = []
-        for copy, r in parts:
-            if r != 0:
-                s.add(Node(f"relay_{copy}", "gather", (copy,), (f"host_{copy}",), args={"what": "relay"}), r,
-                      {f"host_{copy}": replace(graph.values[stats.name], name=f"host_{copy}")})
-                copy = f"host_{copy}"
-            read.append(copy)
+        read = [copy if r == 0 else s.relay(copy, stats) for copy, r in parts]
         s.add(Node(f"gather_{stats.name}", "gather", tuple(read), (stats.name,), args={"what": "rollout_stats"}),
               0, {stats.name: stats})
         s.rank_of_value[stats.name] = None  # read on every rank (host data)

@@ -166,7 +166,7 @@ def _evaluate(host, refs: list, iteration: int, samples: int, temperature: float
                                top_p=s.top_p if temperature > 0 else 1.0)
                 for (index, p), v in zip(built, visions)]
     if turns > 1:
-        return {"rows": _play(host, prompts, visions, requests, turns, temperature), "skipped": skipped}
+        return {"rows": _play(host, prompts, visions, requests, turns), "skipped": skipped}
     host.decode.add_requests(requests)
     finished = {}
     while host.decode.has_unfinished():  # every request runs to its end: the engine is left empty
@@ -184,17 +184,17 @@ def _evaluate(host, refs: list, iteration: int, samples: int, temperature: float
     return {"rows": rows, "skipped": skipped}
 
 
-def _play(host, prompts: list, visions: list, requests: list, turns: int, temperature: float) -> list[dict]:
+def _play(host, prompts: list, visions: list, requests: list, turns: int) -> list[dict]:
     """Validation's episodes, turn by turn as a rollout plays them (tasks/turns.py): decode every live
     sample to the end of its turn, step the environments, encode the answers' images, continue the
-    samples that go on. Every request runs to its end, so the decode engine is left empty."""
+    samples that go on, sampled as their first turn was. Every request runs to its end, so the
+    decode engine is left empty."""
     import dataclasses
 
     from rollplex.tasks.nodes import sample_key
     from rollplex.tasks.turns import Episode, answer_turns, next_turn_requests, observation_embeds, turn_row
 
     s, engine = host.spec.settings, host.decode
-    top_p = s.top_p if temperature > 0 else 1.0
     episodes, owner = {}, {}
     for p, (prompt, vision, request) in enumerate(zip(prompts, visions, requests)):
         for g in range(request.n):
@@ -215,7 +215,7 @@ def _play(host, prompts: list, visions: list, requests: list, turns: int, temper
             break
         embeds = observation_embeds(host.model(host.algorithm.vision_model), answers)
         continued, ended = next_turn_requests(episodes, answers, embeds, turn + 1, turns, s,
-                                              temperature=temperature, top_p=top_p)
+                                              temperature=requests[0].temperature, top_p=requests[0].top_p)
         engine.release(ended)
         for key, request, _ in continued:
             owner[(request.request_id, 0)] = key

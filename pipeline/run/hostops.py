@@ -39,13 +39,13 @@ def _warmup(host, seed: int | list[int], step: int, batch_size: int, lr: float) 
     from rollplex.engines import vlm
     from rollplex.tasks.data import warmup_target_ids
 
-    from rollplex.engines.torch_train import is_vision_param
+    from rollplex.engines.torch_train import trains_vision
 
     policy = host.algorithm.rollout_model
     engine = host.train_engine(policy)
     # A vision tower that trains (train.freeze_vision: false) is the policy's, and learns here too.
-    trains_vision = any(p.requires_grad and is_vision_param(n) for n, p in engine.module.named_parameters())
-    vision_model = engine.module if trains_vision else host.model(host.algorithm.vision_model)
+    vision_trains = trains_vision(engine.module)
+    vision_model = engine.module if vision_trains else host.model(host.algorithm.vision_model)
     engine.set_lr(lr)
     examples = _warmup_examples(host, seed, step, batch_size)
     if examples and isinstance(examples[0][1], list):  # multi-turn: whole trajectories
@@ -61,7 +61,7 @@ def _warmup(host, seed: int | list[int], step: int, batch_size: int, lr: float) 
     vocab = engine.module.config.get_text_config().vocab_size
     for run in vlm.batches_within([len(ids) for ids in targets], vocab, grad=True):
         prompts = [examples[i][0] for i in run]
-        visions = vlm.vision_embeds_batch(vision_model, prompts, grad=trains_vision)
+        visions = vlm.vision_embeds_batch(vision_model, prompts, grad=vision_trains)
         states = vlm.prefix_forward_batch(engine.module, prompts, visions, grad=True)
         scored = vlm.suffix_logprobs_batch(engine.module, states, [[targets[i]] for i in run],
                                           pad_id=host.spec.settings.pad_id, grad=True)
