@@ -17,6 +17,8 @@ import torch
 import torch.utils.checkpoint
 from transformers import DynamicCache
 
+from rollplex.engines import packed_attention
+
 
 @dataclass
 class PromptInputs:
@@ -230,8 +232,21 @@ class PackedSuffix:
     cols: torch.Tensor  # [N] long
 
 
+# How a packed suffix attends: "varlen" cuts each row into its responses (flash attention on CUDA in
+# bf16/fp16, a loop of SDPA calls elsewhere), "dense" masks the whole row, "auto" is varlen where flash
+# runs and dense elsewhere (on CPU the masked call is one kernel per layer, the loop one per response).
+SUFFIX_ATTENTION = "auto"
+
+
+def _varlen(attention: str | None, dtype: torch.dtype, device: torch.device) -> bool:
+    mode = attention or SUFFIX_ATTENTION
+    if mode not in ("auto", "varlen", "dense"):
+        raise ValueError(f"suffix attention {mode!r} is not auto, varlen or dense")
+    return mode == "varlen" or (mode == "auto" and packed_attention.flash_ok(dtype, device))
+
+
 def suffix_forward_packed(model: torch.nn.Module, prefixes: list[PrefixState], responses: list[list[list[int]]], *,
-                          grad: bool, pad_id: int = 0) -> PackedSuffix | None:
+                          grad: bool, pad_id: int = 0, attention: str | None = None) -> PackedSuffix | None:
     """One LM forward over every response of several prompt groups, each group's responses packed
     into one row on top of its prefix KV.
 
@@ -242,13 +257,14 @@ def suffix_forward_packed(model: torch.nn.Module, prefixes: list[PrefixState], r
     ``None`` when no response has a second token.
     """
     device = _device_of(model)
-    feed, seg, pos, targets, rows, cols = [], [], [], [], [], []
+    feed, seg, pos, targets, rows, cols, segments = [], [], [], [], [], [], []
     row = 0
-    for p, group in zip(prefixes, responses):
+    for b, (p, group) in enumerate(zip(prefixes, responses)):
         f, s_, q = [], [], []
         for j, r in enumerate(group):
             n = len(r) - 1
             if n > 0:
+                segments.append((b, len(f), n, p.length))
                 f += r[:-1]
                 s_ += [j] * n
                 q += range(n)
@@ -288,19 +304,26 @@ def suffix_forward_packed(model: torch.nn.Module, prefixes: list[PrefixState], r
                 vs.append(v)
             layers.append((torch.cat(ks), torch.cat(vs)) if len(ks) > 1 else (ks[0], vs[0]))
         dtype = layers[0][0].dtype
-        # Padding queries (segment -1) see only the prefix, so no row of the mask is empty.
-        same = (seg_t[:, :, None] == seg_t[:, None, :]) & (seg_t[:, :, None] >= 0)
-        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-        in_prefix = (torch.arange(longest, device=device) < lengths_t[:, None])[:, None, :].expand(-1, width, -1)
-        allowed = torch.cat([in_prefix, same & causal], dim=2)
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
-        mask = {t: mask.unsqueeze(1) for t in set(model.config.get_text_config().layer_types)}
+        kinds = set(model.config.get_text_config().layer_types)
+        if _varlen(attention, dtype, device) and packed_attention.enable(model):
+            extra = {"packed": packed_attention.layout(segments, len(prefixes), width, longest, device)}
+            mask = dict.fromkeys(kinds)
+        else:
+            extra = {}
+            # Padding queries (segment -1) see only the prefix, so no row of the mask is empty.
+            same = (seg_t[:, :, None] == seg_t[:, None, :]) & (seg_t[:, :, None] >= 0)
+            causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+            in_prefix = (torch.arange(longest, device=device) < lengths_t[:, None])[:, None, :].expand(-1, width, -1)
+            allowed = torch.cat([in_prefix, same & causal], dim=2)
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+            mask = {t: mask.unsqueeze(1) for t in kinds}
         out = model.model.language_model(
             inputs_embeds=model.get_input_embeddings()(feed_t),
             position_ids=pos_t.unsqueeze(0).expand(3, -1, -1),
             past_key_values=DynamicCache(ddp_cache_data=layers),
             attention_mask=mask,
             use_cache=True,
+            **extra,
         )
         hidden = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1]).index_select(0, real_t)
     return PackedSuffix(hidden, targets_t, rows_t, cols_t)
