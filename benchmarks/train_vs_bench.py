@@ -148,14 +148,18 @@ def main() -> int:
         seconds = [r["iter_seconds"] for r in mine]
         outside = [outside_share(json.loads((train_dir / "traces" / f"iter_{r['iteration']:06d}.json").read_text()),
                                  r["iter_seconds"]) for r in mine]
-        bench_s = next(r["median_s"] for r in bench["results"] if r["policy"] == policy)
+        # A policy the bench could not run (out of memory) has no median: train's numbers still count.
+        bench_s = next((r.get("median_s") for r in bench["results"] if r["policy"] == policy), None)
         result[schedule] = {"train_seconds": seconds, "train_median": statistics.median(seconds),
-                            "bench_median": bench_s, "train_over_bench": statistics.median(seconds) / bench_s,
+                            "bench_median": bench_s,
+                            "train_over_bench": statistics.median(seconds) / bench_s if bench_s else None,
                             "outside_share": outside, "outside_median": statistics.median(outside),
                             "response_len_mean": statistics.mean(r["response_len_mean"] for r in mine)}
     print(f"{'policy':10s} {'train s/it':>10s} {'bench s/it':>10s} {'train÷bench':>11s} {'outside nodes':>13s}")
     for schedule, r in result.items():
-        print(f"{schedule:10s} {r['train_median']:10.3f} {r['bench_median']:10.3f} {r['train_over_bench']:11.3f} "
+        bench_s, ratio = ((f"{r['bench_median']:10.3f}", f"{r['train_over_bench']:11.3f}") if r["bench_median"]
+                          else (f"{'-':>10s}", f"{'-':>11s}"))
+        print(f"{schedule:10s} {r['train_median']:10.3f} {bench_s} {ratio} "
               f"{r['outside_median']:12.1%}   (train iterations: {', '.join(f'{s:.2f}' for s in r['train_seconds'])};"
               f" mean response {r['response_len_mean']:.0f} tokens)")
     (out / "train_vs_bench.json").write_text(json.dumps(result, indent=1))
