@@ -96,12 +96,13 @@ class PackedTurns:
 def forward_packed(model: torch.nn.Module, prefixes: list[vlm.PrefixState], groups: list[list[Continuation]], *,
                    grad: bool, pad_id: int = 0) -> PackedTurns | None:
     """One LM forward over every continuation of several groups, each group's packed into one row on
-    its prefix's KV with a block-diagonal causal mask (as ``vlm.suffix_forward_packed``), image
+    its prefix's KV, each continuation attending to the prefix and causally to itself (as
+    ``vlm.suffix_forward_packed``, varlen on CUDA), image
     placeholders embedded from the vision tower's output and placed at their M-RoPE positions."""
     device = next(model.parameters()).device
-    feed, seg, pos, feats, slot, targets, rows, cols = [], [], [], [], [], [], [], []
+    feed, seg, pos, feats, slot, targets, rows, cols, segments = [], [], [], [], [], [], [], [], []
     row = 0
-    for prefix, group in zip(prefixes, groups):
+    for b, (prefix, group) in enumerate(zip(prefixes, groups)):
         f, s_, q, k = [], [], [], []
         start = prefix.length + int(prefix.rope_delta)
         for j, c in enumerate(group):
@@ -109,6 +110,7 @@ def forward_packed(model: torch.nn.Module, prefixes: list[vlm.PrefixState], grou
             if n <= 0:
                 continue
             slots = image_slots(model, c.token_ids, c.policy_mask)
+            segments.append((b, len(f), n, prefix.length))
             f += c.token_ids[:-1]
             s_ += [j] * n
             k.append(slots[:-1])
@@ -142,18 +144,12 @@ def forward_packed(model: torch.nn.Module, prefixes: list[vlm.PrefixState], grou
                 ks.append(torch.nn.functional.pad(k, (0, 0, 0, pad)) if pad else k)
                 vs.append(torch.nn.functional.pad(v, (0, 0, 0, pad)) if pad else v)
             layers.append((torch.cat(ks), torch.cat(vs)) if len(ks) > 1 else (ks[0], vs[0]))
-        dtype = layers[0][0].dtype
-        same = (seg_t[:, :, None] == seg_t[:, None, :]) & (seg_t[:, :, None] >= 0)
-        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-        in_prefix = (torch.arange(longest, device=device) < lengths[:, None])[:, None, :].expand(-1, width, -1)
-        allowed = torch.cat([in_prefix, same & causal], dim=2)
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
-        mask = {t: mask.unsqueeze(1) for t in set(model.config.get_text_config().layer_types)}
+        mask, extra = vlm.packed_attention_inputs(model, segments, seg_t, lengths, longest, layers[0][0].dtype)
         slots = torch.stack([torch.nn.functional.pad(x, (0, width - len(x))) for x in slot]).to(device)
         embeds = embed_segment(model, feed_t, torch.cat(feats) if feats else None, slots)
         out = model.model.language_model(inputs_embeds=embeds, position_ids=pos_t,
                                           past_key_values=DynamicCache(ddp_cache_data=layers),
-                                          attention_mask=mask, use_cache=True)
+                                          attention_mask=mask, use_cache=True, **extra)
         hidden = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1]).index_select(0, real)
     return PackedTurns(hidden, torch.tensor(targets, device=device), torch.tensor(rows, device=device),
                        torch.tensor(cols, device=device))

@@ -245,6 +245,26 @@ def _varlen(attention: str | None, dtype: torch.dtype, device: torch.device) -> 
     return mode == "varlen" or (mode == "auto" and packed_attention.flash_ok(dtype, device))
 
 
+def packed_attention_inputs(model: torch.nn.Module, segments: list[tuple[int, int, int, int]], seg_t: torch.Tensor,
+                            lengths_t: torch.Tensor, longest: int, dtype: torch.dtype,
+                            attention: str | None = None) -> tuple[dict, dict]:
+    """The ``attention_mask`` and extra keyword arguments of a packed forward's language model: rows
+    [B, width] of responses (``seg_t``: each slot's response in its row, -1 for padding) on prefixes
+    of ``lengths_t`` tokens padded to ``longest``. ``segments`` as ``packed_attention.layout`` takes them."""
+    kinds = set(model.config.get_text_config().layer_types)
+    rows, width = seg_t.shape
+    device = seg_t.device
+    if _varlen(attention, dtype, device) and packed_attention.enable(model):
+        return dict.fromkeys(kinds), {"packed": packed_attention.layout(segments, rows, width, longest, device)}
+    # Padding queries (segment -1) see only the prefix, so no row of the mask is empty.
+    same = (seg_t[:, :, None] == seg_t[:, None, :]) & (seg_t[:, :, None] >= 0)
+    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+    in_prefix = (torch.arange(longest, device=device) < lengths_t[:, None])[:, None, :].expand(-1, width, -1)
+    allowed = torch.cat([in_prefix, same & causal], dim=2)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+    return {t: mask.unsqueeze(1) for t in kinds}, {}
+
+
 def suffix_forward_packed(model: torch.nn.Module, prefixes: list[PrefixState], responses: list[list[list[int]]], *,
                           grad: bool, pad_id: int = 0, attention: str | None = None) -> PackedSuffix | None:
     """One LM forward over every response of several prompt groups, each group's responses packed
@@ -303,20 +323,8 @@ def suffix_forward_packed(model: torch.nn.Module, prefixes: list[PrefixState], r
                 ks.append(k)
                 vs.append(v)
             layers.append((torch.cat(ks), torch.cat(vs)) if len(ks) > 1 else (ks[0], vs[0]))
-        dtype = layers[0][0].dtype
-        kinds = set(model.config.get_text_config().layer_types)
-        if _varlen(attention, dtype, device) and packed_attention.enable(model):
-            extra = {"packed": packed_attention.layout(segments, len(prefixes), width, longest, device)}
-            mask = dict.fromkeys(kinds)
-        else:
-            extra = {}
-            # Padding queries (segment -1) see only the prefix, so no row of the mask is empty.
-            same = (seg_t[:, :, None] == seg_t[:, None, :]) & (seg_t[:, :, None] >= 0)
-            causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-            in_prefix = (torch.arange(longest, device=device) < lengths_t[:, None])[:, None, :].expand(-1, width, -1)
-            allowed = torch.cat([in_prefix, same & causal], dim=2)
-            mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
-            mask = {t: mask.unsqueeze(1) for t in kinds}
+        mask, extra = packed_attention_inputs(model, segments, seg_t, lengths_t, longest, layers[0][0].dtype,
+                                              attention)
         out = model.model.language_model(
             inputs_embeds=model.get_input_embeddings()(feed_t),
             position_ids=pos_t.unsqueeze(0).expand(3, -1, -1),

@@ -52,12 +52,15 @@ def observation(model_parts, size, colour):
     return o, vlm.vision_embeds(model, o)
 
 
-def test_trajectory_logprobs_equal_a_full_sequence_forward(model_parts, prompt):
+@pytest.mark.parametrize("attention", ["dense", "varlen"])
+def test_trajectory_logprobs_equal_a_full_sequence_forward(model_parts, prompt, attention, monkeypatch):
     """Three samples of one prompt, with 0, 1 and 2 observation images of two sizes between their
     turns, scored together on one prefix: each row equals a plain HF forward over prompt + trajectory
-    with all its images (the M-RoPE positions of the images past the prompt included). So does
-    scoring them turn by turn, each turn on its sample's history (``extend_histories``: a turn's
-    response and the answer after it per forward, the samples that end dropping out)."""
+    with all its images (the M-RoPE positions of the images past the prompt included), whether the
+    packed row attends under a mask or cut into its samples (varlen). So does scoring them turn by
+    turn, each turn on its sample's history (``extend_histories``: a turn's response and the answer
+    after it per forward, the samples that end dropping out)."""
+    monkeypatch.setattr(vlm, "SUFFIX_ATTENTION", attention)
     processor, model = model_parts
     p, vis = prompt
     observations = [observation(model_parts, (112, 112), (0, 200, 0)), observation(model_parts, (56, 112), (0, 0, 200))]
