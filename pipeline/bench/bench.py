@@ -522,8 +522,15 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
             first = [p for p in turns if p == reference]
             rest = [p for p in turns if p != reference]
             shift = round_ % len(rest) if rest else 0
-            for policy in [p for p in first + rest[shift:] + rest[:shift] if advance(p, turns[p])]:
-                del turns[policy]
+            for policy in first + rest[shift:] + rest[:shift]:
+                if round_ == 0 and cfg.device == "cuda":
+                    # A policy's first (untimed) iteration creates its stream threads' cuBLAS handles
+                    # with cudaMalloc, outside the caching allocator: the blocks the policy before it
+                    # left cached must go back first (at 3B with 1,024-token responses rollplex's
+                    # first decode chunk failed in cublasCreate after serial's iteration).
+                    torch.cuda.empty_cache()
+                if advance(policy, turns[policy]):
+                    del turns[policy]
     else:
         one_gpu = []
     for policy, graph in graphs.items():
