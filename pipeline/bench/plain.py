@@ -111,10 +111,9 @@ class PlainExecutor:
         seqs = [torch.cat([prompts[p].input_ids, torch.tensor(responses[p][g], dtype=torch.long)]) for p, g in batch]
         width = max(len(s) for s in seqs)
         ids = torch.zeros(len(seqs), width, dtype=torch.long)
-        mask = torch.zeros(len(seqs), width, dtype=torch.long)
         positions = torch.zeros(3, len(seqs), width, dtype=torch.long)
         for b, ((p, _), s) in enumerate(zip(batch, seqs)):
-            ids[b, : len(s)], mask[b, : len(s)] = s, 1
+            ids[b, : len(s)] = s
             prompt = prompts[p].input_ids.view(1, -1)
             types = (prompt == config.image_token_id).int()
             pos, delta = model.model.get_rope_index(prompt, mm_token_type_ids=types,
@@ -122,13 +121,15 @@ class PlainExecutor:
             n = prompt.shape[1]
             positions[:, b, :n] = pos[:, 0]
             positions[:, b, n: len(s)] = torch.arange(n, len(s)) + int(delta.view(-1)[0])
-        ids, mask, positions = ids.to(self.device), mask.to(self.device), positions.to(self.device)
+        ids, positions = ids.to(self.device), positions.to(self.device)
         with torch.set_grad_enabled(grad):
             embeds = lm.embed_tokens(ids)
             for b, (p, _) in enumerate(batch):  # the prompt's image pads (a response may sample that id too)
                 at = (prompts[p].input_ids == config.image_token_id).nonzero().view(-1).to(self.device)
                 embeds[b, at] = vision[p].to(embeds.dtype)
-            hidden = lm(inputs_embeds=embeds, attention_mask=mask, position_ids=positions).last_hidden_state
+            # Rows are right-padded and attention is causal, so no real token sees a pad: without a
+            # padding mask SDPA runs its causal flash kernel rather than the masked one.
+            hidden = lm(inputs_embeds=embeds, position_ids=positions).last_hidden_state
             n = [len(prompts[p].input_ids) for p, _ in batch]
             picked = torch.cat([hidden[b, n[b] - 1: len(s) - 1] for b, s in enumerate(seqs)])
             targets = torch.cat([s[n[b]:] for b, s in enumerate(seqs)]).to(self.device)
