@@ -248,17 +248,15 @@ def extend_histories(model: torch.nn.Module, histories: list[History], segments:
         ks = [torch.nn.functional.pad(h.kv[layer][0], (0, 0, 0, longest - h.length)) for h in histories]
         vs = [torch.nn.functional.pad(h.kv[layer][1], (0, 0, 0, longest - h.length)) for h in histories]
         layers.append((torch.cat(ks), torch.cat(vs)))
-    dtype = layers[0][0].dtype
-    valid = torch.arange(width, device=device) < torch.tensor(lengths, device=device)[:, None]
-    in_history = torch.arange(longest, device=device) < torch.tensor([h.length for h in histories], device=device)[:, None]
-    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-    allowed = torch.cat([in_history[:, None, :].expand(-1, width, -1), causal & valid[:, None, :]], dim=2)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+    # Row b holds one segment on its own history: the packed forward's attention with one response a row.
+    seg_t = torch.where(torch.arange(width) < torch.tensor(lengths)[:, None], 0, -1).to(device)
+    history = torch.tensor([h.length for h in histories], device=device)
+    mask, extra = vlm.packed_attention_inputs(model, [(b, 0, n, h.length) for b, (n, h) in enumerate(zip(lengths, histories))
+                                                      if n], seg_t, history, longest, layers[0][0].dtype)
     with torch.no_grad():
         out = model.model.language_model(
             inputs_embeds=embed_segment(model, feed, torch.cat(feats) if feats else None, slot), position_ids=pos,
-            past_key_values=DynamicCache(ddp_cache_data=layers), use_cache=True,
-            attention_mask={t: mask.unsqueeze(1) for t in set(model.config.get_text_config().layer_types)})
+            past_key_values=DynamicCache(ddp_cache_data=layers), use_cache=True, attention_mask=mask, **extra)
         logits = model.lm_head(out.last_hidden_state).float()
         cache = [(k, v) for k, v, *_ in out.past_key_values]
     extended = []
