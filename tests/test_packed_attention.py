@@ -67,8 +67,9 @@ def test_varlen_equals_the_dense_mask_in_values_and_gradients(model_and_prompts)
     model.zero_grad()
 
 
-def test_the_routed_model_still_runs_sdpa_for_every_other_forward(model_and_prompts, tiny_model_dir):
-    """Once routed, a plain transformers forward of the same model gives what it gave before."""
+def test_the_routed_model_still_runs_sdpa_for_every_other_forward(model_and_prompts, tiny_model_dir, tmp_path):
+    """Once routed, a plain transformers forward of the same model gives what it gave before, and
+    the folder it saves loads anywhere (the routing is not written to its config)."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     model, prompts = model_and_prompts
@@ -81,6 +82,10 @@ def test_the_routed_model_still_runs_sdpa_for_every_other_forward(model_and_prom
               mm_token_type_ids=vlm.mm_token_types(ids, model.config))
     with torch.no_grad():
         assert torch.allclose(model(**kw).logits, fresh(**kw).logits, atol=1e-5)
+    model.save_pretrained(tmp_path)
+    assert packed_attention.NAME not in (tmp_path / "config.json").read_text()
+    reloaded = Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path)
+    assert reloaded.config.get_text_config()._attn_implementation == "sdpa"
 
 
 def test_the_layout_puts_each_response_on_its_own_prefix():
