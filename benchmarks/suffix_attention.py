@@ -4,7 +4,9 @@ Times what a training node and a scoring node pay for one micro-batch of prompt 
 bench's shape (random-weight preset, bf16, one image of 1,024 vision tokens per prompt, G = 8):
 the policy's prefix forward, the packed suffix log-probs and the backward (train), and the suffix
 log-probs without grad (score). The variants take turns trial by trial, so each trial is one paired
-sample; ``dense#aa`` is the dense variant run a second time (the A/A line).
+sample; ``dense#aa`` is the dense variant run a second time (the A/A line). With ``--groups`` above
+one, ``varlen-split`` runs the groups one forward and backward each, as a fused training node does
+when a group's tokens exceed the logits budget, against serial's one forward over all of them.
 
     python benchmarks/suffix_attention.py --trials 8 --lengths cap     # every response at its cap
     python benchmarks/suffix_attention.py --trials 8 --lengths lognormal
@@ -73,19 +75,22 @@ def main() -> None:
         return time.perf_counter() - t, peak
 
     def train(responses, attention):
-        vlm.SUFFIX_ATTENTION = attention
-        prefixes = vlm.prefix_forward_batch(model, prompts, visions, grad=True)
-        scored = vlm.suffix_logprobs_batch(model, prefixes, responses, pad_id=0, grad=True)
-        sum((lp * mask).sum() for lp, mask in scored).backward()
+        split = attention.endswith("-split")
+        vlm.SUFFIX_ATTENTION = attention.removesuffix("-split")
+        for part in ([[i] for i in range(len(prompts))] if split else [list(range(len(prompts)))]):
+            prefixes = vlm.prefix_forward_batch(model, [prompts[i] for i in part], [visions[i] for i in part],
+                                                grad=True)
+            scored = vlm.suffix_logprobs_batch(model, prefixes, [responses[i] for i in part], pad_id=0, grad=True)
+            sum((lp * mask).sum() for lp, mask in scored).backward()
         model.zero_grad(set_to_none=True)
 
     def score(responses, attention):
-        vlm.SUFFIX_ATTENTION = attention
+        vlm.SUFFIX_ATTENTION = attention.removesuffix("-split")
         with torch.no_grad():
             prefixes = vlm.prefix_forward_batch(model, prompts, visions, grad=False)
             vlm.suffix_logprobs_batch(model, prefixes, responses, pad_id=0, grad=False)
 
-    variants = ["dense", "varlen", "dense#aa"]
+    variants = ["dense", "varlen", "dense#aa"] + (["varlen-split"] if args.groups > 1 else [])
     times = {(w, v): [] for w in ("train", "score") for v in variants}
     peaks = {(w, v): 0.0 for w in ("train", "score") for v in variants}
     warm = draw()
@@ -96,7 +101,7 @@ def main() -> None:
     for trial in range(args.trials):
         responses = draw()
         tokens.append(sum(len(r) for g in responses for r in g))
-        order = variants[trial % 3:] + variants[:trial % 3]
+        order = variants[trial % len(variants):] + variants[:trial % len(variants)]
         for v in order:
             for work, fn in (("train", train), ("score", score)):
                 s, peak = timed(lambda: fn(responses, v.split("#")[0]))
@@ -106,9 +111,11 @@ def main() -> None:
           f"(mean {statistics.mean(tokens) / args.groups / cfg.samples:.0f} tokens), {args.trials} trials")
     for work in ("train", "score"):
         for v in variants:
-            print(f"  {work:5s} {v:9s} median {statistics.median(times[work, v]) * 1e3:8.1f} ms  peak {peaks[work, v]:6.1f} GiB")
+            print(f"  {work:5s} {v:12s} median {statistics.median(times[work, v]) * 1e3:8.1f} ms  peak {peaks[work, v]:6.1f} GiB")
         print(f"  {work:5s} dense ÷ varlen {paired(times[work, 'varlen'], times[work, 'dense'])}; "
               f"A/A dense#aa ÷ dense {paired(times[work, 'dense'], times[work, 'dense#aa'])}")
+        if args.groups > 1 and work == "train":
+            print(f"  train varlen-split ÷ varlen {paired(times[work, 'varlen'], times[work, 'varlen-split'])}")
 
 
 if __name__ == "__main__":
