@@ -92,8 +92,7 @@ def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay: PackedLayout,
     aligned to the keys' end."""
     if flash_ok(q.dtype, q.device):
         return _FlashVarlen.apply(q, k, v, lay.cu_q, lay.cu_k, lay.max_q, lay.max_k, scale)
-    outs, qs = [], 0
-    ks = 0
+    outs, qs, ks = [], 0, 0
     for klen, qn in zip(lay.k_lengths, (lay.cu_q[1:] - lay.cu_q[:-1]).tolist()):
         qi = q[qs: qs + qn].transpose(0, 1).unsqueeze(0)
         ki, vi = (x[ks: ks + klen].transpose(0, 1).unsqueeze(0) for x in (k, v))

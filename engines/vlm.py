@@ -254,7 +254,7 @@ def packed_attention_inputs(model: torch.nn.Module, segments: list[tuple[int, in
     kinds = set(model.config.get_text_config().layer_types)
     rows, width = seg_t.shape
     device = seg_t.device
-    if _varlen(attention, dtype, device) and packed_attention.enable(model):
+    if segments and _varlen(attention, dtype, device) and packed_attention.enable(model):
         return dict.fromkeys(kinds), {"packed": packed_attention.layout(segments, rows, width, longest, device)}
     # Padding queries (segment -1) see only the prefix, so no row of the mask is empty.
     same = (seg_t[:, :, None] == seg_t[:, None, :]) & (seg_t[:, :, None] >= 0)
@@ -271,7 +271,8 @@ def suffix_forward_packed(model: torch.nn.Module, prefixes: list[PrefixState], r
     into one row on top of its prefix KV.
 
     A token attends to its group's prefix and causally to its own response only (a block-diagonal
-    mask), so the result equals one forward per response. Packing instead of padding each response
+    mask, or on CUDA each response as a sequence of its own: ``packed_attention``), so the result
+    equals one forward per response. Packing instead of padding each response
     to the longest costs no compute for padding (responses have a long tail) and reads each prefix
     KV once per group rather than once per response; gradients reach the one prefix directly.
     ``None`` when no response has a second token.
