@@ -74,7 +74,8 @@ def load_policy(ctx: EngineContext):
     otherwise, e.g. by ``rollplex bench``; ``options["head"] == "value"`` gives it a scalar value
     head instead of the LM head (a critic). The vision tower is frozen unless
     ``options["freeze_vision"]`` is false; ``options["lora"]`` puts adapters on the language model
-    and freezes the rest."""
+    and freezes the rest; ``options["gradient_checkpointing"]`` recomputes the decoder layers'
+    activations in training backwards (engines/recompute.py)."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     from rollplex.engines.vision_attention import batch_vision_attention
@@ -91,6 +92,10 @@ def load_policy(ctx: EngineContext):
     for name, p in model.named_parameters():
         if freeze_vision and is_vision_param(name):
             p.requires_grad_(False)
+    if ctx.options.get("gradient_checkpointing"):
+        from rollplex.engines.recompute import checkpoint_layers
+
+        checkpoint_layers(model)
     peft_model = None
     if ctx.options.get("lora"):
         from rollplex.engines import lora

@@ -22,6 +22,7 @@ import torch
 from transformers import DynamicCache
 
 from rollplex.engines import vlm
+from rollplex.engines.recompute import PrefixCache
 
 
 @dataclass
@@ -148,7 +149,7 @@ def forward_packed(model: torch.nn.Module, prefixes: list[vlm.PrefixState], grou
         slots = torch.stack([torch.nn.functional.pad(x, (0, width - len(x))) for x in slot]).to(device)
         embeds = embed_segment(model, feed_t, torch.cat(feats) if feats else None, slots)
         out = model.model.language_model(inputs_embeds=embeds, position_ids=pos_t,
-                                          past_key_values=DynamicCache(ddp_cache_data=layers),
+                                          past_key_values=PrefixCache(ddp_cache_data=layers),
                                           attention_mask=mask, use_cache=True, **extra)
         hidden = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1]).index_select(0, real)
     return PackedTurns(hidden, torch.tensor(targets, device=device), torch.tensor(rows, device=device),

@@ -18,6 +18,7 @@ import torch.utils.checkpoint
 from transformers import DynamicCache
 
 from rollplex.engines import packed_attention
+from rollplex.engines.recompute import PrefixCache
 
 
 @dataclass
@@ -329,7 +330,7 @@ def suffix_forward_packed(model: torch.nn.Module, prefixes: list[PrefixState], r
         out = model.model.language_model(
             inputs_embeds=model.get_input_embeddings()(feed_t),
             position_ids=pos_t.unsqueeze(0).expand(3, -1, -1),
-            past_key_values=DynamicCache(ddp_cache_data=layers),
+            past_key_values=PrefixCache(ddp_cache_data=layers),
             attention_mask=mask,
             use_cache=True,
             **extra,

@@ -453,6 +453,7 @@ class Session:
                          # weight sharing with vLLM: DeepSpeed's flat buffer holds q|k|v, gate|up adjacent
                          "fusion_order": cfg.engines.weight_sharing != "off" and self.decode_engine == "vllm",
                          "freeze_vision": cfg.train.freeze_vision, "lora": cfg.train.lora,
+                         "gradient_checkpointing": cfg.train.gradient_checkpointing,
                          **cfg.engines.train_options}
         longest = min(self.max_positions, max(256, max(self.shape.prompt_tokens, self.eval_prompt_tokens)
                                               + self.shape.continuation_tokens + 64))

@@ -137,6 +137,11 @@ class TrainConfig:
                           "down_proj]}, missing keys take these values (add lm_head where the head is untrained, as in the "
                           "embedded model); the reference is the base model with the adapters off (no second "
                           "copy); null: full fine-tuning")
+    gradient_checkpointing: bool = f(False, doc="recompute each decoder layer's activations in the backward "
+                                     "instead of keeping them (verl's enable_gradient_checkpointing): a training "
+                                     "forward holds a layer's input only, for about a third more layer compute; "
+                                     "the suffix and full-sequence forwards recompute, the prompt's prefix forward "
+                                     "keeps its activations")
     freeze_vision: bool = f(True, doc="keep every vision-tower (*visual*) weight frozen, as EasyR1's "
                             "freeze_vision_tower; false: the policy's vision tower trains too (its vision forward "
                             "keeps a graph per micro-batch; the reference keeps its own frozen one)")
