@@ -102,6 +102,7 @@ def main() -> int:
     ap.add_argument("--bench-iterations", type=int, default=6)
     ap.add_argument("--bench-also", default="",
                     help="more bench policies beside serial and rollplex, e.g. plain:seq=4 (comma-separated)")
+    ap.add_argument("--gradient-checkpointing", action="store_true", help="both runs recompute layer activations")
     ap.add_argument("--threads", type=int, default=0,
                     help="train's cluster.threads (0: its default; the bench's host uses 8)")
     args = ap.parse_args()
@@ -130,6 +131,7 @@ def main() -> int:
              "true" if args.device == "cuda" else "false", args.decode_attention),
          "--set", "train.train_fusion=true", "--set", "checkpoint.every=0"]
         + (["--set", f"cluster.threads={args.threads}"] if args.threads else [])
+        + (["--set", "train.gradient_checkpointing=true"] if args.gradient_checkpointing else [])
         + [x for s in shape for x in ("--set", s)])
     shutil.copy(train_dir / "metrics.jsonl", out / "train_metrics.jsonl")  # kept should the bench not finish
     bench_dir = work / "bench"
@@ -138,7 +140,8 @@ def main() -> int:
          "--prompts", str(args.prompts), "--decode-attention", args.decode_attention,
          "--policies", policies, "--iterations", str(args.bench_iterations), "--max-new-tokens", str(args.new_tokens),
          "--mean-new-tokens", "1000000", "--chunk-tokens", str(args.chunk_tokens), "--vision-tokens", str(vision),
-         "--train-engine", "torch", "--out", str(bench_dir)] + (["--layers", str(args.layers)] if args.layers else []))
+         "--train-engine", "torch", "--out", str(bench_dir)] + (["--layers", str(args.layers)] if args.layers else [])
+        + (["--gradient-checkpointing"] if args.gradient_checkpointing else []))
 
     rows = [json.loads(line) for line in (train_dir / "metrics.jsonl").read_text().splitlines()]
     bench = json.loads((bench_dir / "bench.json").read_text())

@@ -119,6 +119,7 @@ def cmd_bench(args) -> int:
                       vision_tokens=args.vision_tokens, max_new_tokens=args.max_new_tokens,
                       mean_new_tokens=args.mean_new_tokens, chunk_tokens=args.chunk_tokens,
                       iterations=args.iterations, policies=policies, train_engine=args.train_engine,
+                      gradient_checkpointing=args.gradient_checkpointing,
                       decode_sms=args.decode_sms, gate_rows=args.gate_rows, out=args.out, device=args.device,
                       dtype=args.dtype, layers=args.layers, prompts_per_node=args.prompts_per_node,
                       stage_fusion=not args.no_stage_fusion,
@@ -204,6 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
                                       "(gate: prefix work waits for at most that many decode rows; sms: decode's "
                                       "SMs beside compute work, 0 per chunk)")
     b.add_argument("--train-engine", default="torch", choices=("torch", "deepspeed"))
+    b.add_argument("--gradient-checkpointing", action="store_true",
+                   help="every policy's training forwards recompute the decoder layers' activations in the "
+                        "backward (train.gradient_checkpointing)")
     b.add_argument("--decode-sms", type=int, default=0, help="SMs for decode while prefix work runs (0: re-chosen per decode chunk "
                                                                  "from the live batch: ≤8 rows 32, ≤32 rows 64, else 96)")
     b.add_argument("--gate-rows", type=int, default=0,

@@ -81,6 +81,7 @@ class BenchConfig:
     # to itself is the noise a ratio must clear (results.speedups).
     aa: bool = True
     train_engine: str = "torch"
+    gradient_checkpointing: bool = False  # every policy's training forwards recompute layer activations
     decode_sms: int = 0  # SMs for decode while both streams are busy; 0: re-chosen per chunk from the live batch
     gate_rows: int = 0  # rollplex: prefix work waits until decode has at most this many live rows
     seed: int = 0
@@ -314,7 +315,8 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
     dtype = getattr(torch, cfg.dtype)
     device = torch.device(cfg.device)
     train_ctx = EngineContext("", device, dtype, cfg.seed, {"module": model, "lr": 1e-6, "grad_clip": 1.0,
-                                                           "zero_stage": 2, "accumulation_steps": cfg.prompts})
+                                                           "zero_stage": 2, "accumulation_steps": cfg.prompts,
+                                                           "gradient_checkpointing": cfg.gradient_checkpointing})
     actor = get_engine(cfg.train_engine, "train").factory(train_ctx)
     ref_engine = get_engine("transformers", "score").factory(EngineContext("", device, dtype, cfg.seed, {"module": ref}))
     longest = cfg.vision_tokens + cfg.text_tokens + 2 + cfg.max_new_tokens + 8
