@@ -6,10 +6,11 @@ decoder layer keeps only its input, and its forward runs again in the backward (
 compute for the layers), as verl's and TRL's ``gradient_checkpointing`` do.
 
 transformers' own checkpointing drops the KV cache a layer is given, and the suffix forwards read
-their prompt's KV from one (``vlm.suffix_forward_packed``). Here a layer is checkpointed when it runs
-with grad and either no cache or a ``PrefixCache``: the prompts' KV, read but never written, so the
-layer's second run sees exactly what its first saw. The prefix forward, whose KV is its output, keeps
-its activations.
+their prompt's KV from one (``vlm.suffix_forward_packed``), the prefix forward makes its KV into one.
+Here a layer is checkpointed when it runs with grad and either no cache, a ``PrefixCache`` (the
+prompts' KV, read and never written) or a ``KVRecorder`` (the prefix forward's own KV, recorded
+rather than appended): a layer's second run then sees what its first saw and changes nothing the
+forward returned.
 """
 from __future__ import annotations
 
@@ -27,6 +28,20 @@ class PrefixCache(DynamicCache):
         return torch.cat([layer.keys, key_states], dim=-2), torch.cat([layer.values, value_states], dim=-2)
 
 
+class KVRecorder(DynamicCache):
+    """A forward's own KV from nothing (the prefix forward): each layer's keys and values are recorded
+    as it makes them (``made``) and nothing is stored, so a layer that runs again records over its
+    first run instead of adding to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        self.made[layer_idx] = (key_states, value_states)
+        return key_states, value_states
+
+
 def checkpoint_layers(model: torch.nn.Module) -> int:
     """Make ``model``'s decoder layers recompute their activations in the backward (see the module
     docstring for when); returns how many layers were changed. The layers' parameters and state-dict
@@ -39,7 +54,7 @@ def checkpoint_layers(model: torch.nn.Module) -> int:
 
         def forward(hidden_states, *args, _run=run, **kwargs):
             cache = kwargs.get("past_key_values")
-            if torch.is_grad_enabled() and (cache is None or isinstance(cache, PrefixCache)):
+            if torch.is_grad_enabled() and (cache is None or isinstance(cache, (PrefixCache, KVRecorder))):
                 return torch.utils.checkpoint.checkpoint(_run, hidden_states, *args, use_reentrant=False, **kwargs)
             return _run(hidden_states, *args, **kwargs)
 

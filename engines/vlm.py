@@ -15,10 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.utils.checkpoint
-from transformers import DynamicCache
 
 from rollplex.engines import packed_attention
-from rollplex.engines.recompute import PrefixCache
+from rollplex.engines.recompute import KVRecorder, PrefixCache
 
 
 @dataclass
@@ -169,15 +168,16 @@ def prefix_forward_batch(model: torch.nn.Module, prompts: list[PromptInputs], vi
             rows.append(embeds)
             positions.append(pos)
             deltas.append(delta)
+        made = KVRecorder()
         out = model.model.language_model(
             inputs_embeds=torch.cat(rows),
             position_ids=torch.cat(positions, dim=1).to(device),
-            past_key_values=DynamicCache(),
+            past_key_values=made,
             use_cache=True,
         )
         index = torch.tensor([n - 1 for n in lengths], device=device)
         last = model.lm_head(out.last_hidden_state[torch.arange(len(prompts), device=device), index]).float()
-        layers = [(k, v) for k, v, *_ in out.past_key_values]
+        layers = [made.made[i] for i in range(len(made.made))]
     return [PrefixState(kv=[(k[i : i + 1, :, :n], v[i : i + 1, :, :n]) for k, v in layers],
                         last_logits=last[i], rope_delta=deltas[i], length=n)
             for i, n in enumerate(lengths)]

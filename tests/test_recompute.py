@@ -73,17 +73,30 @@ def test_full_sequence_forwards_recompute_too(models):
         assert torch.allclose(g, out[1][1][name], atol=1e-7, rtol=1e-5), name
 
 
-def test_forwards_without_grad_or_with_a_writable_cache_run_as_before(models):
-    """Scoring (no grad) and the prefix forward (its KV is its output) are not checkpointed: the
-    prefix's KV equals the plain model's, and no forward with grad writes a cache twice."""
+def test_the_prefix_forward_recomputes_and_returns_the_same_kv(models):
+    """The prefix forward's KV is its output: recorded, not appended, so recomputing a layer leaves it
+    as the first run made it; the forward keeps under half the bytes."""
     (plain, checkpointed), prompts = models
     checkpointed.load_state_dict(plain.state_dict())
     with torch.no_grad():
         visions = vlm.vision_embeds_batch(plain, prompts)
-    a = vlm.prefix_forward_batch(plain, prompts, visions, grad=True)
-    b = vlm.prefix_forward_batch(checkpointed, prompts, visions, grad=True)
-    for (ka, va), (kb, vb) in zip(a[0].kv, b[0].kv):
-        assert torch.equal(ka, kb) and torch.equal(va, vb)
+    out = []
+    for model in (plain, checkpointed):
+        kept = []
+
+        def pack(t):
+            kept.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            states = vlm.prefix_forward_batch(model, prompts, visions, grad=True)
+        out.append((states, sum(kept)))
+    (a, kept_a), (b, kept_b) = out
+    for sa, sb in zip(a, b):
+        assert sa.length == sb.length and torch.equal(sa.last_logits, sb.last_logits)
+        for (ka, va), (kb, vb) in zip(sa.kv, sb.kv):
+            assert torch.equal(ka, kb) and torch.equal(va, vb)
+    assert kept_b < kept_a / 2, (kept_a, kept_b)
 
 
 def test_the_trainer_checkpoints_when_the_config_asks(tiny_model_dir):
@@ -95,3 +108,18 @@ def test_the_trainer_checkpoints_when_the_config_asks(tiny_model_dir):
                             options={"gradient_checkpointing": asked})
         model, _ = load_policy(ctx)
         assert all(getattr(layer, "_rollplex_recompute", False) == asked for layer in model.model.language_model.layers)
+
+
+def test_a_run_asked_to_recompute_plans_and_trains_with_it(tmp_path):
+    """train.gradient_checkpointing reaches the trainer's options and the byte model the planners
+    read: a training forward's activations at 2·h bytes a token and layer instead of 34·h."""
+    from rollplex.config import load_config
+    from rollplex.pipeline.run.session import Session
+
+    on = Session(load_config(None, ["train.gradient_checkpointing=true"]), tmp_path / "on")
+    off = Session(load_config(None, []), tmp_path / "off")
+    assert on.host_spec().train_options["gradient_checkpointing"] is True
+    assert off.host_spec().train_options["gradient_checkpointing"] is False
+    assert on.dims.checkpointing and not off.dims.checkpointing
+    assert on.dims.activation_bytes(1000) * 17 == off.dims.activation_bytes(1000)
+    assert on.dims.vision_bytes(100, grad=True) == off.dims.vision_bytes(100, grad=True)  # the tower keeps its own

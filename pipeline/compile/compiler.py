@@ -57,10 +57,11 @@ class ModelDims:
     def kv_bytes(self, tokens: float) -> int:
         return int(2 * self.layers * self.kv_heads * self.head_dim * tokens * self.dtype_bytes)
 
-    def activation_bytes(self, tokens: float) -> int:
+    def activation_bytes(self, tokens: float, checkpointed: bool | None = None) -> int:
         """What a forward keeps for its backward: per token and layer 34·h bytes in 16 bits with flash
-        attention (Korthikanti et al. 2022), 2·h (the layer input) with checkpointing."""
-        per = 2 if self.checkpointing else 34
+        attention (Korthikanti et al. 2022), 2·h (the layer input) with checkpointing (``checkpointed``,
+        default the model's)."""
+        per = 2 if (self.checkpointing if checkpointed is None else checkpointed) else 34
         return int(per * self.hidden * self.layers * tokens * self.dtype_bytes / 2)
 
     def vision_bytes(self, tokens: float, grad: bool = False) -> int:
@@ -68,7 +69,8 @@ class ModelDims:
         tower that trains) the activations its backward keeps, sized as the LM's over the vision
         tokens: the ViT is not in these dimensions, and Qwen2.5-VL's runs 4x the tokens at about a
         third of the width, the same order."""
-        return int(tokens * self.hidden * self.dtype_bytes) + (self.activation_bytes(tokens) if grad else 0)
+        # the tower keeps its activations whether or not the language model's layers recompute theirs
+        return int(tokens * self.hidden * self.dtype_bytes) + (self.activation_bytes(tokens, False) if grad else 0)
 
     def prefix_bytes(self, tokens: float, grad: bool = False) -> int:
         """A prompt's prefix: its KV, the fp32 last-position logits, and with ``grad`` its activations."""

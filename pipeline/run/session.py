@@ -6,6 +6,8 @@ stage fusion, the memory plan when asked) and schedules it. ``pipeline/run/runne
 """
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from pathlib import Path
 
@@ -317,7 +319,8 @@ class Session:
         self.builder = PromptBuilder(self.processor)
         self.loader = PromptLoader(self.task, self.builder, cfg.rollout.prompts_per_iteration, cfg.seed)
         hf_config = AutoConfig.from_pretrained(self.model_path)
-        dims = ModelDims.from_hf_config(hf_config, 4 if cfg.model.dtype == "float32" else 2)
+        dims = dataclasses.replace(ModelDims.from_hf_config(hf_config, 4 if cfg.model.dtype == "float32" else 2),
+                                   checkpointing=cfg.train.gradient_checkpointing)
         # Video frames add vision tokens (temporal patches), so both pad kinds count.
         prompt_tokens, vision_tokens = probe_shape(self.task, self.builder,
                                                    (hf_config.image_token_id, hf_config.video_token_id))

@@ -139,9 +139,9 @@ class TrainConfig:
                           "copy); null: full fine-tuning")
     gradient_checkpointing: bool = f(False, doc="recompute each decoder layer's activations in the backward "
                                      "instead of keeping them (verl's enable_gradient_checkpointing): a training "
-                                     "forward holds a layer's input only, for about a third more layer compute; "
-                                     "the suffix and full-sequence forwards recompute, the prompt's prefix forward "
-                                     "keeps its activations")
+                                     "forward of the language model (prefix, suffix, full sequence) holds each "
+                                     "layer's input only, for about a third more layer compute; a vision tower that "
+                                     "trains keeps its activations")
     freeze_vision: bool = f(True, doc="keep every vision-tower (*visual*) weight frozen, as EasyR1's "
                             "freeze_vision_tower; false: the policy's vision tower trains too (its vision forward "
                             "keeps a graph per micro-batch; the reference keeps its own frozen one)")
