@@ -42,19 +42,15 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     args = ap.parse_args()
 
-    from rollplex.engines import recompute, vlm
-    from rollplex.pipeline.bench.bench import BenchConfig, build_model, make_prompts
+    from rollplex.engines import recompute
+    from scoring_setup import draw_responses, scoring_setup
 
     rows = []
     for layers in (int(x) for x in args.layers.split(",")):
-        cfg = BenchConfig(model=args.model, prompts=1, max_new_tokens=args.new_tokens, vision_tokens=args.vision_tokens,
-                          device=args.device, dtype=args.dtype, layers=layers)
-        model, _ = build_model(cfg)
-        prompts = make_prompts(cfg, model.config, 0)
-        with torch.no_grad():
-            visions = vlm.vision_embeds_batch(model, prompts)
-        gen = torch.Generator().manual_seed(0)
-        responses = [[torch.randint(100, 1000, (args.new_tokens,), generator=gen).tolist() for _ in range(cfg.samples)]]
+        cfg, model, prompts, visions = scoring_setup(args.model, 1, args.new_tokens, args.vision_tokens, args.device,
+                                                     layers, args.dtype)
+        responses = draw_responses(cfg, 1, model.config.get_text_config().vocab_size, torch.Generator().manual_seed(0),
+                                   capped=True)
         kept = kept_bytes(model, prompts, visions, responses)
         recompute.checkpoint_layers(model)
         recomputed = kept_bytes(model, prompts, visions, responses)

@@ -10,7 +10,6 @@ with cuDNN's attention on and off, and counts the allocator's device allocations
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import time
 
@@ -30,26 +29,17 @@ def main() -> None:
                     help="comma list of cudnn / nocudnn, run in that order, each on its own fresh lengths")
     args = ap.parse_args()
 
-    from rollplex.pipeline.bench.bench import BenchConfig, build_model, make_prompts
     from rollplex.engines import vlm
+    from scoring_setup import draw_responses, scoring_setup
 
-    cfg = BenchConfig(model=args.model, prompts=args.groups, max_new_tokens=args.max_new_tokens,
-                      vision_tokens=args.vision_tokens, device=args.device, layers=args.layers)
-    model, _ = build_model(cfg)
+    cfg, model, prompts, visions = scoring_setup(args.model, args.groups, args.max_new_tokens, args.vision_tokens,
+                                                 args.device, args.layers)
     cuda = args.device == "cuda"
-    prompts = make_prompts(cfg, model.config, 0)
-    with torch.no_grad():
-        visions = vlm.vision_embeds_batch(model, prompts)
     vocab = model.config.get_text_config().vocab_size
     gen = torch.Generator().manual_seed(1)
 
     def draw() -> list[list[list[int]]]:
-        out = []
-        for _ in prompts:
-            n = torch.exp(math.log(cfg.mean_new_tokens) + 0.8 * torch.randn(cfg.samples, generator=gen))
-            out.append([torch.randint(100, vocab - 100, (int(min(cfg.max_new_tokens, max(4, x))),),
-                                      generator=gen).tolist() for x in n.tolist()])
-        return out
+        return draw_responses(cfg, len(prompts), vocab, gen, capped=False)
 
     def allocations() -> int:
         return torch.cuda.memory_stats().get("num_device_alloc", 0) if cuda else 0
