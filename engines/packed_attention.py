@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 NAME = "rollplex_packed"
 
@@ -106,8 +107,6 @@ def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay: PackedLayout,
 def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
               packed: PackedLayout | None = None, **kwargs):
     """transformers' attention interface: SDPA, unless the forward passes a ``packed`` layout."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     if packed is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
