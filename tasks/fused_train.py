@@ -2,14 +2,13 @@
 
 The compiler emits these instead of per-prompt reward, advantage, suffix and loss nodes when every
 step of the algorithm is per group (``compiler.train_fusable``). Each handed group runs reward →
-advantage → the policy's prefix and suffix forwards with grad → the loss → backward. Groups are
-batched into one prefix forward, one suffix forward and one backward as far as
-``vlm.batches_within``'s logits budget and the micro-batch (``train.micro_batch_groups`` groups)
-allow, and each batch's graphs are freed before the next is built, so no prefix graph outlives its
-group's backward. The batch's token (or
-response) count is known only after the last chunk, so each group's loss is summed, not averaged;
-the optimizer step divides the accumulated gradient by that count (``deferred_normaliser``), which
-gives the gradient of the averaged loss up to float rounding. Rewards, advantages, the loss's sum and
+advantage → the policy's prefix and suffix forwards with grad → the loss → backward. The groups
+of one micro-batch (``train.micro_batch_groups``) share one prefix forward, one suffix forward and
+one backward, and each batch's graphs are freed before the next is built, so no prefix graph
+outlives its group's backward. The batch's token (or response) count is known only after the last
+chunk, so each group's loss is summed, not averaged; the optimizer step divides the accumulated
+gradient by that count (``deferred_normaliser``), which gives the gradient of the averaged loss up
+to float rounding. Rewards, advantages, the loss's sum and
 its metrics are the per-prompt tasks' own helpers (tasks/updates.py).
 """
 from __future__ import annotations
@@ -45,13 +44,12 @@ def train_handoff(ctx, node, inputs) -> dict:
     record = {"loss": 0.0, "tokens": 0.0, "sums": {}, "scalars": {}, "deferred": count_of(agg)}
     scalars: dict[str, list[float]] = {}
     ready = sorted(handoff)
-    tokens = [sum(map(len, handoff[p].token_ids)) for p in ready]
-    # Groups share a forward and a backward as far as the logits budget and the run's micro-batch
-    # (which bounds a backward's graphs) allow: eager scoring is host-bound, and each group's loss
-    # sums into one backward that reaches every group's prefix.
-    for run in vlm.batches_within(tokens, model.config.get_text_config().vocab_size, grad=True,
-                                 most=node.args.get("micro_batch_groups")):
-        batch = [ready[i] for i in run]
+    # Groups share a forward and a backward in the run's micro-batches, as serial's loss nodes do:
+    # eager scoring is host-bound, and each group's loss sums into one backward that reaches every
+    # group's prefix. The micro-batch bounds a backward's graphs; the logits do not need a budget of
+    # their own, as the LM head runs in checkpointed pieces (vlm.head_logprobs) whatever the length.
+    most = node.args.get("micro_batch_groups") or 1
+    for batch in (ready[i: i + most] for i in range(0, len(ready), most)):
         prompts = [inputs[prompt_of[p]] for p in batch]
         # A vision tower that trains (vision_grad): its forward with grad, freed with this batch's graphs.
         visions = (vlm.vision_embeds_batch(model, prompts, grad=True) if node.args.get("vision_grad")

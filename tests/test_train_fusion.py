@@ -139,6 +139,16 @@ def test_a_chunks_groups_train_in_micro_batches(tmp_path, monkeypatch):
         per_policy[policy] = list(backwards)
     assert set(per_policy["rollplex:ppn=4:mb=1:tf=1"]) == {4}
     assert max(per_policy["rollplex:ppn=4:mb=4:tf=1"]) <= 3
+    # Long responses do not split a micro-batch: the LM head runs in pieces, so no logits budget
+    # applies (one of a single element here, which every group's logits pass).
+    from rollplex.engines import vlm
+
+    monkeypatch.setitem(vlm.batches_within.__kwdefaults__, "budget", 1)
+    backwards.clear()
+    run(BenchConfig(model=config, device="cpu", dtype="float32", prompts=4, samples=2, vision_tokens=16,
+                    text_tokens=8, max_new_tokens=8, mean_new_tokens=4, chunk_tokens=4, iterations=2,
+                    policies=("rollplex:ppn=4:mb=4:tf=1",), out=str(tmp_path / "budget")), log=lambda *a: None)
+    assert backwards == per_policy["rollplex:ppn=4:mb=4:tf=1"]
 
 
 OVERRIDES = ["iterations=2", "seed=4", "warmup.steps=0", "stop_at_reward=null", "checkpoint.every=1",
