@@ -3,7 +3,8 @@ outside its nodes.
 
 Both run the same work on one GPU: the 3B preset with random weights in bf16, P = 8 prompts (or
 ``--prompts``) of one 896×896 image (1,024 merged vision tokens) and about 64 text tokens, G = 8 samples of 256 tokens
-each (random weights almost never stop early; the bench caps every sample at 256), chunks of 32
+each (random weights almost never stop early; the bench caps every sample at 256) or, with
+``--mean-new-tokens``, of the bench's long-tailed lengths (train: ``rollout.length_caps``), chunks of 32
 tokens, the torch train engine, the compiled torch-graph decode engine, 8 prompts per vit/prefix/
 suffix node and 2 per micro-batch. Train runs ``schedule: auto``, so serial and rollplex (with train
 fusion) take turns in one process as the bench's policies do; its first iteration of each is dropped.
@@ -14,7 +15,8 @@ fusion) take turns in one process as the bench's policies do; its first iteratio
 
 Prints, per policy: s/iteration (median of the timed iterations) in train and in the bench, their
 ratio, and the share of each train iteration outside every node of its trace (the driver's view of
-the iteration against the union of its nodes' intervals), then writes ``train_vs_bench.json``.
+the iteration against the union of its nodes' intervals); then train's serial ÷ rollplex over its
+pairs of iterations (the same prompts and caps in each), and writes ``train_vs_bench.json``.
 """
 from __future__ import annotations
 
@@ -97,6 +99,10 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=8, help="prompts per iteration (P; G is 8)")
     ap.add_argument("--decode-attention", default="auto", help="the torch-graph engine's attention option")
     ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--mean-new-tokens", type=int, default=0,
+                    help="responses of long-tailed lengths around this many tokens, capped at --new-tokens: train "
+                         "draws each prompt's caps once (rollout.length_caps, sigma 0.8), the bench per iteration; "
+                         "0: every response at --new-tokens")
     ap.add_argument("--chunk-tokens", type=int, default=32)
     ap.add_argument("--trials", type=int, default=5, help="train iterations per schedule (the first not timed)")
     ap.add_argument("--bench-iterations", type=int, default=6)
@@ -132,6 +138,7 @@ def main() -> int:
          "--set", "train.train_fusion=true", "--set", "checkpoint.every=0"]
         + (["--set", f"cluster.threads={args.threads}"] if args.threads else [])
         + (["--set", "train.gradient_checkpointing=true"] if args.gradient_checkpointing else [])
+        + (["--set", "rollout.length_caps={mean: %d, sigma: 0.8}" % args.mean_new_tokens] if args.mean_new_tokens else [])
         + [x for s in shape for x in ("--set", s)])
     shutil.copy(train_dir / "metrics.jsonl", out / "train_metrics.jsonl")  # kept should the bench not finish
     bench_dir = work / "bench"
@@ -139,7 +146,7 @@ def main() -> int:
     run(["rollplex", "bench", "--model", args.preset, "--device", args.device, "--dtype", dtype,
          "--prompts", str(args.prompts), "--decode-attention", args.decode_attention,
          "--policies", policies, "--iterations", str(args.bench_iterations), "--max-new-tokens", str(args.new_tokens),
-         "--mean-new-tokens", "1000000", "--chunk-tokens", str(args.chunk_tokens), "--vision-tokens", str(vision),
+         "--mean-new-tokens", str(args.mean_new_tokens or 1000000), "--chunk-tokens", str(args.chunk_tokens), "--vision-tokens", str(vision),
          "--train-engine", "torch", "--out", str(bench_dir)] + (["--layers", str(args.layers)] if args.layers else [])
         + (["--gradient-checkpointing"] if args.gradient_checkpointing else []))
 
@@ -158,6 +165,12 @@ def main() -> int:
                             "train_over_bench": statistics.median(seconds) / bench_s if bench_s else None,
                             "outside_share": outside, "outside_median": statistics.median(outside),
                             "response_len_mean": statistics.mean(r["response_len_mean"] for r in mine)}
+    # schedule: auto runs serial and rollplex in turns on the same prompts: iteration i of each is a pair.
+    from rollplex.pipeline.bench.results import median_interval
+
+    pairs = [s / r for s, r in zip(result["serial"]["train_seconds"], result["rollplex"]["train_seconds"])]
+    interval = median_interval(pairs)
+    result["rollplex_over_serial_paired"] = {"ratios": pairs, "median_low_high": interval}
     print(f"{'policy':10s} {'train s/it':>10s} {'bench s/it':>10s} {'train÷bench':>11s} {'outside nodes':>13s}")
     for schedule, r in result.items():
         bench_s, ratio = ((f"{r['bench_median']:10.3f}", f"{r['train_over_bench']:11.3f}") if r["bench_median"]
@@ -165,6 +178,10 @@ def main() -> int:
         print(f"{schedule:10s} {r['train_median']:10.3f} {bench_s} {ratio} "
               f"{r['outside_median']:12.1%}   (train iterations: {', '.join(f'{s:.2f}' for s in r['train_seconds'])};"
               f" mean response {r['response_len_mean']:.0f} tokens)")
+    spread = (f"95% interval {interval[1]:.2f}–{interval[2]:.2f}" if interval
+              else f"range {min(pairs):.2f}–{max(pairs):.2f}" if pairs else "no pairs")
+    print(f"train, serial ÷ rollplex per pair of iterations: {statistics.median(pairs) if pairs else float('nan'):.3f}× "
+          f"({spread}, n = {len(pairs)})")
     (out / "train_vs_bench.json").write_text(json.dumps(result, indent=1))
     shutil.copy(bench_dir / "bench.json", out / "bench.json")
     last = max(r["iteration"] for r in rows)

@@ -10,6 +10,7 @@ Functions never reach into Dask or the scheduler, and never read a value's name.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -52,6 +53,17 @@ def sample_seed(run_seed: int, iteration: int, prompt_id: str) -> int:
     of batch order, schedule and worker."""
     digest = hashlib.sha256(f"{run_seed}/{iteration}/{prompt_id}".encode()).digest()
     return int.from_bytes(digest[:4], "little") & 0x3FFFFFFF
+
+
+def length_caps(settings, prompt_id: str) -> list[int]:
+    """rollout.length_caps: each of a prompt's samples capped at a length drawn log-normal around
+    ``mean`` tokens (spread ``sigma``), in [1, max_new_tokens]; one draw per prompt and run seed, so a
+    prompt brings the same workload to every iteration and every schedule that meets it."""
+    caps = settings.length_caps
+    digest = hashlib.sha256(f"{settings.seed}/length_caps/{prompt_id}".encode()).digest()
+    gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+    drawn = torch.exp(math.log(caps["mean"]) + caps["sigma"] * torch.randn(settings.samples, generator=gen))
+    return [int(min(settings.max_new_tokens, max(1, x))) for x in drawn.tolist()]
 
 
 def request_id(iteration: int, prompt: int) -> str:
@@ -148,8 +160,9 @@ def decode_chunk(ctx, node, inputs):
         visions = [inputs[v] for v in with_role(ctx, node.inputs, "vision")]
         # One request per prompt with n = G samples: the prompt and its image embeddings are
         # processed once, and a group is handed on when all its samples are done. A prompt whose
-        # meta caps each sample's length (benchmarks' long-tail workloads) gets one request per
-        # sample, seeded seed + g as sample g of the group would be.
+        # meta caps each sample's length (the bench's long-tail workload), or any prompt of a run
+        # with rollout.length_caps, gets one request per sample, seeded seed + g as sample g of the
+        # group would be.
         requests = []
         # Request ids name prompts by their global index, so a rank's requests are the same as the
         # single-rank run's (a replayed or recorded rollout is keyed by them).
@@ -159,6 +172,8 @@ def decode_chunk(ctx, node, inputs):
                                   seed=sample_seed(s.seed, ctx.iteration, prompt.prompt_id), n=s.samples,
                                   temperature=s.temperature, top_p=s.top_p)
             caps = prompt.meta.get("max_tokens")
+            if caps is None and s.length_caps is not None:
+                caps = length_caps(s, prompt.prompt_id)
             if caps is None:
                 requests.append(base)
                 continue

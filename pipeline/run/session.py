@@ -447,7 +447,7 @@ class Session:
             temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
             pad_id=tok.convert_tokens_to_ids("<|endoftext|>"), stop_token_ids=stop,
             params={**cfg.params, **({"clip_ratio_c": cfg.train.clip_ratio_c} if cfg.train.clip_ratio_c else {})},
-            rollout_is_cap=rollout_is_cap(cfg))
+            rollout_is_cap=rollout_is_cap(cfg), length_caps=cfg.rollout.length_caps)
         # Each rank accumulates its share of one optimizer step's micro-batches.
         micro_batches = len(self.shape.micro_batches()) // self.world // self.shape.mini_batches
         train_options = {"lr": cfg.train.lr, "betas": tuple(cfg.train.betas), "eps": cfg.train.eps,

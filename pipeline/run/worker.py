@@ -54,6 +54,7 @@ class IterationSettings:
     stop_token_ids: tuple[int, ...]
     params: dict = field(default_factory=dict)
     rollout_is_cap: float | None = None  # train.rollout_is.cap; None: rollout_is_weights are all 1
+    length_caps: dict | None = None  # rollout.length_caps: each prompt's samples capped by a log-normal draw
 
     @property
     def score_temperature(self) -> float:

@@ -58,6 +58,10 @@ def validate(cfg: RunConfig) -> None:
                           "not train.lora; leave one of them off")
     _validate_eval(cfg)
     _validate_turns(cfg)
+    cfg.rollout.length_caps = length_caps(cfg.rollout.length_caps)
+    if cfg.rollout.length_caps is not None and cfg.rollout.max_turns > 1:
+        raise ConfigError(f"rollout.length_caps: caps single-turn responses; rollout.max_turns is "
+                          f"{cfg.rollout.max_turns} (leave one of them at its default)")
     if cfg.rollout.chunk_tokens > cfg.rollout.max_new_tokens:
         raise ConfigError(f"rollout.chunk_tokens: {cfg.rollout.chunk_tokens} exceeds rollout.max_new_tokens "
                           f"({cfg.rollout.max_new_tokens})")
@@ -99,6 +103,26 @@ def _validate_address(address: str) -> None:
         raise ConfigError(f"cluster.scheduler: {address!r}: protocol {m['scheme']!r} is not one of tcp, tls")
     if not 1 <= int(m["port"]) <= 65535:
         raise ConfigError(f"cluster.scheduler: {address!r}: port {int(m['port'])} is not in 1..65535")
+
+
+def length_caps(value: dict | None) -> dict | None:
+    """``rollout.length_caps`` checked key by key: {mean: tokens > 0, sigma: ≥ 0 (default 0.8)}."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ConfigError(f"rollout.length_caps: expected {{mean: N, sigma: S}} or null, got {value!r}")
+    for key in value:
+        if key not in ("mean", "sigma"):
+            raise ConfigError(f"unknown field rollout.length_caps.{key}{did_you_mean(str(key), ['mean', 'sigma'])}")
+    if "mean" not in value:
+        raise ConfigError("rollout.length_caps.mean: missing (the draw's median length in tokens, e.g. 96)")
+    mean = check_type("rollout.length_caps.mean", value["mean"], float)
+    if not 0 < mean <= 2**20:
+        raise ConfigError(f"rollout.length_caps.mean: {mean} is not in (0, 1048576]")
+    sigma = check_type("rollout.length_caps.sigma", value.get("sigma", 0.8), float)
+    if not 0 <= sigma <= 10:
+        raise ConfigError(f"rollout.length_caps.sigma: {sigma} is not in [0, 10]")
+    return {"mean": float(mean), "sigma": float(sigma)}
 
 
 LORA_DEFAULTS = {"rank": 8, "alpha": 16.0, "dropout": 0.0,

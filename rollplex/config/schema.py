@@ -81,6 +81,10 @@ class RolloutConfig:
     max_turns: int = f(1, lo=1, hi=64, doc="turns per trajectory: after each, the sample's environment (env.name) "
                        "answers with text and images, until it says done; rollout.max_new_tokens is per turn; "
                        "1: single-turn")
+    length_caps: dict | None = f(None, doc="for benchmarks of random-weight models, which never stop on their own: "
+                                 "{mean: 96, sigma: 0.8} caps each sample of a prompt at a length drawn log-normal "
+                                 "around mean tokens (at most max_new_tokens), drawn once per prompt from the seed, "
+                                 "as `rollplex bench` draws its workload; null: samples stop at EOS or max_new_tokens")
 
 
 @dataclass
