@@ -105,7 +105,7 @@ def main() -> int:
                          "0: every response at --new-tokens")
     ap.add_argument("--chunk-tokens", type=int, default=32)
     ap.add_argument("--trials", type=int, default=5, help="train iterations per schedule (the first not timed)")
-    ap.add_argument("--bench-iterations", type=int, default=6)
+    ap.add_argument("--bench-iterations", type=int, default=6, help="0: train alone, no bench")
     ap.add_argument("--bench-also", default="",
                     help="more bench policies beside serial and rollplex, e.g. plain:seq=4 (comma-separated)")
     ap.add_argument("--gradient-checkpointing", action="store_true", help="both runs recompute layer activations")
@@ -143,15 +143,17 @@ def main() -> int:
     shutil.copy(train_dir / "metrics.jsonl", out / "train_metrics.jsonl")  # kept should the bench not finish
     bench_dir = work / "bench"
     policies = ",".join(["serial:ppn=8:mb=2", "rollplex:ppn=8:mb=2:tf=1"] + [p for p in args.bench_also.split(",") if p])
-    run(["rollplex", "bench", "--model", args.preset, "--device", args.device, "--dtype", dtype,
+    if args.bench_iterations:
+        run(["rollplex", "bench", "--model", args.preset, "--device", args.device, "--dtype", dtype,
          "--prompts", str(args.prompts), "--decode-attention", args.decode_attention,
-         "--policies", policies, "--iterations", str(args.bench_iterations), "--max-new-tokens", str(args.new_tokens),
-         "--mean-new-tokens", str(args.mean_new_tokens or 1000000), "--chunk-tokens", str(args.chunk_tokens), "--vision-tokens", str(vision),
-         "--train-engine", "torch", "--out", str(bench_dir)] + (["--layers", str(args.layers)] if args.layers else [])
-        + (["--gradient-checkpointing"] if args.gradient_checkpointing else []))
+             "--policies", policies, "--iterations", str(args.bench_iterations), "--max-new-tokens", str(args.new_tokens),
+             "--mean-new-tokens", str(args.mean_new_tokens or 1000000), "--chunk-tokens", str(args.chunk_tokens),
+             "--vision-tokens", str(vision), "--train-engine", "torch", "--out", str(bench_dir)]
+            + (["--layers", str(args.layers)] if args.layers else [])
+            + (["--gradient-checkpointing"] if args.gradient_checkpointing else []))
 
     rows = [json.loads(line) for line in (train_dir / "metrics.jsonl").read_text().splitlines()]
-    bench = json.loads((bench_dir / "bench.json").read_text())
+    bench = json.loads((bench_dir / "bench.json").read_text()) if args.bench_iterations else {"results": []}
     result = {}
     for schedule, policy in (("serial", "serial:ppn=8:mb=2"), ("rollplex", "rollplex:ppn=8:mb=2:tf=1")):
         mine = [r for r in rows if r.get("schedule") == schedule][1:]  # its first iteration: compile, capture
@@ -172,7 +174,8 @@ def main() -> int:
     interval = median_interval(pairs)
     result["rollplex_over_serial_paired"] = {"ratios": pairs, "median_low_high": interval}
     print(f"{'policy':10s} {'train s/it':>10s} {'bench s/it':>10s} {'train÷bench':>11s} {'outside nodes':>13s}")
-    for schedule, r in result.items():
+    for schedule in ("serial", "rollplex"):
+        r = result[schedule]
         bench_s, ratio = ((f"{r['bench_median']:10.3f}", f"{r['train_over_bench']:11.3f}") if r["bench_median"]
                           else (f"{'-':>10s}", f"{'-':>11s}"))
         print(f"{schedule:10s} {r['train_median']:10.3f} {bench_s} {ratio} "
@@ -183,7 +186,8 @@ def main() -> int:
     print(f"train, serial ÷ rollplex per pair of iterations: {statistics.median(pairs) if pairs else float('nan'):.3f}× "
           f"({spread}, n = {len(pairs)})")
     (out / "train_vs_bench.json").write_text(json.dumps(result, indent=1))
-    shutil.copy(bench_dir / "bench.json", out / "bench.json")
+    if args.bench_iterations:
+        shutil.copy(bench_dir / "bench.json", out / "bench.json")
     last = max(r["iteration"] for r in rows)
     shutil.copy(train_dir / "traces" / f"iter_{last:06d}.json", out / "train_trace_last.json")
     return 0
