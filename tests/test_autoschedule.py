@@ -69,3 +69,21 @@ def test_invariants_for_any_timings(trials, seconds):
         history.append((choice.schedule, s))
     assert decided_at == 2 * (trials + 1)
     assert first.medians[first.schedule] == min(first.medians.values())
+
+
+def test_with_train_fusion_three_schedules_take_turns_and_the_fastest_is_kept():
+    from rollplex.pipeline.plan.autoschedule import candidates, policy_of
+
+    names = candidates(train_fusion=True)
+    assert names == ("rollplex", "rollplex-unfused", "serial") and candidates(train_fusion=False) == ("rollplex", "serial")
+    assert policy_of("rollplex-unfused") == ("rollplex", False) and policy_of("serial") == ("serial", True)
+    times = {"rollplex": [9.0, 0.50, 0.52], "rollplex-unfused": [9.0, 0.40, 0.41], "serial": [9.0, 0.45, 0.44]}
+    history: list[tuple[str, float]] = []
+    used = dict.fromkeys(names, 0)
+    for _ in range(9):
+        name = next_schedule(history, 2, names).schedule
+        history.append((name, times[name][used[name]] if used[name] < 3 else 0.4))
+        used[name] += 1
+    assert [n for n, _ in history] == list(names) * 3
+    choice = next_schedule(history, 2, names)
+    assert choice.decided and choice.schedule == "rollplex-unfused"

@@ -252,3 +252,22 @@ def test_torch_engine_scales_accumulated_gradients():
     engine.backward(engine.module(torch.ones(1, 2)).sum() * 4)
     engine.scale_gradients(0.25)
     assert engine.module.weight.grad.tolist() == [[1.0, 1.0]]
+
+
+@pytest.mark.slow
+def test_schedule_auto_with_train_fusion_also_times_rollplex_training_after_decode(tmp_path):
+    """Train fusion pays only while the window's work fits beside decode, so auto times three graphs:
+    rollplex (fused), rollplex with the policy's training after decode, and serial."""
+    cfg = load_config(None, [*OVERRIDES, "schedule=auto", "schedule_trials=1", "train.train_fusion=true",
+                             "iterations=6", "checkpoint.every=0"])
+    train(cfg, tmp_path, progress=False, log=lambda *a: None)
+    rl = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in rl if r["phase"] == "rl"]
+    assert [r["schedule"] for r in rl] == ["rollplex", "rollplex-unfused", "serial"] * 2
+
+    def kinds(iteration: int) -> set[str]:
+        trace = json.loads((tmp_path / "traces" / f"iter_{iteration:06d}.json").read_text())
+        return {e["name"].split("_")[0] for e in trace["traceEvents"] if e.get("ph") == "X"}
+
+    fused, unfused, serial = kinds(3), kinds(4), kinds(5)
+    assert "train" in fused and "train" not in unfused and "loss" in unfused and "loss" in serial

@@ -1,4 +1,5 @@
-"""``schedule: auto``: choose between the rollplex and serial schedules by timing both.
+"""``schedule: auto``: choose between the rollplex and serial schedules by timing both (and, where
+train fusion is asked for, rollplex with the training after decode).
 
 Whether the decode window pays depends on the device and the batch: on the CPU and at one prompt
 per node it does; on one H200 at 64 decode rows the window's work slows decode by about what it
@@ -16,6 +17,20 @@ import statistics
 from dataclasses import dataclass, field
 
 CANDIDATES: tuple[str, ...] = ("rollplex", "serial")
+# With train fusion asked for, the rollplex schedule with the policy's training after decode too: the
+# window pays for train fusion only while its work fits beside decode (at 32 prompts × 8 on an H100
+# it was twice decode's time, and the fused run 5% slower than serial; BENCHMARKS.md).
+UNFUSED = "rollplex-unfused"
+
+
+def candidates(train_fusion: bool) -> tuple[str, ...]:
+    """The schedules ``schedule: auto`` times, in the order of their first runs."""
+    return ("rollplex", UNFUSED, "serial") if train_fusion else CANDIDATES
+
+
+def policy_of(schedule: str) -> tuple[str, bool]:
+    """(the iteration spec's policy, whether the graph may fuse training) of a candidate's name."""
+    return ("rollplex", False) if schedule == UNFUSED else (schedule, True)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 from rollplex.config import RunConfig, resolve_task_defaults, rollout_is_cap
 from rollplex.errors import ConfigError, EngineError, GraphError, RollplexError
 from rollplex.pipeline.run import checkpoints
-from rollplex.pipeline.plan.autoschedule import CANDIDATES, Choice, next_schedule
+from rollplex.pipeline.plan.autoschedule import Choice, candidates, next_schedule, policy_of
 from rollplex.pipeline.run.hostops import _save
 from rollplex.pipeline.run.preflight import check_servable
 
@@ -365,15 +365,19 @@ class Session:
         # After a warm-up the reference is the warmed-up policy, saved once in the run directory.
         warmed = run_dir / "reference"
         self.reference_path = str(warmed) if (warmed / "config.json").exists() else self.model_path
-        # schedule: auto times both schedules' graphs and keeps the faster (pipeline/plan/autoschedule.py).
-        self.schedules = CANDIDATES if cfg.schedule == "auto" else (cfg.schedule,)
+        # schedule: auto times each candidate's graph and keeps the fastest (pipeline/plan/autoschedule.py).
+        self.schedules = candidates(cfg.train.train_fusion) if cfg.schedule == "auto" else (cfg.schedule,)
         self.graphs, self.memory_plans, compiled_graphs = {}, {}, {}
         self.train_fusion_off: str | None = None  # asked for, but the rollplex graph trains after decode: why
         try:
             from rollplex.pipeline.plan.build import build_iteration
 
             for name in self.schedules:
-                built = build_iteration(self.algorithm, spec.under(name), dims,
+                policy, fusing = policy_of(name)
+                under = spec.under(policy)
+                if not fusing and under.shape.train_fusion:
+                    under = dataclasses.replace(under, shape=dataclasses.replace(under.shape, train_fusion=False))
+                built = build_iteration(self.algorithm, under, dims,
                                         self.plan_memory if cfg.cluster.memory_plan else None)
                 if name == "rollplex":
                     self.train_fusion_off = built.compiled.meta.get("train_fusion_off")

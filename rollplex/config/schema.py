@@ -241,8 +241,9 @@ class RunConfig:
     seed: int = f(0, lo=0, hi=2**31 - 1, doc="run seed: data order, sampling, init")
     iterations: int = f(300, lo=0, hi=10**9, doc="RL iterations (at most; see stop_at_reward)")
     schedule: str = f("rollplex", choices=("serial", "rollplex", "auto"),
-                      doc="iteration schedule policy; auto: alternate rollplex and serial first, then keep the "
-                          "faster (the update is the same under both)")
+                      doc="iteration schedule policy; auto: alternate rollplex and serial first (and, with "
+                          "train.train_fusion, rollplex with the training after decode), then keep the fastest "
+                          "(the update is the same under each)")
     schedule_trials: int = f(3, lo=1, hi=1000, doc="schedule auto: timed iterations per schedule before keeping "
                                                    "the faster median (each one's first iteration is not counted)")
     algorithm: str = f("grpo", doc="a dags/ name (grpo) or a path to a DAG .py file")
