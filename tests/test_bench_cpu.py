@@ -24,6 +24,9 @@ def test_bench_runs_every_policy_and_replayed_updates_agree(tmp_path):
     saved = json.loads((tmp_path / "bench.json").read_text())
     assert [r["policy"] for r in saved["results"]] == ["plain", "serial-noshare", "serial", "rollplex", "serial#aa"]
     assert all(r["median_s"] > 0 and r["seconds_by_kind"]["decode_chunk"] > 0 for r in saved["results"])
+    rates = saved["bound_rates"]  # measured here, so ÷bound is against this device, not an H200
+    assert 1e8 < rates["copy_bytes_per_s"] < 1e13 and 1e8 < rates["matmul_flops_per_s"] < 1e15
+    assert all(r["ratio_to_bound"] > 0 for r in saved["results"])
     updates = {u["policy"]: u for u in out["updates"]}
     assert updates["serial"]["replayed"] == 0.0  # replaying serial's rollout reproduces its update exactly
     # Same rollout, other schedule. Stage fusion scores the reference per finished sample, so its
@@ -418,3 +421,17 @@ def test_speedups_pair_policies_by_name_whatever_their_options():
     assert "serial:ppn=8:mb=2 is 2.00x plain (95% 2.00-2.00, n=6)" in lines
     aa = [line for line in lines if line.startswith("A/A: serial:ppn=8:mb=2#aa is ")]
     assert len(aa) == 1 and aa[0].endswith("the interval contains 1: the run counts"), lines
+
+
+def test_the_true_lower_bound_follows_the_devices_measured_rates():
+    """Decode-bound: twice the copy bandwidth halves the bound; compute-bound: twice the matmul rate does."""
+    from rollplex.engines.modelspec import PRESETS
+    from rollplex.pipeline.bench.results import DeviceRates, lower_bound
+
+    cfg, spec = BenchConfig(), PRESETS["qwen2.5-vl-3b"]
+    rows = [{"prompt_id": f"p{p}", "response_token_ids": [0] * n} for p in range(8) for n in (40, 400, 900, 90)]
+    slow, fast_copy = DeviceRates(3e12, 800e12), DeviceRates(6e12, 800e12)
+    assert lower_bound(cfg, spec, rows, fast_copy) == pytest.approx(lower_bound(cfg, spec, rows, slow) / 2)
+    short = [{"prompt_id": f"p{p}", "response_token_ids": [0]} for p in range(8)]  # one step: FLOPs bound it
+    assert lower_bound(cfg, spec, short, DeviceRates(3e12, 1600e12)) == pytest.approx(
+        lower_bound(cfg, spec, short, slow) / 2)

@@ -56,6 +56,7 @@ from rollplex.pipeline.bench.results import (  # noqa: F401 - POLICIES, ALL_POLI
     allocator_backend,
     compare_update,
     file_stem,
+    measure_rates,
     parse_policy,
     policy_shape,
     profile_iteration,
@@ -328,6 +329,9 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
     log(f"bench: {cfg.model} ({sum(p.numel() for p in model.parameters()) / 1e9:.2f}B params, {cfg.dtype}) on "
         f"{torch.cuda.get_device_name() if cfg.device == 'cuda' else 'cpu'}; built in {time.time() - t0:.1f}s"
         + (f"; CUDA allocator {allocator_backend()} (PYTORCH_CUDA_ALLOC_CONF)" if cfg.device == "cuda" else ""))
+    rates = measure_rates(device, dtype)  # the true lower bound's rates, this device's own
+    log(f"bench: the bound's rates, measured: copy {rates.copy_bytes_per_s / 1e12:.2f} TB/s, matmul "
+        f"{rates.matmul_flops_per_s / 1e12:.0f} TFLOP/s ({cfg.dtype})")
     partitions: dict[tuple[str, int], Any] = {}  # (device, decode SMs or 0) -> pipeline.partitions.Partitions
     results: dict[str, PolicyResult] = {}
     recorder = Recorder(decode)  # serial's rollouts, replayed below so updates compare on one rollout
@@ -456,7 +460,7 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
                 res.ranks_disagree = bench_multi.ranks_disagree(extra) if extra else 0.0
                 continue
             record_iteration(cfg, spec, weight_bytes, res, result, sum(d.steps_run for d in decodes) - steps_before,
-                             policy)
+                             policy, rates)
         if policy == reference:
             log(f"  {reference}'s rollouts recorded for replay: {len(recorder.recorded)} sequences")
         if policy in cfg.profile:
@@ -509,7 +513,7 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
             # Outside the except clause: until it ends, the traceback's frames hold the failed
             # iteration's tensors, and the allocator could not return them.
             recover_from_failed_policy()
-        report(cfg, spec, results, out_dir, lambda *a: None, failed)  # partial results survive a later failure
+        report(cfg, spec, results, out_dir, lambda *a: None, failed, rates)  # partial results survive a later failure
         return True
 
     one_gpu = [p for p in graphs if parse_policy(p)[0] not in TWO_GPU_POLICIES]
@@ -547,7 +551,7 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
             del runner  # its hosts and executors go before the second GPU's copies
             if extra is not None:
                 extra.release()
-    return report(cfg, spec, results, out_dir, log, failed)
+    return report(cfg, spec, results, out_dir, log, failed, rates)
 
 
 # Out of device memory, in the words torch, a kernel launch and cuBLAS (a new thread's handle; run 27)

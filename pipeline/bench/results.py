@@ -3,6 +3,7 @@ the update comparison against serial, the lower bound, the report and its chart,
 one iteration. ``pipeline/bench/bench.py`` runs the iterations."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import statistics
@@ -184,8 +185,52 @@ def long_host_calls(prof, min_ms: float = 20.0, limit: int = 200) -> str:
     return "\n".join(lines) + "\n"
 
 
+@dataclass(frozen=True)
+class DeviceRates:
+    """The best the device does, measured on it once per bench: the true lower bound's two rates."""
+
+    copy_bytes_per_s: float  # a device-to-device copy, bytes read plus bytes written
+    matmul_flops_per_s: float  # a large square matmul in the bench's dtype
+
+
+def measure_rates(device: torch.device, dtype: torch.dtype, repeats: int = 10) -> DeviceRates:
+    """A 1 GiB copy (64 MiB on the CPU) and an 8192² matmul (1024² on the CPU), each the best of
+    ``repeats`` after one warm-up. The H200 gives about 4.3 TB/s and 790 TFLOP/s in bf16; an H100 has
+    the same cores and about 70% of that bandwidth, so constants would misstate its bound."""
+    cuda = device.type == "cuda"
+    nbytes, n = (2**30, 8192) if cuda else (2**26, 1024)
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            if cuda:
+                torch.cuda.synchronize(device)
+            t = time.perf_counter()
+            fn()
+            if cuda:
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    copy = best(lambda: dst.copy_(src))
+    del src, dst
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    matmul = best(lambda: a @ b)
+    del a, b
+    if cuda:
+        torch.cuda.empty_cache()
+    return DeviceRates(2 * nbytes / copy, 2 * n**3 / matmul)
+
+
+H200_RATES = DeviceRates(4.3e12, 788e12)  # one H200's: every bound the bench printed before 2026-12-07
+
+
 def record_iteration(cfg: BenchConfig, spec, weight_bytes: int, res: PolicyResult, result, decode_steps: int,
-                     policy: str) -> None:
+                     policy: str, rates: DeviceRates = H200_RATES) -> None:
     """Add one timed iteration to the policy's result. ``weight_bytes``: the LM weights a decode step
     reads (the vision tower is not read)."""
     from rollplex.pipeline.plan.trace import chrome_trace, overlap_seconds, seconds_by_kind
@@ -203,7 +248,7 @@ def record_iteration(cfg: BenchConfig, spec, weight_bytes: int, res: PolicyResul
     prompt_len = cfg.vision_tokens + cfg.text_tokens + 2
     kv_reads = sum(prompt_len * len(r["response_token_ids"]) + len(r["response_token_ids"]) ** 2 / 2 for r in rows)
     res.read_bytes.append(decode_steps * weight_bytes + kv_reads * spec.kv_bytes_per_token(2))
-    res.bounds.append(lower_bound(cfg, spec, rows, gpus=2 if parse_policy(policy)[0] in TWO_GPU_POLICIES else 1))
+    res.bounds.append(lower_bound(cfg, spec, rows, rates, gpus=2 if parse_policy(policy)[0] in TWO_GPU_POLICIES else 1))
 
 
 def allocator_backend() -> str:
@@ -213,8 +258,7 @@ def allocator_backend() -> str:
     return torch.cuda.get_allocator_backend()
 
 
-def lower_bound(cfg: BenchConfig, spec, rows: list[dict], decode_bw: float = 4.3e12, peak: float = 788e12,
-                gpus: int = 1) -> float:
+def lower_bound(cfg: BenchConfig, spec, rows: list[dict], rates: DeviceRates = H200_RATES, gpus: int = 1) -> float:
     """The iteration's true lower bound from its own responses (``rows``): the longest one's decode
     steps at HBM bandwidth, each reading the weights and the KV the best algorithm must read (each
     live group's prompt KV once, shared-prefix attention, and each live row's own tokens), against
@@ -237,7 +281,7 @@ def lower_bound(cfg: BenchConfig, spec, rows: list[dict], decode_bw: float = 4.3
     patches = cfg.vision_tokens * spec.spatial_merge ** 2
     flops = (len(groups) * (spec.vit_flops(patches, patches) + 5 * spec.prefill_flops(prompt))
              + 5 * spec.lm_flops(tokens, context, tokens))
-    return max(decode_bytes / decode_bw, flops / gpus / peak)
+    return max(decode_bytes / rates.copy_bytes_per_s, flops / gpus / rates.matmul_flops_per_s)
 
 
 def median_interval(values: list[float], level: float = 0.95) -> tuple[float, float, float] | None:
@@ -265,7 +309,8 @@ def paired(a: PolicyResult, b: PolicyResult) -> list[float]:
     return [tb / ta for ta, tb in zip(a.seconds, b.seconds) if ta > 0]
 
 
-def report(cfg, spec, results: dict[str, PolicyResult], out_dir: Path, log, failed: dict[str, str] | None = None) -> dict:
+def report(cfg, spec, results: dict[str, PolicyResult], out_dir: Path, log, failed: dict[str, str] | None = None,
+           rates: DeviceRates | None = None) -> dict:
     from rollplex.fsio import atomic_write_text
     from rollplex.pipeline.plan.trace import combine_traces
 
@@ -321,6 +366,7 @@ def report(cfg, spec, results: dict[str, PolicyResult], out_dir: Path, log, fail
                "update_checks": checks, "failed": dict(failed or {}),
                "device": torch.cuda.get_device_name() if cfg.device == "cuda" else "cpu",
                "cuda_allocator": allocator_backend() if cfg.device == "cuda" else None,
+               "bound_rates": dataclasses.asdict(rates) if rates else None,
                "date": time.strftime("%Y-%m-%d")}
     atomic_write_text(out_dir / "bench.json", json.dumps(summary, indent=1, default=str))
     _plot(results, out_dir)
