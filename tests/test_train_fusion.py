@@ -220,6 +220,11 @@ def test_a_session_says_why_an_algorithm_cannot_train_in_the_window(tmp_path):
     assert "trains ['actor', 'critic']" in Session(cfg, tmp_path / "run").train_fusion_off
     assert Session(load_config(None, [*OVERRIDES, "schedule=rollplex", "train.train_fusion=true"]),
                    tmp_path / "run2").train_fusion_off is None
+    # schedule: auto times no unfused copy of a graph that cannot fuse: it would be rollplex's own.
+    auto = load_config(None, [*OVERRIDES, "algorithm=ppo", "schedule=auto", "train.train_fusion=true"])
+    assert Session(auto, tmp_path / "run3").schedules == ("rollplex", "serial")
+    fusing = load_config(None, [*OVERRIDES, "schedule=auto", "train.train_fusion=true"])
+    assert Session(fusing, tmp_path / "run4").schedules == ("rollplex", "rollplex-unfused", "serial")
 
 
 def test_the_bench_refuses_a_train_fusion_policy_that_would_train_after_decode():

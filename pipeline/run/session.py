@@ -374,6 +374,8 @@ class Session:
 
             for name in self.schedules:
                 policy, fusing = policy_of(name)
+                if not fusing and self.train_fusion_off:  # rollplex's graph is unfused already: one is enough
+                    continue
                 under = spec.under(policy)
                 if not fusing and under.shape.train_fusion:
                     under = dataclasses.replace(under, shape=dataclasses.replace(under.shape, train_fusion=False))
@@ -387,6 +389,7 @@ class Session:
             if not cfg.algorithm.endswith(".py") or cfg.algorithm in str(exc):
                 raise
             raise GraphError(f"{cfg.algorithm}: {exc}") from None
+        self.schedules = tuple(name for name in self.schedules if name in self.graphs)
         # The first schedule's: what `rollplex graph` prints and graph.txt holds.
         self.compiled, self.graph = compiled_graphs[self.schedules[0]], self.graphs[self.schedules[0]]
         self.memory_plan = self.memory_plans[self.schedules[0]]
