@@ -6,8 +6,9 @@ Both run the same work on one GPU: the 3B preset with random weights in bf16, P 
 each (random weights almost never stop early; the bench caps every sample at 256) or, with
 ``--mean-new-tokens``, of the bench's long-tailed lengths (train: ``rollout.length_caps``), chunks of 32
 tokens, the torch train engine, the compiled torch-graph decode engine, 8 prompts per vit/prefix/
-suffix node and 2 per micro-batch. Train runs ``schedule: auto``, so serial and rollplex (with train
-fusion) take turns in one process as the bench's policies do; its first iteration of each is dropped.
+suffix node and 2 per micro-batch. Train runs ``schedule: auto`` with train fusion asked for, so
+serial, rollplex (train fusion) and rollplex-unfused (training after decode) take turns in one process
+as the bench's policies do; its first iteration of each is dropped.
 
     python benchmarks/train_vs_bench.py --out $OUT/tvb            # on the GPU (scripts/on-device.sh --wheels)
     python benchmarks/train_vs_bench.py --device cpu --layers 1 --vision-layers 1 --side 112 --new-tokens 8 --chunk-tokens 4 \
@@ -15,8 +16,9 @@ fusion) take turns in one process as the bench's policies do; its first iteratio
 
 Prints, per policy: s/iteration (median of the timed iterations) in train and in the bench, their
 ratio, and the share of each train iteration outside every node of its trace (the driver's view of
-the iteration against the union of its nodes' intervals); then train's serial ÷ rollplex over its
-pairs of iterations (the same prompts and caps in each), and writes ``train_vs_bench.json``.
+the iteration against the union of its nodes' intervals); then train's serial ÷ each rollplex
+schedule over its sets of iterations (the same prompts and caps in each), and writes
+``train_vs_bench.json`` and each schedule's last trace.
 """
 from __future__ import annotations
 
@@ -30,6 +32,12 @@ from pathlib import Path
 
 TEXT = ("Describe the picture in detail: the objects, their colours, their positions, what each one is "
         "doing and how they relate to one another, and then answer the question about it in one word.")
+
+
+# schedule: auto with train fusion asked for times these three in turn (pipeline/plan/autoschedule.py);
+# the bench's policy of the same work beside each.
+SCHEDULES = {"serial": "serial:ppn=8:mb=2", "rollplex": "rollplex:ppn=8:mb=2:tf=1",
+             "rollplex-unfused": "rollplex:ppn=8:mb=2:tf=0"}
 
 
 def prompt_text(model: Path, side: int, tokens: int) -> str:
@@ -129,7 +137,7 @@ def main() -> int:
     train_dir = work / "train"
     shutil.rmtree(train_dir, ignore_errors=True)
     run(["rollplex", "train", "--no-progress", "--schedule", "auto", "--out", str(train_dir),
-         "--iterations", str(2 * args.trials),
+         "--iterations", str(len(SCHEDULES) * args.trials),
          "--set", f"schedule_trials={args.trials}", "--set", f"model.path={model}", "--set", f"model.dtype={dtype}",
          "--set", f"model.device={args.device}", "--set", f"data.path={data}", "--set", "warmup.steps=0",
          "--set", "stop_at_reward=null", "--set", "engines.train=torch", "--set", "engines.decode=torch-graph",
@@ -142,7 +150,7 @@ def main() -> int:
         + [x for s in shape for x in ("--set", s)])
     shutil.copy(train_dir / "metrics.jsonl", out / "train_metrics.jsonl")  # kept should the bench not finish
     bench_dir = work / "bench"
-    policies = ",".join(["serial:ppn=8:mb=2", "rollplex:ppn=8:mb=2:tf=1"] + [p for p in args.bench_also.split(",") if p])
+    policies = ",".join([*SCHEDULES.values()] + [p for p in args.bench_also.split(",") if p])
     if args.bench_iterations:
         run(["rollplex", "bench", "--model", args.preset, "--device", args.device, "--dtype", dtype,
          "--prompts", str(args.prompts), "--decode-attention", args.decode_attention,
@@ -155,7 +163,7 @@ def main() -> int:
     rows = [json.loads(line) for line in (train_dir / "metrics.jsonl").read_text().splitlines()]
     bench = json.loads((bench_dir / "bench.json").read_text()) if args.bench_iterations else {"results": []}
     result = {}
-    for schedule, policy in (("serial", "serial:ppn=8:mb=2"), ("rollplex", "rollplex:ppn=8:mb=2:tf=1")):
+    for schedule, policy in SCHEDULES.items():
         mine = [r for r in rows if r.get("schedule") == schedule][1:]  # its first iteration: compile, capture
         seconds = [r["iter_seconds"] for r in mine]
         outside = [outside_share(json.loads((train_dir / "traces" / f"iter_{r['iteration']:06d}.json").read_text()),
@@ -170,26 +178,28 @@ def main() -> int:
     # schedule: auto runs serial and rollplex in turns on the same prompts: iteration i of each is a pair.
     from rollplex.pipeline.bench.results import median_interval
 
-    pairs = [s / r for s, r in zip(result["serial"]["train_seconds"], result["rollplex"]["train_seconds"])]
-    interval = median_interval(pairs)
-    result["rollplex_over_serial_paired"] = {"ratios": pairs, "median_low_high": interval}
-    print(f"{'policy':10s} {'train s/it':>10s} {'bench s/it':>10s} {'train÷bench':>11s} {'outside nodes':>13s}")
-    for schedule in ("serial", "rollplex"):
+    print(f"{'policy':16s} {'train s/it':>10s} {'bench s/it':>10s} {'train÷bench':>11s} {'outside nodes':>13s}")
+    for schedule in SCHEDULES:
         r = result[schedule]
         bench_s, ratio = ((f"{r['bench_median']:10.3f}", f"{r['train_over_bench']:11.3f}") if r["bench_median"]
                           else (f"{'-':>10s}", f"{'-':>11s}"))
-        print(f"{schedule:10s} {r['train_median']:10.3f} {bench_s} {ratio} "
+        print(f"{schedule:16s} {r['train_median']:10.3f} {bench_s} {ratio} "
               f"{r['outside_median']:12.1%}   (train iterations: {', '.join(f'{s:.2f}' for s in r['train_seconds'])};"
               f" mean response {r['response_len_mean']:.0f} tokens)")
-    spread = (f"95% interval {interval[1]:.2f}–{interval[2]:.2f}" if interval
-              else f"range {min(pairs):.2f}–{max(pairs):.2f}" if pairs else "no pairs")
-    print(f"train, serial ÷ rollplex per pair of iterations: {statistics.median(pairs) if pairs else float('nan'):.3f}× "
-          f"({spread}, n = {len(pairs)})")
+    for schedule in ("rollplex", "rollplex-unfused"):
+        pairs = [s / r for s, r in zip(result["serial"]["train_seconds"], result[schedule]["train_seconds"])]
+        interval = median_interval(pairs)
+        result[f"{schedule}_over_serial_paired"] = {"ratios": pairs, "median_low_high": interval}
+        spread = (f"95% interval {interval[1]:.2f}–{interval[2]:.2f}" if interval
+                  else f"range {min(pairs):.2f}–{max(pairs):.2f}" if pairs else "no pairs")
+        print(f"train, serial ÷ {schedule} per set of iterations: "
+              f"{statistics.median(pairs) if pairs else float('nan'):.3f}× ({spread}, n = {len(pairs)})")
     (out / "train_vs_bench.json").write_text(json.dumps(result, indent=1))
     if args.bench_iterations:
         shutil.copy(bench_dir / "bench.json", out / "bench.json")
-    last = max(r["iteration"] for r in rows)
-    shutil.copy(train_dir / "traces" / f"iter_{last:06d}.json", out / "train_trace_last.json")
+    for schedule in SCHEDULES:  # each schedule's last iteration, for trace_nodes.py
+        last = max(r["iteration"] for r in rows if r.get("schedule") == schedule)
+        shutil.copy(train_dir / "traces" / f"iter_{last:06d}.json", out / f"train_trace_{schedule}.json")
     return 0
 
 

@@ -125,6 +125,10 @@ def test_run_directory_has_every_artefact(runs):
     trace = json.loads((run_dir / "traces" / "iter_000000.json").read_text())
     tracks = {(e["pid"], e["tid"]) for e in trace["traceEvents"] if e["ph"] == "X"}
     assert len(tracks) == 3  # one worker: decode, compute and host streams
+    # Each node's thread CPU time beside its duration: how much of it the host spent working.
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert all(0 <= e["args"]["host_cpu_s"] <= e["dur"] / 1e6 + 0.05 for e in spans)
+    assert sum(e["args"]["host_cpu_s"] for e in spans) > 0
     final = run_dir / "checkpoints" / f"iter_{ITERATIONS - 1:06d}"
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(final)
     assert sum(p.numel() for p in model.parameters()) > 0

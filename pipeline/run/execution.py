@@ -70,7 +70,7 @@ def execute_node(host: WorkerHost, node: Node, iteration: int, inputs: dict[str,
         host.wait_for_prefill(iteration)
     if node.kind == "prefix" and host.window.gate_rows:
         host.wait_for_light_decode()
-    start = time.time()
+    start, cpu = time.time(), time.thread_time()
     try:
         # Named after the kind so that a profile (rollplex bench --profile) sums device time per kind.
         keeps_graph = node.kind in ("vit_encode", "prefix", "suffix_score") and bool(node.args.get("grad"))
@@ -83,13 +83,14 @@ def execute_node(host: WorkerHost, node: Node, iteration: int, inputs: dict[str,
         raise
     except Exception as exc:  # FloatingPointError from a non-finite loss or gradient included
         raise node_error(node.name, node.kind, exc, host.user_files) from exc
-    end = time.time()
+    end, cpu = time.time(), time.thread_time() - cpu
     waited = host.last_stream_wait()
+    # host_cpu_s, this thread's CPU seconds: near the node's duration, it was host-bound; far below it
+    # with little device_wait_s, the thread waited on the host (the GIL, a lock), not on the device.
+    args = {"model": node.model, "engine": node.engine, "host_cpu_s": round(cpu, 6), **({"sms": sms} if sms else {}),
+            **({"device_wait_s": round(waited, 6)} if waited is not None else {})}
     host.record({"name": node.name, "cat": node.kind, "ph": "X", "ts": start * 1e6, "dur": (end - start) * 1e6,
-                 "pid": host.name, "tid": node.stream, "args": {"model": node.model, "engine": node.engine,
-                                                                 **({"sms": sms} if sms else {}),
-                                                                 **({"device_wait_s": round(waited, 6)}
-                                                                    if waited is not None else {})}})
+                 "pid": host.name, "tid": node.stream, "args": args})
     return outputs
 
 
