@@ -13,8 +13,8 @@ as the bench's policies do; its first iteration of each is dropped.
     python benchmarks/train_vs_bench.py --out $OUT/tvb            # on the GPU (scripts/on-device.sh --wheels)
     python benchmarks/train_vs_bench.py --device cpu --layers 1 --vision-layers 1 --side 112 --new-tokens 8 --chunk-tokens 4 \
         --trials 2 --bench-iterations 2 --out /tmp/tvb   # a smoke run of the script
-        # (on a 2-core, 24 GB host the bench half, at the 3B preset's widths, was killed (SIGKILL) after
-        # 9 minutes on 2026-12-07; --bench-iterations 0 smokes the train half alone)
+        # (on a 2-core, 24 GB host the bench half, at the 3B preset's widths, was killed (SIGKILL) on
+        # 2026-12-07; --bench-iterations 0 smokes the train half alone)
 
 Prints, per policy: s/iteration (median of the timed iterations) in train and in the bench, their
 ratio, and the share of each train iteration outside every node of its trace (the driver's view of
