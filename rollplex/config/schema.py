@@ -83,8 +83,9 @@ class RolloutConfig:
                        "1: single-turn")
     length_caps: dict | None = f(None, doc="for benchmarks of random-weight models, which never stop on their own: "
                                  "{mean: 96, sigma: 0.8} caps each sample of a prompt at a length drawn log-normal "
-                                 "around mean tokens (at most max_new_tokens), drawn once per prompt from the seed, "
-                                 "as `rollplex bench` draws its workload; null: samples stop at EOS or max_new_tokens")
+                                 "around mean tokens (at most max_new_tokens; `rollplex bench` draws from the same "
+                                 "distribution), once per prompt from the seed; null: samples stop at EOS or "
+                                 "max_new_tokens")
 
 
 @dataclass
@@ -245,7 +246,7 @@ class RunConfig:
                           "train.train_fusion, rollplex with the training after decode), then keep the fastest "
                           "(the update is the same under each)")
     schedule_trials: int = f(3, lo=1, hi=1000, doc="schedule auto: timed iterations per schedule before keeping "
-                                                   "the faster median (each one's first iteration is not counted)")
+                                                   "the fastest median (each one's first iteration is not counted)")
     algorithm: str = f("grpo", doc="a dags/ name (grpo) or a path to a DAG .py file")
     params: dict = f({}, doc="algorithm hyperparameter overrides, e.g. {kl_coef: 0.0}")
     stop_at_reward: float | str | None = f("auto", lo=0.0, hi=1.0,
