@@ -55,15 +55,21 @@ def sample_seed(run_seed: int, iteration: int, prompt_id: str) -> int:
     return int.from_bytes(digest[:4], "little") & 0x3FFFFFFF
 
 
+def lognormal_lengths(gen: torch.Generator, n: int, mean: float, sigma: float, most: int, least: int = 1) -> list[int]:
+    """``n`` response lengths drawn log-normal around ``mean`` tokens (spread ``sigma``) from ``gen``,
+    in [least, most]: the bench's long-tailed workload and ``rollout.length_caps``."""
+    drawn = torch.exp(math.log(mean) + sigma * torch.randn(n, generator=gen))
+    return [int(min(most, max(least, x))) for x in drawn.tolist()]
+
+
 def length_caps(settings, prompt_id: str) -> list[int]:
-    """rollout.length_caps: each of a prompt's samples capped at a length drawn log-normal around
-    ``mean`` tokens (spread ``sigma``), in [1, max_new_tokens]; one draw per prompt and run seed, so a
-    prompt brings the same workload to every iteration and every schedule that meets it."""
-    caps = settings.length_caps
+    """rollout.length_caps: each of a prompt's samples capped at a log-normal length, in [1,
+    max_new_tokens]; one draw per prompt and run seed, so a prompt brings the same workload to every
+    iteration and every schedule that meets it."""
     digest = hashlib.sha256(f"{settings.seed}/length_caps/{prompt_id}".encode()).digest()
     gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
-    drawn = torch.exp(math.log(caps["mean"]) + caps["sigma"] * torch.randn(settings.samples, generator=gen))
-    return [int(min(settings.max_new_tokens, max(1, x))) for x in drawn.tolist()]
+    caps = settings.length_caps
+    return lognormal_lengths(gen, settings.samples, caps["mean"], caps["sigma"], settings.max_new_tokens)
 
 
 def request_id(iteration: int, prompt: int) -> str:

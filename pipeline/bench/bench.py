@@ -196,6 +196,7 @@ def make_prompts(cfg: BenchConfig, config, iteration: int) -> list:
     """P prompts: vision start, one image of ``vision_tokens`` merged tokens, text, generation
     header; random pixels; per-sample response lengths drawn from a long-tailed distribution."""
     from rollplex.engines.vlm import PromptInputs
+    from rollplex.tasks.nodes import lognormal_lengths
 
     gen = torch.Generator().manual_seed(cfg.seed * 1000 + iteration)
     side = int(math.sqrt(cfg.vision_tokens)) * 2  # merged tokens = (side/2)²
@@ -208,8 +209,7 @@ def make_prompts(cfg: BenchConfig, config, iteration: int) -> list:
         pixels = torch.randn(side * side, 3 * 2 * 14 * 14, generator=gen).to(getattr(torch, cfg.dtype))
         # Log-normal, from this iteration's generator: the workload of iteration i is the same under
         # every policy whatever ran before it (torch.distributions would draw from the global RNG).
-        lengths = torch.exp(math.log(cfg.mean_new_tokens) + 0.8 * torch.randn(cfg.samples, generator=gen))
-        lengths = [int(min(cfg.max_new_tokens, max(4, x))) for x in lengths.tolist()]
+        lengths = lognormal_lengths(gen, cfg.samples, cfg.mean_new_tokens, 0.8, cfg.max_new_tokens, least=4)
         prompts.append(PromptInputs(f"bench-{iteration}-{p}", ids, pixels, torch.tensor([[1, side, side]]),
                                     meta={"max_tokens": lengths}))
     return prompts

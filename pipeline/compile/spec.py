@@ -46,6 +46,8 @@ class IterationSpec:
             changes["ranks"] = self.world
         return dataclasses.replace(self.shape, **changes) if changes else self.shape
 
-    def under(self, policy: str) -> IterationSpec:
-        """The same iteration under another schedule policy."""
-        return dataclasses.replace(self, policy=policy)
+    def under(self, policy: str, train_fusion: bool = True) -> IterationSpec:
+        """The same iteration under another schedule policy; ``train_fusion=False``: with the
+        policy's training after decode even where the shape asks for train fusion."""
+        shape = self.shape if train_fusion else dataclasses.replace(self.shape, train_fusion=False)
+        return dataclasses.replace(self, policy=policy, shape=shape)

@@ -7,7 +7,6 @@ stage fusion, the memory plan when asked) and schedules it. ``pipeline/run/runne
 from __future__ import annotations
 
 import dataclasses
-
 import math
 from pathlib import Path
 
@@ -376,10 +375,7 @@ class Session:
                 policy, fusing = policy_of(name)
                 if not fusing and self.train_fusion_off:  # rollplex's graph is unfused already: one is enough
                     continue
-                under = spec.under(policy)
-                if not fusing and under.shape.train_fusion:
-                    under = dataclasses.replace(under, shape=dataclasses.replace(under.shape, train_fusion=False))
-                built = build_iteration(self.algorithm, under, dims,
+                built = build_iteration(self.algorithm, spec.under(policy, train_fusion=fusing), dims,
                                         self.plan_memory if cfg.cluster.memory_plan else None)
                 if name == "rollplex":
                     self.train_fusion_off = built.compiled.meta.get("train_fusion_off")
