@@ -117,7 +117,7 @@ def main() -> int:
     ap.add_argument("--trials", type=int, default=5, help="train iterations per schedule (the first not timed)")
     ap.add_argument("--bench-iterations", type=int, default=6, help="0: train alone, no bench")
     ap.add_argument("--bench-also", default="",
-                    help="more bench policies beside serial and rollplex, e.g. plain:seq=4 (comma-separated)")
+                    help="more bench policies beside the three schedules', e.g. plain:seq=4 (comma-separated)")
     ap.add_argument("--gradient-checkpointing", action="store_true", help="both runs recompute layer activations")
     ap.add_argument("--threads", type=int, default=0,
                     help="train's cluster.threads (0: its default; the bench's host uses 8)")
@@ -155,7 +155,7 @@ def main() -> int:
     policies = ",".join([*SCHEDULES.values()] + [p for p in args.bench_also.split(",") if p])
     if args.bench_iterations:
         run(["rollplex", "bench", "--model", args.preset, "--device", args.device, "--dtype", dtype,
-         "--prompts", str(args.prompts), "--decode-attention", args.decode_attention,
+             "--prompts", str(args.prompts), "--decode-attention", args.decode_attention,
              "--policies", policies, "--iterations", str(args.bench_iterations), "--max-new-tokens", str(args.new_tokens),
              "--mean-new-tokens", str(args.mean_new_tokens or 1000000), "--chunk-tokens", str(args.chunk_tokens),
              "--vision-tokens", str(vision), "--train-engine", "torch", "--out", str(bench_dir)]
@@ -177,7 +177,7 @@ def main() -> int:
                             "train_over_bench": statistics.median(seconds) / bench_s if bench_s else None,
                             "outside_share": outside, "outside_median": statistics.median(outside),
                             "response_len_mean": statistics.mean(r["response_len_mean"] for r in mine)}
-    # schedule: auto runs serial and rollplex in turns on the same prompts: iteration i of each is a pair.
+    # schedule: auto runs its schedules in turns on the same prompts: iteration i of each is one set.
     from rollplex.pipeline.bench.results import median_interval
 
     print(f"{'policy':16s} {'train s/it':>10s} {'bench s/it':>10s} {'train÷bench':>11s} {'outside nodes':>13s}")
@@ -188,7 +188,7 @@ def main() -> int:
         print(f"{schedule:16s} {r['train_median']:10.3f} {bench_s} {ratio} "
               f"{r['outside_median']:12.1%}   (train iterations: {', '.join(f'{s:.2f}' for s in r['train_seconds'])};"
               f" mean response {r['response_len_mean']:.0f} tokens)")
-    for schedule in ("rollplex", "rollplex-unfused"):
+    for schedule in (name for name in SCHEDULES if name != "serial"):
         pairs = [s / r for s, r in zip(result["serial"]["train_seconds"], result[schedule]["train_seconds"])]
         interval = median_interval(pairs)
         result[f"{schedule}_over_serial_paired"] = {"ratios": pairs, "median_low_high": interval}
