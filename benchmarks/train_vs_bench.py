@@ -4,7 +4,8 @@ outside its nodes.
 Both run the same work on one GPU: the 3B preset with random weights in bf16, P = 8 prompts (or
 ``--prompts``) of one 896×896 image (1,024 merged vision tokens) and about 64 text tokens, G = 8 samples of 256 tokens
 each (random weights almost never stop early; the bench caps every sample at 256) or, with
-``--mean-new-tokens``, of the bench's long-tailed lengths (train: ``rollout.length_caps``), chunks of 32
+``--mean-new-tokens``, of the bench's long-tailed lengths (train: ``rollout.length_caps``, each prompt's
+caps drawn once; the bench is given the same caps through ``--lengths``), chunks of 32
 tokens, the torch train engine, the compiled torch-graph decode engine, 8 prompts per vit/prefix/
 suffix node and 2 per micro-batch. Train runs ``schedule: auto`` with train fusion asked for, so
 serial, rollplex (train fusion) and rollplex-unfused (training after decode) take turns in one process
@@ -111,7 +112,8 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--mean-new-tokens", type=int, default=0,
                     help="responses of long-tailed lengths around this many tokens, capped at --new-tokens: train "
-                         "draws each prompt's caps once (rollout.length_caps, sigma 0.8), the bench per iteration; "
+                         "draws each prompt's caps once (rollout.length_caps, sigma 0.8) and the bench runs the same "
+                         "caps (--lengths); "
                          "0: every response at --new-tokens")
     ap.add_argument("--chunk-tokens", type=int, default=32)
     ap.add_argument("--trials", type=int, default=5, help="train iterations per schedule (the first not timed)")
@@ -153,12 +155,23 @@ def main() -> int:
     shutil.copy(train_dir / "metrics.jsonl", out / "train_metrics.jsonl")  # kept should the bench not finish
     bench_dir = work / "bench"
     policies = ",".join([*SCHEDULES.values()] + [p for p in args.bench_also.split(",") if p])
+    lengths = []
+    if args.mean_new_tokens:  # the bench meets train's caps: those rollout.length_caps draws for its prompts
+        from types import SimpleNamespace
+
+        from rollplex.tasks.nodes import length_caps
+
+        settings = SimpleNamespace(seed=0, samples=8, max_new_tokens=args.new_tokens,
+                                   length_caps={"mean": args.mean_new_tokens, "sigma": 0.8})
+        caps = [length_caps(settings, f"{data.stem}-{i:06d}") for i in range(args.prompts)]  # tasks/dataset.py's ids
+        (out / "lengths.json").write_text(json.dumps(caps))
+        lengths = ["--lengths", str(out / "lengths.json")]
     if args.bench_iterations:
         run(["rollplex", "bench", "--model", args.preset, "--device", args.device, "--dtype", dtype,
              "--prompts", str(args.prompts), "--decode-attention", args.decode_attention,
              "--policies", policies, "--iterations", str(args.bench_iterations), "--max-new-tokens", str(args.new_tokens),
              "--mean-new-tokens", str(args.mean_new_tokens or 1000000), "--chunk-tokens", str(args.chunk_tokens),
-             "--vision-tokens", str(vision), "--train-engine", "torch", "--out", str(bench_dir)]
+             "--vision-tokens", str(vision), "--train-engine", "torch", "--out", str(bench_dir)] + lengths
             + (["--layers", str(args.layers)] if args.layers else [])
             + (["--gradient-checkpointing"] if args.gradient_checkpointing else []))
 

@@ -111,13 +111,16 @@ def cmd_bench(args) -> int:
 
     request_cuda_allocator(args.cuda_allocator, "--cuda-allocator")  # before the bench loads torch
     from rollplex.pipeline.bench.bench import POLICIES, BenchConfig, parse_policy, run
+    from rollplex.pipeline.bench.results import read_lengths
 
     policies = tuple(args.policies.split(",")) if args.policies else POLICIES
     for policy in policies:  # before the model is built: a typo costs nothing
         parse_policy(policy)
+    lengths = (read_lengths(args.lengths, args.prompts, args.samples, args.max_new_tokens)
+               if args.lengths else None)
     cfg = BenchConfig(model=args.model, prompts=args.prompts, samples=args.samples,
                       vision_tokens=args.vision_tokens, max_new_tokens=args.max_new_tokens,
-                      mean_new_tokens=args.mean_new_tokens, chunk_tokens=args.chunk_tokens,
+                      mean_new_tokens=args.mean_new_tokens, lengths=lengths, chunk_tokens=args.chunk_tokens,
                       iterations=args.iterations, policies=policies, train_engine=args.train_engine,
                       gradient_checkpointing=args.gradient_checkpointing,
                       decode_sms=args.decode_sms, gate_rows=args.gate_rows, out=args.out, device=args.device,
@@ -195,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--vision-tokens", type=int, default=1024, help="merged vision tokens per prompt")
     b.add_argument("--max-new-tokens", type=int, default=256)
     b.add_argument("--mean-new-tokens", type=int, default=96, help="centre of the long-tailed length spread")
+    b.add_argument("--lengths", metavar="FILE",
+                   help="JSON: per prompt, its samples' response caps, the same every iteration (a train run's "
+                        "rollout.length_caps; benchmarks/train_vs_bench.py writes them) instead of fresh draws")
     b.add_argument("--chunk-tokens", type=int, default=32)
     b.add_argument("--iterations", type=int, default=7,
                    help="per policy; the first is a warm-up, and a 95%% interval needs 6 timed ones")

@@ -3,6 +3,7 @@ and on one recorded rollout (the replay engine) every policy computes serial's u
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -192,6 +193,40 @@ def test_an_iterations_prompts_and_lengths_do_not_depend_on_the_global_rng():
     lengths = [n for _, caps in drawn[0] for n in caps]
     assert len(set(lengths)) > 1 and all(4 <= n <= 256 for n in lengths)
     assert make_prompts(cfg, hf, 6)[0].meta["max_tokens"] != drawn[0][0][1]
+
+
+def test_given_lengths_cap_every_iterations_samples_alike(tmp_path):
+    """--lengths: a train run's caps (rollout.length_caps), the same each iteration, instead of fresh draws;
+    a file of the wrong shape or with a cap out of range is one error naming the file and the bad part."""
+    import subprocess
+    import sys
+
+    from transformers import AutoConfig
+
+    from rollplex.errors import RollplexError
+    from rollplex.pipeline.bench.bench import make_prompts
+    from rollplex.pipeline.bench.results import read_lengths
+
+    path = resolve_model_path(load_config(None, []))
+    caps = [[1, 2, 3, 4], [256, 9, 9, 7]]
+    (tmp_path / "caps.json").write_text(json.dumps(caps))
+    lengths = read_lengths(str(tmp_path / "caps.json"), prompts=2, samples=4, most=256)
+    cfg = BenchConfig(model=path + "/config.json", device="cpu", prompts=2, samples=4, vision_tokens=16,
+                      text_tokens=8, max_new_tokens=256, lengths=lengths)
+    hf = AutoConfig.from_pretrained(path)
+    first, later = make_prompts(cfg, hf, 1), make_prompts(cfg, hf, 2)
+    assert [p.meta["max_tokens"] for p in first] == caps == [p.meta["max_tokens"] for p in later]
+    assert first[0].input_ids.tolist() != later[0].input_ids.tolist()  # only the lengths are held
+    for bad, words in ((caps[:1], "2 lists (--prompts) of 4"), ([[1, 2, 3, 4], [1, 2, 3, 257]], "prompt 1: 257"),
+                       ([[1, 2, 3, 4], [1, 2, 0, 4]], "prompt 1: 0 is not"), ("{", "caps.json")):
+        (tmp_path / "caps.json").write_text(bad if isinstance(bad, str) else json.dumps(bad))
+        with pytest.raises(RollplexError, match=re.escape(words)):
+            read_lengths(str(tmp_path / "caps.json"), prompts=2, samples=4, most=256)
+    done = subprocess.run([sys.executable, "-m", "rollplex.cli", "bench", "--device", "cpu", "--prompts", "2",
+                           "--samples", "4", "--lengths", str(tmp_path / "caps.json"), "--out", str(tmp_path / "b")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--lengths" in done.stderr and "caps.json" in done.stderr
+    assert not (tmp_path / "b").exists()  # refused before anything was built or written
 
 
 def test_policy_options_batch_nodes_and_micro_batches():

@@ -75,6 +75,9 @@ class BenchConfig:
     text_tokens: int = 64
     max_new_tokens: int = 256
     mean_new_tokens: int = 96  # response lengths: a long-tailed (log-normal) spread capped at max
+    # Each prompt's sample caps, the same every iteration (``--lengths``: a run's rollout.length_caps,
+    # so the bench meets `rollplex train`'s exact work); None: drawn afresh each iteration.
+    lengths: tuple[tuple[int, ...], ...] | None = None
     chunk_tokens: int = 32
     iterations: int = 7  # the first is a warm-up (graph capture, allocator) and is not timed: 6 timed pairs
     policies: tuple[str, ...] = POLICIES
@@ -210,6 +213,8 @@ def make_prompts(cfg: BenchConfig, config, iteration: int) -> list:
         # Log-normal, from this iteration's generator: the workload of iteration i is the same under
         # every policy whatever ran before it (torch.distributions would draw from the global RNG).
         lengths = lognormal_lengths(gen, cfg.samples, cfg.mean_new_tokens, 0.8, cfg.max_new_tokens, least=4)
+        if cfg.lengths is not None:  # drawn anyway: the prompts' ids and pixels stay what they were
+            lengths = list(cfg.lengths[p])
         prompts.append(PromptInputs(f"bench-{iteration}-{p}", ids, pixels, torch.tensor([[1, side, side]]),
                                     meta={"max_tokens": lengths}))
     return prompts

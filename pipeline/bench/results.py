@@ -83,6 +83,24 @@ def parse_policy(name: str) -> tuple[str, dict[str, int]]:
     return base, parsed
 
 
+def read_lengths(path: str, prompts: int, samples: int, most: int) -> tuple[tuple[int, ...], ...]:
+    """``--lengths FILE``: a JSON list of ``prompts`` lists of ``samples`` response caps in [1, ``most``],
+    one per prompt of every iteration (``rollout.length_caps``' draws, so the bench runs train's work)."""
+    try:
+        caps = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise RollplexError(f"--lengths {path}: {err}") from err
+    if not (isinstance(caps, list) and len(caps) == prompts
+            and all(isinstance(row, list) and len(row) == samples for row in caps)):
+        raise RollplexError(f"--lengths {path}: expected {prompts} lists (--prompts) of {samples} caps (--samples)")
+    for p, row in enumerate(caps):
+        for cap in row:
+            if not (isinstance(cap, int) and not isinstance(cap, bool) and 1 <= cap <= most):
+                raise RollplexError(f"--lengths {path}: prompt {p}: {cap!r} is not a whole number in [1, {most}] "
+                                    "(--max-new-tokens)")
+    return tuple(tuple(row) for row in caps)
+
+
 def policy_shape(policy: str, *, prompts_per_node: int, stage_fusion: bool, train_fusion: bool) -> dict[str, Any]:
     """The batch-shape fields a bench policy's name sets, its options over the bench's defaults:
     prompts per node and per micro-batch, stage fusion (the rollplex policies that score in the
