@@ -123,6 +123,9 @@ def main() -> int:
     ap.add_argument("--gradient-checkpointing", action="store_true", help="both runs recompute layer activations")
     ap.add_argument("--threads", type=int, default=0,
                     help="train's cluster.threads (0: its default; the bench's host uses 8)")
+    ap.add_argument("--switch-interval-us", type=int, default=0,
+                    help="Python's thread switch interval in µs for both runs (train: cluster.switch_interval_us, "
+                         "the bench: each policy's gil=N); 0: Python's 5,000")
     args = ap.parse_args()
     out, work = Path(args.out), Path(args.work)
     out.mkdir(parents=True, exist_ok=True)
@@ -149,12 +152,14 @@ def main() -> int:
              "true" if args.device == "cuda" else "false", args.decode_attention),
          "--set", "train.train_fusion=true", "--set", "checkpoint.every=0"]
         + (["--set", f"cluster.threads={args.threads}"] if args.threads else [])
+        + (["--set", f"cluster.switch_interval_us={args.switch_interval_us}"] if args.switch_interval_us else [])
         + (["--set", "train.gradient_checkpointing=true"] if args.gradient_checkpointing else [])
         + (["--set", "rollout.length_caps={mean: %d, sigma: 0.8}" % args.mean_new_tokens] if args.mean_new_tokens else [])
         + [x for s in shape for x in ("--set", s)])
     shutil.copy(train_dir / "metrics.jsonl", out / "train_metrics.jsonl")  # kept should the bench not finish
     bench_dir = work / "bench"
-    policies = ",".join([*SCHEDULES.values()] + [p for p in args.bench_also.split(",") if p])
+    gil = f":gil={args.switch_interval_us}" if args.switch_interval_us else ""
+    policies = ",".join([p + gil for p in SCHEDULES.values()] + [p for p in args.bench_also.split(",") if p])
     lengths = []
     if args.mean_new_tokens:  # the bench meets train's caps: those rollout.length_caps draws for its prompts
         from types import SimpleNamespace
@@ -184,7 +189,7 @@ def main() -> int:
         outside = [outside_share(json.loads((train_dir / "traces" / f"iter_{r['iteration']:06d}.json").read_text()),
                                  r["iter_seconds"]) for r in mine]
         # A policy the bench could not run (out of memory) has no median: train's numbers still count.
-        bench_s = next((r.get("median_s") for r in bench["results"] if r["policy"] == policy), None)
+        bench_s = next((r.get("median_s") for r in bench["results"] if r["policy"] == policy + gil), None)
         result[schedule] = {"train_seconds": seconds, "train_median": statistics.median(seconds),
                             "bench_median": bench_s,
                             "train_over_bench": statistics.median(seconds) / bench_s if bench_s else None,

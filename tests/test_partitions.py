@@ -226,3 +226,29 @@ def test_compute_spares_sms_for_decode_only_while_decode_runs():
     assert compute_sms(WindowSharing(), decode_busy=True, total=132) is None  # the default spares none
     assert compute_sms(spare, decode_busy=True, total=0) is None  # no GPU
     assert compute_sms(WindowSharing(compute_spare=500), decode_busy=True, total=132) == 1
+
+
+def test_a_runs_switch_interval_holds_while_its_worker_runs_and_the_process_gets_its_own_back(tmp_path, monkeypatch):
+    """cluster.switch_interval_us: the worker's process switches threads at that interval while the run's
+    nodes execute (the decode thread then waits at most that long for the GIL), and Python's own after."""
+    import sys
+
+    from rollplex.config import load_config
+    from rollplex.pipeline.run.runner import train
+    from rollplex.pipeline.run.worker import WorkerHost
+
+    seen: list[float] = []
+    record = WorkerHost.record
+
+    def noting(self, event):
+        seen.append(sys.getswitchinterval())
+        return record(self, event)
+
+    monkeypatch.setattr(WorkerHost, "record", noting)
+    before = sys.getswitchinterval()
+    overrides = ["iterations=1", "warmup.steps=0", "stop_at_reward=null", "engines.train=torch", "engines.decode=hf",
+                 "rollout.max_new_tokens=4", "rollout.chunk_tokens=2", "rollout.prompts_per_iteration=2",
+                 "rollout.samples_per_prompt=2", "cluster.switch_interval_us=300"]
+    train(load_config(None, overrides), tmp_path / "run", progress=False, log=lambda *a: None)
+    assert seen and set(seen) == {300e-6}
+    assert sys.getswitchinterval() == before != 300e-6

@@ -42,15 +42,15 @@ VARIANT_KEYS = {"gate": "prefix work waits until decode has at most this many li
                 "spare": "plain streams: while decode runs, compute's matmuls leave this many SMs free "
                          "(cuBLASLt's SM target; 0, default: none)",
                 "prio": "1: decode's stream at high priority, so the GPU issues its blocks ahead of compute's "
-                        "as SMs free up (plain streams; a green context's stream keeps the default)",
-                "gil": "Python's GIL switch interval in µs during the policy's timed iterations (default: "
-                       "the process's, 5000): how long a compute thread may hold the GIL that the decode "
-                       "thread wants back after each graph launch"}
+                        "as SMs free up (plain streams; a green context's stream keeps the default)"}
 # Options of every policy: how the work is batched, so each policy can run at its best settings.
 SHAPE_KEYS = {"ppn": "prompts per vit/prefix/suffix node (batched forwards; default: --prompts-per-node)",
               "seq": "plain: sequences per forward and backward (default G, one group)",
               "mb": "prompts per micro-batch: one loss and backward each (default 1)",
               "spg": "decode steps per CUDA graph launch (default 1)",
+              "gil": "Python's GIL switch interval in µs during the policy's timed iterations (default: "
+                     "the process's, 5000; a run's cluster.switch_interval_us): how long a compute thread may "
+                     "hold the GIL that the decode thread wants back after each graph launch",
               "cudnn": "1: cuDNN's attention on for the policy's eager forwards during its timed iterations; "
                        "default 0, as in the runtime: it builds a plan per new shape (engines/attention_kernels.py). "
                        "Decode's graphs are captured with it either way"}

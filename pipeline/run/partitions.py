@@ -40,6 +40,10 @@ class WindowSharing:
     # memory, so a decode kernel launched beside it waits for whole tiles to finish; decode's own
     # kernels still run on any SM. 0: none spared.
     compute_spare: int = 0
+    # The interpreter's thread switch interval in the worker's process, µs (0: Python's 5,000): how long
+    # a compute thread running eager Python may hold the GIL that the decode thread wants back after
+    # each graph launch, while a decode step is ~3-4 ms of GPU time.
+    switch_interval_us: int = 0
 
 
 def compute_sms(window: WindowSharing, decode_busy: bool, total: int) -> int | None:

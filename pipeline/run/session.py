@@ -491,7 +491,8 @@ class Session:
             tp_rollout=cfg.cluster.tp_rollout,
             weight_sharing=cfg.engines.weight_sharing,
             # Partitions serve work beside decode, which only the rollplex schedule runs.
-            window=WindowSharing(partitions=cfg.cluster.sm_partitions and "rollplex" in self.schedules),
+            window=WindowSharing(partitions=cfg.cluster.sm_partitions and "rollplex" in self.schedules,
+                                 switch_interval_us=cfg.cluster.switch_interval_us),
             task=self.task, eval_task=self.eval_task, graphs=self.graphs,
             env_name=self.environment[0] if self.environment else None,
             env_options=self.environment[2] if self.environment else {}, env_timeout=cfg.env.timeout_s)

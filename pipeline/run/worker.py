@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import os
 import resource
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -214,6 +215,9 @@ class WorkerHost:
         # the whole GPU alone.
         self.partitions = None
         self.window = spec.window
+        self._switch_interval = sys.getswitchinterval()  # the process's own, given back on close
+        if spec.window.switch_interval_us:
+            sys.setswitchinterval(spec.window.switch_interval_us / 1e6)
         self._decode_iteration: int | None = None  # the iteration whose decode last started
         capture = getattr(self.decode, "capture_graphs", None)
         if capture is not None and self.streams.get("decode") is not None:
@@ -440,6 +444,7 @@ class WorkerHost:
             engine.close()
         for pool in self._stream_threads.values():
             pool.shutdown(wait=False)
+        sys.setswitchinterval(self._switch_interval)
 
 
 _HOST: WorkerHost | None = None

@@ -224,6 +224,9 @@ class ClusterConfig:
     cuda_allocator: str = f("native", choices=("native", "async"), doc="CUDA memory: native (torch's caching "
                             "allocator, blocks cached per stream) or async (cudaMallocAsync, one stream-ordered "
                             "pool for every stream); chosen before torch loads, through PYTORCH_CUDA_ALLOC_CONF")
+    switch_interval_us: int = f(0, lo=0, hi=1_000_000, doc="Python's thread switch interval in the worker's "
+                                "process, µs (0: Python's 5,000): how long eager work on a compute stream may "
+                                "hold the GIL that the decode stream's thread wants after each graph launch")
     memory_plan: bool = f(False, doc="plan residency so each device fits memory_budget_gib: what the engines "
                           "can move (optimizer state, frozen weights, device values) leaves between its uses")
     tls_ca_file: str | None = f(None, doc="CA bundle for TLS to a tls:// scheduler (with tls_cert and tls_key)")
