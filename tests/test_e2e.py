@@ -115,9 +115,10 @@ def test_run_directory_has_every_artefact(runs):
     assert len(warmup) == 3 and [r["iteration"] for r in rl] == list(range(ITERATIONS))
     for r in rl:
         for key in ("reward_mean", "reward_std", "kl", "loss", "grad_norm", "response_len_mean", "iter_seconds",
-                    "seconds_by_kind", "peak_memory_bytes"):
+                    "seconds_by_kind", "peak_memory_bytes", "alloc_retries"):
             assert key in r, key
         assert r["seconds_by_kind"]["decode_chunk"] > 0 and r["peak_memory_bytes"] > 0
+        assert r["alloc_retries"] == 0  # CUDA's caching allocator only
     row = _rows(run_dir, 0)[0]
     for key in ("prompt_id", "sample", "prompt_token_ids", "response_token_ids", "text", "reward", "advantage",
                 "rollout_logprobs", "ref_logprobs", "old_logprobs"):

@@ -176,7 +176,7 @@ class NullHost:
         return done
 
     def drain(self):
-        return {"events": [], "peak_memory_bytes": 0}
+        return {"events": [], "peak_memory_bytes": 0, "alloc_retries": 0}
 
 
 def test_the_local_executor_runs_every_node_once_its_inputs_are_there():

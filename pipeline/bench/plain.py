@@ -43,6 +43,8 @@ class PlainExecutor:
 
         prompts = [inputs[k] for k in sorted(inputs, key=lambda k: int(k.rsplit("p", 1)[1]))]
         events: list[dict] = []
+        cuda = self.device.type == "cuda"
+        retries = torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0) if cuda else 0
         start = time.time()
 
         def phase(kind: str, fn, *args):
@@ -72,8 +74,10 @@ class PlainExecutor:
                             "reward": float(rewards[p, g]), "advantage": float(advantages[p, g])} for p, g in rows],
                   "metrics": {"reward_mean": float(rewards.mean()), "loss": loss, "grad_norm": grad_norm,
                               "response_len_mean": tokens / max(len(rows), 1)}}
-        peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
-        return IterationResult({"report": report}, events, int(peak), seconds, started=start)
+        peak = torch.cuda.max_memory_allocated(self.device) if cuda else 0
+        if cuda:
+            retries = torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0) - retries
+        return IterationResult({"report": report}, events, int(peak), seconds, started=start, alloc_retries=int(retries))
 
     # -- the phases -------------------------------------------------------------------------------
     @torch.no_grad()

@@ -128,6 +128,7 @@ class PolicyResult:
     generated: list[float] = field(default_factory=list)  # per iteration: response tokens
     bounds: list[float] = field(default_factory=list)  # per iteration: the true lower bound (lower_bound)
     peak_bytes: int = 0
+    alloc_retries: list[int] = field(default_factory=list)  # per iteration: the allocator's emptied-cache retries
     # Serial only: its weights after the first step, on the host, sampled and on its own replayed
     # rollout. Every other policy is compared with these on the device as it ends (update_difference).
     weights: dict[str, torch.Tensor] | None = None
@@ -255,6 +256,7 @@ def record_iteration(cfg: BenchConfig, spec, weight_bytes: int, res: PolicyResul
 
     res.seconds.append(result.seconds)
     res.peak_bytes = max(res.peak_bytes, result.peak_memory_bytes)
+    res.alloc_retries.append(result.alloc_retries)
     res.kinds.append(seconds_by_kind(result.events))
     trace = chrome_trace(result.events, 0, policy)
     prefix_time = sum(e["dur"] for e in trace["traceEvents"] if e.get("cat") in ("prefix", "vit_encode")) / 1e6
@@ -346,7 +348,8 @@ def report(cfg, spec, results: dict[str, PolicyResult], out_dir: Path, log, fail
         bound = statistics.median(res.bounds) if res.bounds else float("nan")
         speedup = base.median / res.median if base else None  # JSON null, not NaN, without the baseline
         row = {"policy": name, "median_s": res.median, "all_s": res.seconds, "speedup_vs_serial_noshare": speedup,
-               "peak_hbm_bytes": res.peak_bytes, "prefix_hidden_share": res.hidden_share,
+               "peak_hbm_bytes": res.peak_bytes, "alloc_retries_per_iteration": res.alloc_retries,
+               "prefix_hidden_share": res.hidden_share,
                "tokens_per_s": res.tokens / res.median, "lower_bound_s": bound,
                "ratio_to_bound": statistics.median(over_bound) if over_bound else None,
                "ratio_to_bound_per_iteration": over_bound,
@@ -359,6 +362,10 @@ def report(cfg, spec, results: dict[str, PolicyResult], out_dir: Path, log, fail
         ratio = f"{row['ratio_to_bound']:7.2f}" if over_bound else f"{'-':>7s}"
         log(f"{name:{width}s} {res.median:7.3f} {shown} {res.peak_bytes / 2**30:9.1f} {res.hidden_share:7.0%} "
             f"{row['tokens_per_s']:8.0f} {ratio} {res.decode_bandwidth() / 1e12:11.2f}")
+    for name, res in results.items():
+        if any(res.alloc_retries):
+            log(f"{name}: the allocator emptied its cache and retried {res.alloc_retries} times in its timed "
+                "iterations (each retry waits for the whole device)")
     # One Perfetto trace of every policy's last timed iteration, one above the other.
     traces = {name: res.trace for name, res in results.items() if res.trace is not None}
     if traces:

@@ -157,7 +157,8 @@ class DaskExecutor:
         drained = self.client.run(_drain)
         events = [e for d in drained.values() for e in d["events"]]
         peak = max((d["peak_memory_bytes"] for d in drained.values()), default=0)
-        return IterationResult(output, events, peak, seconds)
+        retries = sum(d["alloc_retries"] for d in drained.values())
+        return IterationResult(output, events, peak, seconds, alloc_retries=retries)
 
     def _run_whole(self, graph: IterationGraph, iteration: int, inputs: dict[str, Any],
                    prefetch: tuple) -> IterationResult:

@@ -93,4 +93,5 @@ class LocalExecutor:
         seconds = time.time() - start
         drained = [host.drain() for host in self.hosts]
         return IterationResult(output, [e for d in drained for e in d["events"]],
-                               max(d["peak_memory_bytes"] for d in drained), seconds, started=start)
+                               max(d["peak_memory_bytes"] for d in drained), seconds, started=start,
+                               alloc_retries=sum(d["alloc_retries"] for d in drained))

@@ -29,7 +29,7 @@ GROUPS = {
     "rollout": ("reward_mean", "reward_std", "reward_chance", "response_len_mean", "rollout_logprob_diff",
                 "rollout_kl_k3"),
     "time": ("iter_seconds", "eval_seconds", "seconds_by_kind"),
-    "system": ("peak_memory_bytes", "ref_cache_hit_rate", "ref_cache_bytes"),
+    "system": ("peak_memory_bytes", "alloc_retries", "ref_cache_hit_rate", "ref_cache_bytes"),
     "data": ("data_skipped_rows",),
 }
 GROUP_OF = {key: group for group, keys in GROUPS.items() for key in keys}

@@ -370,7 +370,8 @@ def _iterate(cfg: RunConfig, session: Session, executor, watch, loggers, state, 
                 metrics = {"iteration": iteration, "phase": "rl", **out["metrics"],
                            "iter_seconds": round(result.seconds, 4), "schedule": choice.schedule,
                            "seconds_by_kind": seconds_by_kind(result.events),
-                           "peak_memory_bytes": result.peak_memory_bytes, "reward_chance": session.task.chance,
+                           "peak_memory_bytes": result.peak_memory_bytes, "alloc_retries": result.alloc_retries,
+                           "reward_chance": session.task.chance,
                            **session.loader.metrics()}
                 if changed and iteration == changed_at:
                     metrics["config_changed"] = {k: list(v) for k, v in changed.items()}

@@ -40,6 +40,9 @@ class IterationResult:
     seconds: float
     started: float = 0.0  # when its first node could start (epoch seconds, the worker's clock)
     prepare_seconds: float = 0.0  # on the worker before that: its prompts built from their refs
+    # CUDA allocations that found no free block, emptied the allocator's cache and tried again: each
+    # such cudaFree waits for the whole device, so a window that meets them loses its overlap.
+    alloc_retries: int = 0
 
 
 @dataclass
@@ -230,6 +233,9 @@ class WorkerHost:
             sms = spec.window.decode_sms
             self.use_partitions(make(self.device.index or 0, [sms] if sms else None))
         self._busy = {"decode": 0, "compute": 0}
+        self._alloc_retries = 0  # the allocator's count at the last drain
+        if self.device.type == "cuda":
+            self._alloc_retries = torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)
         self._stream_wait = threading.local()  # per stream thread: its last node's wait for the device
         self.events: list[dict] = []
         self._lock = threading.Lock()
@@ -320,11 +326,14 @@ class WorkerHost:
     def drain(self) -> dict:
         with self._lock:
             events, self.events = self.events, []
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        peak, retries = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, 0
         if self.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(self.device)
+            retries = torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)  # not reset with the peak
+            retries, self._alloc_retries = retries - self._alloc_retries, retries
             torch.cuda.reset_peak_memory_stats(self.device)
-        return {"events": events, "peak_memory_bytes": int(peak), "worker": self.name, "pid": os.getpid()}
+        return {"events": events, "peak_memory_bytes": int(peak), "alloc_retries": int(retries), "worker": self.name,
+                "pid": os.getpid()}
 
     def wait_for_prefill(self, iteration: int, poll: float = 0.002, limit: float = 30.0,
                          start_limit: float = 0.5) -> None:
