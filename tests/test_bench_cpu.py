@@ -57,6 +57,16 @@ def test_scoring_the_late_chunks_in_one_node_keeps_serials_update(tmp_path):
                           policies=("serial:ppn=2", "rollplex:wc=1:tf=0"), out=str(tmp_path)), log=lambda *a: None)
     updates = {u["policy"]: u for u in out["updates"]}
     assert updates["serial:ppn=2"]["replayed"] == 0.0 and updates["serial:ppn=2#aa"]["replayed"] == 0.0
+    # Each iteration was written as it ended (a time limit keeps them): warm-ups marked, the timed ones
+    # the seconds bench.json reports.
+    noted = [json.loads(line) for line in (tmp_path / "iterations.jsonl").read_text().splitlines()]
+    policies = ("serial:ppn=2", "rollplex:wc=1:tf=0", "serial:ppn=2#aa")
+    assert sorted((n["policy"], n["iteration"]) for n in noted) == sorted((p, i) for p in policies for i in (0, 1))
+    saved = {r["policy"]: r for r in json.loads((tmp_path / "bench.json").read_text())["results"]}
+    for n in noted:
+        assert n["warm_up"] == (n["iteration"] == 0) and n["alloc_retries"] == 0
+        if not n["warm_up"]:
+            assert saved[n["policy"]]["all_s"] == [pytest.approx(n["seconds"], abs=1e-4)]
     assert updates["rollplex:wc=1:tf=0"]["reference"] == "serial:ppn=2"
     assert updates["rollplex:wc=1:tf=0"]["replayed"] <= 1e-2
     trace = json.loads((tmp_path / "trace.json").read_text())

@@ -57,6 +57,7 @@ from rollplex.pipeline.bench.results import (  # noqa: F401 - POLICIES, ALL_POLI
     compare_update,
     file_stem,
     measure_rates,
+    note_iteration,
     parse_policy,
     policy_shape,
     profile_iteration,
@@ -313,6 +314,7 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
     check_bench_memory(cfg)  # before anything is written
     out_dir = Path(cfg.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "iterations.jsonl").unlink(missing_ok=True)  # this run's iterations only
     t0 = time.time()
     model, spec = build_model(cfg)
     config = model.config
@@ -455,6 +457,7 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
             steps_before = sum(d.steps_run for d in decodes)
             with process_settings(policy):
                 result = executor.run(graph, iteration, inputs_for(graph, iteration))
+            note_iteration(out_dir, policy, iteration, result, log)
             if iteration == 0:  # the update from the common start, compared across policies
                 if policy == reference:
                     res.weights = host_copy(trained_weights())

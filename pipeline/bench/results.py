@@ -248,6 +248,22 @@ def measure_rates(device: torch.device, dtype: torch.dtype, repeats: int = 10) -
 H200_RATES = DeviceRates(4.3e12, 788e12)  # one H200's: every bound the bench printed before 2026-12-07
 
 
+def note_iteration(out_dir: Path, policy: str, iteration: int, result, log) -> None:
+    """Each iteration as it ends, a console line and a line of ``iterations.jsonl``: a bench stopped by a
+    time limit keeps what it measured (bench.json is written as policies end, all at once when they
+    take turns)."""
+    from rollplex.fsio import append_line
+    from rollplex.pipeline.plan.trace import seconds_by_kind
+
+    append_line(out_dir / "iterations.jsonl", json.dumps(
+        {"policy": policy, "iteration": iteration, "warm_up": iteration == 0, "seconds": round(result.seconds, 4),
+         "peak_hbm_bytes": result.peak_memory_bytes, "alloc_retries": result.alloc_retries,
+         "seconds_by_kind": seconds_by_kind(result.events)}))
+    log(f"  iteration {iteration} {policy}: {result.seconds:.3f} s{' (warm-up)' if iteration == 0 else ''}, "
+        f"peak {result.peak_memory_bytes / 2**30:.1f} GiB" + (f", {result.alloc_retries} allocator retries"
+                                                              if result.alloc_retries else ""))
+
+
 def record_iteration(cfg: BenchConfig, spec, weight_bytes: int, res: PolicyResult, result, decode_steps: int,
                      policy: str, rates: DeviceRates = H200_RATES) -> None:
     """Add one timed iteration to the policy's result. ``weight_bytes``: the LM weights a decode step
