@@ -217,6 +217,7 @@ def main() -> int:
     (out / "train_vs_bench.json").write_text(json.dumps(result, indent=1))
     if args.bench_iterations:
         shutil.copy(bench_dir / "bench.json", out / "bench.json")
+        shutil.copy(bench_dir / "iterations.jsonl", out / "bench_iterations.jsonl")
     for schedule in SCHEDULES:  # each schedule's last iteration, for trace_nodes.py
         last = max(r["iteration"] for r in rows if r.get("schedule") == schedule)
         shutil.copy(train_dir / "traces" / f"iter_{last:06d}.json", out / f"train_trace_{schedule}.json")

@@ -275,6 +275,9 @@ def test_bench_names_an_unknown_policy_or_option():
     with pytest.raises(RollplexError, match="'serial:sp=0': option 'sp' applies to the rollplex policies only"):
         run(BenchConfig(device="cpu", policies=("serial:sp=0",)), log=lambda *a: None)
     assert parse_policy("rollplex:sp=0:wc=4") == ("rollplex", {"sp": 0, "wc": 4})
+    # The GIL's switch interval is the process's, as cluster.switch_interval_us is a run's: any policy's.
+    assert parse_policy("serial:ppn=8:gil=200") == ("serial", {"ppn": 8, "gil": 200})
+    assert parse_policy("plain:gil=200") == ("plain", {"gil": 200})
 
 
 def test_in_process_all_reduce_steps_every_rank_on_the_mean_gradient():
