@@ -6,6 +6,7 @@ plot and ``--trace`` Chrome traces in the format real runs write.
 """
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -53,7 +54,10 @@ def add_parser(sub) -> None:
     x.add_argument("--rollout-gpus", type=int, help="disaggregated split (default: the best valid split)")
     x.add_argument("--budget-gib", type=float, help="HBM budget per GPU (default: HBM minus 3 GiB)")
     x.add_argument("--no-memory-plan", action="store_true", help="only measure memory, plan no offloads")
-    x.add_argument("--no-partition", action="store_true", help="no SM partitioning: plain-stream overlap")
+    x.add_argument("--sm-partitions", action="store_true",
+                   help="decode and window work on SM partitions (cluster.sm_partitions: true); default: plain "
+                        "streams, as a run's default")
+    x.add_argument("--no-partition", action="store_true", help=argparse.SUPPRESS)  # the default since 2026-12-07
     x.add_argument("--train-fusion", action="store_true",
                    help="rollplex also trains on each chunk's finished groups in the decode window")
     x.add_argument("--window-chunks", type=int, default=0, metavar="N",
@@ -101,7 +105,7 @@ def cmd_simulate(args) -> int:
     if unknown or not names:
         raise ConfigError(f"--schedule {args.schedule!r}: unknown {unknown}; choose from {', '.join(S.VARIANTS)}")
     model = load_model(model_name)
-    cluster = hardware(hw, gpus, partitioned=not args.no_partition)
+    cluster = hardware(hw, gpus, partitioned=args.sm_partitions)
     from rollplex.dags.grpo import grpo
 
     scn = S.Scenario(model, cluster, workload, grpo, rollout_gpus=args.rollout_gpus, memory=not args.no_memory_plan,
@@ -247,7 +251,9 @@ def _assumptions(scn, results) -> str:
         ("serial/disaggregated", "score full sequences (no prefix sharing), like verl/OpenRLHF; serial+prefix "
          "and disaggregated+prefix add sharing (the bench's serial and disaggregated) to isolate the overlap gain",
          ""),
-        ("rollplex", "prefix sharing, prefix work under light decode on SM partitions (gate chosen per plan), stage "
+        ("rollplex", "prefix sharing, prefix work under light decode "
+         + ("on SM partitions" if c.interference.partitioned else "on plain streams (--sm-partitions: partitions)")
+         + " (gate chosen per plan), stage "
          "fusion (frozen models score single finished samples per decode chunk, as the runtime does; train "
          "fusion per finished group), rollout weights per the sharing plan (views of the training shard where "
          "layouts agree; `rollplex weights`)", ""),

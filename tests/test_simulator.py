@@ -92,11 +92,14 @@ def test_each_sample_finishes_in_a_chunk_no_later_than_its_group_and_scoring_spl
 
 
 def test_interference_reproduces_the_measured_hidden_fractions():
-    inter = hardware("h200", 1).interference
+    inter = hardware("h200", 1, partitioned=True).interference
     for batch, hidden in inter.hidden_table:
         r = inter.compute_rate(batch)
         assert 1 - (1 - 1 / inter.slowdown) / r == pytest.approx(hidden)
     assert inter.hidden(8) > inter.hidden(32) > inter.hidden(64) > inter.hidden(128) == 0
+    plain = hardware("h200", 1).interference  # the runtime's default, plain streams (cluster.sm_partitions)
+    assert not plain.partitioned and plain.slowdown == plain.plain_decode_slowdown
+    assert 1 - (1 - 1 / plain.slowdown) / plain.compute_rate(8) == pytest.approx(plain.plain_hidden)
 
 
 def test_workload_errors_name_the_field():
@@ -235,6 +238,20 @@ def test_simulate_prints_the_table_and_writes_json_png_and_traces(tmp_path, caps
     assert data["results"]["rollplex"]["makespan_s"] > 0 and data["scenario"]["gpus"] == 2
     assert (tmp_path / "sim.png").stat().st_size > 10_000
     assert sorted(p.name for p in (tmp_path / "tr").iterdir()) == sorted(f"{n}.json" for n in S.VARIANTS)
+
+
+def test_simulate_models_plain_streams_as_a_run_does_and_partitions_on_request(capsys):
+    """A run's window shares the GPU on plain streams unless cluster.sm_partitions is set; the simulator
+    assumes the same, and --sm-partitions models the partitions (their measured hidden fractions)."""
+    def predicted(*extra):
+        assert main(ARGS + ["--schedule", "rollplex", *extra]) == 0
+        text = capsys.readouterr().out
+        return text, next(line for line in text.splitlines() if line.startswith("rollplex "))
+
+    plain, plain_row = predicted()
+    parted, parted_row = predicted("--sm-partitions")
+    assert "decode on plain streams" in plain and "decode on SM partitions" in parted
+    assert plain_row != parted_row  # 5% hidden at any batch against the partitions' table
 
 
 @pytest.mark.parametrize("extra, message", [

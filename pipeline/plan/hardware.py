@@ -244,7 +244,9 @@ class Layout:
                    tp_rollout, tp_train).check(cluster)
 
 
-def hardware(name: str, gpus: int | None = None, partitioned: bool = True) -> Cluster:
+def hardware(name: str, gpus: int | None = None, partitioned: bool = False) -> Cluster:
+    """A preset's cluster. ``partitioned``: decode and compute on SM partitions while both run
+    (``cluster.sm_partitions``); the runtime's default is plain streams, and so is this one."""
     try:
         base = PRESETS[name.lower()]
     except KeyError:
