@@ -119,3 +119,23 @@ def test_tasks_find_their_inputs_by_what_they_are_not_by_name(tmp_path, override
         reports.append(report)
     assert reports[0]["rows"] and reports[0]["rows"] == reports[1]["rows"]
     assert reports[0]["metrics"] == reports[1]["metrics"]
+
+
+def test_alloc_retries_count_what_happened_since_any_host_on_the_device_last_drained(monkeypatch):
+    """Hosts that take turns on one device (the bench's policies) each report their own iterations'
+    retries: the count is the device's, cumulative, and a drain by either host moves the mark."""
+    import torch
+
+    from rollplex.pipeline.run import worker
+
+    count = {"num_alloc_retries": 5}
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: dict(count))
+    monkeypatch.setattr(worker, "_ALLOC_RETRIES", {})
+    device = torch.device("cuda", 0)
+    assert worker.alloc_retries_since_drain(device) == 0  # a host starts: the mark
+    count["num_alloc_retries"] = 7  # host A's iteration retried twice
+    assert worker.alloc_retries_since_drain(device) == 2
+    count["num_alloc_retries"] = 8  # host B's iteration once
+    assert worker.alloc_retries_since_drain(device) == 1
+    assert worker.alloc_retries_since_drain(device) == 0  # A again: nothing since B drained
+    assert worker.alloc_retries_since_drain(torch.device("cuda", 1)) == 0  # another device: its own mark

@@ -233,9 +233,8 @@ class WorkerHost:
             sms = spec.window.decode_sms
             self.use_partitions(make(self.device.index or 0, [sms] if sms else None))
         self._busy = {"decode": 0, "compute": 0}
-        self._alloc_retries = 0  # the allocator's count at the last drain
         if self.device.type == "cuda":
-            self._alloc_retries = torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)
+            alloc_retries_since_drain(self.device)  # from here on
         self._stream_wait = threading.local()  # per stream thread: its last node's wait for the device
         self.events: list[dict] = []
         self._lock = threading.Lock()
@@ -329,8 +328,7 @@ class WorkerHost:
         peak, retries = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, 0
         if self.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(self.device)
-            retries = torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)  # not reset with the peak
-            retries, self._alloc_retries = retries - self._alloc_retries, retries
+            retries = alloc_retries_since_drain(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         return {"events": events, "peak_memory_bytes": int(peak), "alloc_retries": int(retries), "worker": self.name,
                 "pid": os.getpid()}
@@ -457,6 +455,17 @@ class WorkerHost:
 
 
 _HOST: WorkerHost | None = None
+_ALLOC_RETRIES: dict[int, int] = {}  # per device: the allocator's count when a host last drained
+
+
+def alloc_retries_since_drain(device: torch.device) -> int:
+    """The device's allocator retries since any host on it last drained: hosts that take turns on one
+    device (the bench's policies) each count their own iterations'. The count is cumulative (resetting
+    the peak leaves it)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    now = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+    before, _ALLOC_RETRIES[index] = _ALLOC_RETRIES.get(index, now), now
+    return now - before
 
 
 def current_host() -> WorkerHost:
