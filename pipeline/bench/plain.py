@@ -39,12 +39,13 @@ class PlainExecutor:
 
     # -- one iteration ----------------------------------------------------------------------------
     def run(self, graph, iteration: int, inputs: dict[str, Any]):
-        from rollplex.pipeline.run.worker import IterationResult
+        from rollplex.pipeline.run.worker import IterationResult, alloc_retries_since_drain
 
         prompts = [inputs[k] for k in sorted(inputs, key=lambda k: int(k.rsplit("p", 1)[1]))]
         events: list[dict] = []
         cuda = self.device.type == "cuda"
-        retries = torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0) if cuda else 0
+        if cuda:
+            alloc_retries_since_drain(self.device)  # from here on, as a runtime host counts an iteration's
         start = time.time()
 
         def phase(kind: str, fn, *args):
@@ -75,8 +76,7 @@ class PlainExecutor:
                   "metrics": {"reward_mean": float(rewards.mean()), "loss": loss, "grad_norm": grad_norm,
                               "response_len_mean": tokens / max(len(rows), 1)}}
         peak = torch.cuda.max_memory_allocated(self.device) if cuda else 0
-        if cuda:
-            retries = torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0) - retries
+        retries = alloc_retries_since_drain(self.device) if cuda else 0
         return IterationResult({"report": report}, events, int(peak), seconds, started=start, alloc_retries=int(retries))
 
     # -- the phases -------------------------------------------------------------------------------
