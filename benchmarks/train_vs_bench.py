@@ -9,7 +9,9 @@ caps drawn once; the bench is given the same caps through ``--lengths``), chunks
 tokens, the torch train engine, the compiled torch-graph decode engine, 8 prompts per vit/prefix/
 suffix node and 2 per micro-batch. Train runs ``schedule: auto`` with train fusion asked for, so
 serial, rollplex (train fusion) and rollplex-unfused (training after decode) take turns in one process
-as the bench's policies do; its first iteration of each is dropped.
+as the bench's policies do; its first iteration of each is dropped. Train's cross-iteration cache of
+the reference's prefixes is off (``train.ref_cache_gib=0``): its prompts repeat every iteration, so
+it would skip the reference's prefix forwards that the bench runs.
 
     python benchmarks/train_vs_bench.py --out $OUT/tvb            # on the GPU (scripts/on-device.sh --wheels)
     python benchmarks/train_vs_bench.py --device cpu --layers 1 --vision-layers 1 --side 112 --new-tokens 8 --chunk-tokens 4 \
@@ -150,7 +152,10 @@ def main() -> int:
          "--set", "stop_at_reward=null", "--set", "engines.train=torch", "--set", "engines.decode=torch-graph",
          "--set", "engines.decode_options={compile: %s, attention: %s}" % (
              "true" if args.device == "cuda" else "false", args.decode_attention),
-         "--set", "train.train_fusion=true", "--set", "checkpoint.every=0"]
+         "--set", "train.train_fusion=true", "--set", "checkpoint.every=0",
+         # The same prompts every iteration would make the reference's prefixes cache hits from the
+         # second on; the bench computes them each time, so train does too (same work, same bytes).
+         "--set", "train.ref_cache_gib=0"]
         + (["--set", f"cluster.threads={args.threads}"] if args.threads else [])
         + (["--set", f"cluster.switch_interval_us={args.switch_interval_us}"] if args.switch_interval_us else [])
         + (["--set", "train.gradient_checkpointing=true"] if args.gradient_checkpointing else [])
