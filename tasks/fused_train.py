@@ -4,8 +4,8 @@ The compiler emits these instead of per-prompt reward, advantage, suffix and los
 step of the algorithm is per group (``compiler.train_fusable``). Each handed group runs reward →
 advantage → the policy's prefix and suffix forwards with grad → the loss → backward. The groups
 of one micro-batch (``train.micro_batch_groups``) share one prefix forward, one suffix forward and
-one backward, and each batch's graphs are freed before the next is built, so no prefix graph
-outlives its group's backward. The batch's token (or response) count is known only after the last
+one backward (``train.fusion_batch_tokens`` also bounds a backward's tokens), and each batch's
+graphs are freed before the next is built, so no prefix graph outlives its group's backward. The batch's token (or response) count is known only after the last
 chunk, so each group's loss is summed, not averaged; the optimizer step divides the accumulated
 gradient by that count (``deferred_normaliser``), which gives the gradient of the averaged loss up
 to float rounding. Rewards, advantages, the loss's sum and
@@ -31,6 +31,24 @@ def frozen_scores(chunks: list, p: int, width: int) -> torch.Tensor:
     return join_samples(rows, width)
 
 
+def handoff_batches(groups: list, tokens: dict, most: int, budget: int = 0) -> list[list]:
+    """``groups`` in order, cut into backwards of at most ``most`` groups and, with a ``budget``, at
+    most that many ``tokens`` (a group's prompt plus its responses); a group over the budget trains
+    alone. A chunk's groups finish together where they are longest, so a count alone would put the
+    run's longest groups into one backward."""
+    batches: list[list] = []
+    held = 0
+    for g in groups:
+        size = tokens[g] if budget else 0
+        if batches and len(batches[-1]) < most and (not budget or held + size <= budget):
+            batches[-1].append(g)
+            held += size
+        else:
+            batches.append([g])
+            held = size
+    return batches
+
+
 def train_handoff(ctx, node, inputs) -> dict:
     s = ctx.settings
     decl, engine = ctx.algorithm.loss_fn, ctx.train_engine(node.model)
@@ -48,8 +66,10 @@ def train_handoff(ctx, node, inputs) -> dict:
     # eager scoring is host-bound, and each group's loss sums into one backward that reaches every
     # group's prefix. The micro-batch bounds a backward's graphs; the logits do not need a budget of
     # their own, as the LM head runs in checkpointed pieces (vlm.head_logprobs) whatever the length.
-    most = node.args.get("micro_batch_groups") or 1
-    for batch in (ready[i: i + most] for i in range(0, len(ready), most)):
+    most, budget = node.args.get("micro_batch_groups") or 1, node.args.get("batch_tokens", 0)
+    tokens = ({p: inputs[prompt_of[p]].num_tokens + sum(map(len, handoff[p].token_ids)) for p in ready}
+              if budget else {})
+    for batch in handoff_batches(ready, tokens, most, budget):
         prompts = [inputs[prompt_of[p]] for p in batch]
         # A vision tower that trains (vision_grad): its forward with grad, freed with this batch's graphs.
         visions = (vlm.vision_embeds_batch(model, prompts, grad=True) if node.args.get("vision_grad")

@@ -131,7 +131,7 @@ def test_a_chunks_groups_train_in_micro_batches(tmp_path, monkeypatch):
     monkeypatch.setattr(LocalExecutor, "run", run_and_count)
     monkeypatch.setattr(TorchTrainEngine, "backward", counted)
     per_policy = {}
-    for policy in ("rollplex:ppn=4:mb=1:tf=1", "rollplex:ppn=4:mb=4:tf=1"):
+    for policy in ("rollplex:ppn=4:mb=1:tf=1", "rollplex:ppn=4:mb=4:tf=1", "rollplex:ppn=4:mb=4:tf=1:ft=1"):
         backwards.clear()
         run(BenchConfig(model=config, device="cpu", dtype="float32", prompts=4, samples=2, vision_tokens=16,
                         text_tokens=8, max_new_tokens=8, mean_new_tokens=4, chunk_tokens=4, iterations=2,
@@ -139,6 +139,8 @@ def test_a_chunks_groups_train_in_micro_batches(tmp_path, monkeypatch):
         per_policy[policy] = list(backwards)
     assert set(per_policy["rollplex:ppn=4:mb=1:tf=1"]) == {4}
     assert max(per_policy["rollplex:ppn=4:mb=4:tf=1"]) <= 3
+    # A token budget below any group's tokens: each group trains in a backward of its own again.
+    assert set(per_policy["rollplex:ppn=4:mb=4:tf=1:ft=1"]) == {4}
     # Long responses do not split a micro-batch: the LM head runs in pieces, so no logits budget
     # applies (one of a single element here, which every group's logits pass).
     from rollplex.engines import vlm
@@ -149,6 +151,36 @@ def test_a_chunks_groups_train_in_micro_batches(tmp_path, monkeypatch):
                     text_tokens=8, max_new_tokens=8, mean_new_tokens=4, chunk_tokens=4, iterations=2,
                     policies=("rollplex:ppn=4:mb=4:tf=1",), out=str(tmp_path / "budget")), log=lambda *a: None)
     assert backwards == per_policy["rollplex:ppn=4:mb=4:tf=1"]
+
+
+def test_a_token_budget_cuts_a_chunks_groups_into_backwards_in_order():
+    """handoff_batches: every group once, in order; at most ``most`` groups and ``budget`` tokens a
+    backward, a group over the budget alone; no budget is the count alone."""
+    import random
+
+    from rollplex.tasks.fused_train import handoff_batches
+
+    rng = random.Random(0)
+    for _ in range(200):
+        groups = sorted(rng.sample(range(64), rng.randint(0, 12)))
+        tokens = {g: rng.randint(1, 3000) for g in groups}
+        most, budget = rng.randint(1, 4), rng.choice([0, 1, 1500, 4000, 10**6])
+        batches = handoff_batches(groups, tokens, most, budget)
+        assert [g for b in batches for g in b] == groups
+        assert all(1 <= len(b) <= most for b in batches)
+        if budget:
+            assert all(len(b) == 1 or sum(tokens[g] for g in b) <= budget for b in batches)
+            # greedy: a batch was closed only because the next group did not fit
+            for a, b in zip(batches, batches[1:]):
+                assert len(a) == most or sum(tokens[g] for g in a) + tokens[b[0]] > budget
+        else:
+            assert batches == [groups[i: i + most] for i in range(0, len(groups), most)]
+
+
+def test_the_token_budget_reaches_the_training_nodes_only_when_set():
+    g = compile_iteration(grpo, _shape(fusion_batch_tokens=4096), ENGINES, DIMS)
+    assert {n.args["batch_tokens"] for n in g.of_kind("loss")} == {4096}
+    assert not any("batch_tokens" in n.args for n in compile_iteration(grpo, _shape(), ENGINES, DIMS).of_kind("loss"))
 
 
 OVERRIDES = ["iterations=2", "seed=4", "warmup.steps=0", "stop_at_reward=null", "checkpoint.every=1",
@@ -167,12 +199,15 @@ def test_the_fused_update_equals_the_serial_one_on_the_same_rollout(tmp_path):
     config = resolve_model_path(load_config(None, [])) + "/config.json"
     out = run(BenchConfig(model=config, device="cpu", dtype="float32", prompts=4, samples=2, vision_tokens=16,
                           text_tokens=8, max_new_tokens=8, mean_new_tokens=4, chunk_tokens=2, iterations=2,
-                          train_fusion=True, policies=("serial", "rollplex"), out=str(tmp_path)), log=lambda *a: None)
-    rollplex = {u["policy"]: u for u in out["updates"]}["rollplex"]
-    assert rollplex["identical_responses"] == rollplex["responses"]
-    # Summed in chunk order, scaled once, reference scored per sample: rounding, not zero (Adam's
-    # first step amplifies it; a real fault is O(1), see test_bench_cpu).
-    assert 0 < rollplex["replayed"] <= 1e-2
+                          train_fusion=True, policies=("serial", "rollplex", "rollplex:mb=4:ft=1"), out=str(tmp_path)),
+              log=lambda *a: None)
+    updates = {u["policy"]: u for u in out["updates"]}
+    for policy in ("rollplex", "rollplex:mb=4:ft=1"):  # the latter: one backward per group, by its token budget
+        rollplex = updates[policy]
+        assert rollplex["identical_responses"] == rollplex["responses"]
+        # Summed in chunk order, scaled once, reference scored per sample: rounding, not zero (Adam's
+        # first step amplifies it; a real fault is O(1), see test_bench_cpu).
+        assert 0 < rollplex["replayed"] <= 1e-2, policy
     kinds = {r["policy"]: r["seconds_by_kind"] for r in out["results"]}
     assert "reward" not in kinds["rollplex"] and "reward" in kinds["serial"]  # rewards inside train_c
 

@@ -39,6 +39,8 @@ VARIANT_KEYS = {"gate": "prefix work waits until decode has at most this many li
                 "gl": "the policy's prefix of micro-batch m waits for the loss of m - N (0, default: no bound)",
                 "tf": "train fusion: 1 trains finished groups inside the window, 0 after it "
                       "(default: --train-fusion)",
+                "ft": "train fusion: the most tokens one backward over a chunk's finished groups holds "
+                      "(train.fusion_batch_tokens; 0, default: mb alone bounds it)",
                 "spare": "plain streams: while decode runs, compute's matmuls leave this many SMs free "
                          "(cuBLASLt's SM target; 0, default: none)",
                 "prio": "1: decode's stream at high priority, so the GPU issues its blocks ahead of compute's "
@@ -111,7 +113,8 @@ def policy_shape(policy: str, *, prompts_per_node: int, stage_fusion: bool, trai
     return {"prompts_per_node": options.get("ppn", prompts_per_node), "micro_batch_groups": options.get("mb", 1),
             "stage_fusion": fused,
             "train_fusion": fused and bool(options.get("tf", train_fusion)),
-            "window_chunks": options.get("wc", 0), "grad_prefix_lookahead": options.get("gl", 0)}
+            "window_chunks": options.get("wc", 0), "grad_prefix_lookahead": options.get("gl", 0),
+            "fusion_batch_tokens": options.get("ft", 0)}
 
 
 @dataclass

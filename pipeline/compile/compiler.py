@@ -101,6 +101,9 @@ class BatchShape:
     # with grad, loss and backward), its loss normalised at the optimizer step once the batch's
     # token count is known. Needs an algorithm whose every step is per group (``train_fusable``).
     train_fusion: bool = False
+    # With train fusion, the most tokens (prompts plus responses) one backward over a chunk's finished
+    # groups holds; 0: micro_batch_groups alone bounds it (tasks/fused_train.handoff_batches).
+    fusion_batch_tokens: int = 0
     # With stage fusion (and no train fusion), the chunks from this one on are scored by one node
     # after the last chunk: each chunk's node is a forward, and late chunks end after the window,
     # where one forward is cheaper than several. 0: every chunk has its own node.
@@ -139,6 +142,8 @@ class BatchShape:
                      "prompts_per_node", "mini_batches", "epochs", "ranks", "max_turns"):
             if getattr(self, name) < 1:
                 raise GraphError(f"batch shape: {name} must be ≥ 1, got {getattr(self, name)}")
+        if self.fusion_batch_tokens < 0:
+            raise GraphError(f"batch shape: fusion_batch_tokens must be ≥ 0, got {self.fusion_batch_tokens}")
         if self.steps > 1 and self.prompts % (self.ranks * self.mini_batches):
             raise GraphError(f"batch shape: {self.prompts} prompts do not split into {self.mini_batches} equal "
                              f"mini-batches over {self.ranks} rank(s)")
@@ -559,6 +564,7 @@ def _compile_train_fusion(g: IterationGraph, alg: Algorithm, shape: BatchShape, 
             args={"prompts": list(range(P)), "handoff_chunk": c, "handed_chunks": [c], "handed": "groups",
                   "as": score.as_, "frozen": [s.as_ for s in frozen], "agg": alg.loss_fn.options["agg"],
                   "micro_batch_groups": shape.micro_batch_groups,
+                  **({"batch_tokens": shape.fusion_batch_tokens} if shape.fusion_batch_tokens else {}),
                   **({"vision_grad": True} if shape.trains_vision else {})},
             **{f"{name}_c{c}": {**info, "prompts": every, "chunk": c} for name, info in per_chunk.items()},
             **{loss_name(policy, policy, c): host(64, "loss", model=policy, prompts=every, chunk=c)})

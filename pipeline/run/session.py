@@ -235,6 +235,7 @@ def iteration_spec(cfg: RunConfig, dims, prompt_tokens: int, vision_tokens: int,
         # its own decode chain's samples (pipeline/compile/ranks.py).
         stage_fusion=cfg.train.stage_fusion,
         train_fusion=cfg.train.train_fusion,
+        fusion_batch_tokens=cfg.train.fusion_batch_tokens,
         window_chunks=cfg.train.window_chunks,
         grad_prefix_lookahead=cfg.train.grad_prefix_lookahead,
         mini_batches=cfg.train.mini_batches,

@@ -116,6 +116,11 @@ class TrainConfig:
                            "in the decode window, micro_batch_groups at a time, its gradient normalised at "
                            "the step (needs engines.train: "
                            "torch and a per-group algorithm; otherwise the graph trains after decode)")
+    fusion_batch_tokens: int = f(0, lo=0, hi=2**31, doc="with train fusion, the most tokens (prompts plus responses) "
+                                 "one backward over a chunk's finished groups holds: groups past it start another "
+                                 "backward (a group over it trains alone), so the chunk where the longest groups "
+                                 "finish together does not hold all their graphs at once; 0 = only "
+                                 "micro_batch_groups bounds a backward")
     window_chunks: int = f(0, lo=0, hi=65536, doc="with stage fusion and no train fusion, the decode chunks from this "
                            "one on are scored by one node after the last chunk (one forward instead of one per "
                            "chunk, for the chunks that end after the decode window); 0 = one node per chunk")
