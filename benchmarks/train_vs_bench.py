@@ -128,6 +128,9 @@ def main() -> int:
     ap.add_argument("--switch-interval-us", type=int, default=0,
                     help="Python's thread switch interval in µs for both runs (train: cluster.switch_interval_us, "
                          "the bench: each policy's gil=N); 0: Python's 5,000")
+    ap.add_argument("--fusion-batch-tokens", type=int, default=0,
+                    help="train fusion's backwards capped at this many tokens in both runs (train: "
+                         "train.fusion_batch_tokens, the bench: ft=N on the fused policy); 0: no cap")
     args = ap.parse_args()
     out, work = Path(args.out), Path(args.work)
     out.mkdir(parents=True, exist_ok=True)
@@ -158,13 +161,20 @@ def main() -> int:
          "--set", "train.ref_cache_gib=0"]
         + (["--set", f"cluster.threads={args.threads}"] if args.threads else [])
         + (["--set", f"cluster.switch_interval_us={args.switch_interval_us}"] if args.switch_interval_us else [])
+        + (["--set", f"train.fusion_batch_tokens={args.fusion_batch_tokens}"] if args.fusion_batch_tokens else [])
         + (["--set", "train.gradient_checkpointing=true"] if args.gradient_checkpointing else [])
         + (["--set", "rollout.length_caps={mean: %d, sigma: 0.8}" % args.mean_new_tokens] if args.mean_new_tokens else [])
         + [x for s in shape for x in ("--set", s)])
     shutil.copy(train_dir / "metrics.jsonl", out / "train_metrics.jsonl")  # kept should the bench not finish
     bench_dir = work / "bench"
     gil = f":gil={args.switch_interval_us}" if args.switch_interval_us else ""
-    policies = ",".join([p + gil for p in SCHEDULES.values()] + [p for p in args.bench_also.split(",") if p])
+    ft = f":ft={args.fusion_batch_tokens}" if args.fusion_batch_tokens else ""
+
+    def bench_policy(schedule: str) -> str:
+        """The bench's policy for one of train's schedules, with this run's options."""
+        return SCHEDULES[schedule] + (ft if schedule == "rollplex" else "") + gil
+
+    policies = ",".join([bench_policy(s) for s in SCHEDULES] + [p for p in args.bench_also.split(",") if p])
     lengths = []
     if args.mean_new_tokens:  # the bench meets train's caps: those rollout.length_caps draws for its prompts
         from types import SimpleNamespace
@@ -188,13 +198,13 @@ def main() -> int:
     rows = [json.loads(line) for line in (train_dir / "metrics.jsonl").read_text().splitlines()]
     bench = json.loads((bench_dir / "bench.json").read_text()) if args.bench_iterations else {"results": []}
     result = {}
-    for schedule, policy in SCHEDULES.items():
+    for schedule in SCHEDULES:
         mine = [r for r in rows if r.get("schedule") == schedule][1:]  # its first iteration: compile, capture
         seconds = [r["iter_seconds"] for r in mine]
         outside = [outside_share(json.loads((train_dir / "traces" / f"iter_{r['iteration']:06d}.json").read_text()),
                                  r["iter_seconds"]) for r in mine]
         # A policy the bench could not run (out of memory) has no median: train's numbers still count.
-        bench_s = next((r.get("median_s") for r in bench["results"] if r["policy"] == policy + gil), None)
+        bench_s = next((r.get("median_s") for r in bench["results"] if r["policy"] == bench_policy(schedule)), None)
         result[schedule] = {"train_seconds": seconds, "train_median": statistics.median(seconds),
                             "bench_median": bench_s,
                             "train_over_bench": statistics.median(seconds) / bench_s if bench_s else None,
