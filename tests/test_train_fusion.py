@@ -262,6 +262,19 @@ def test_a_session_says_why_an_algorithm_cannot_train_in_the_window(tmp_path):
     assert Session(fusing, tmp_path / "run4").schedules == ("rollplex", "rollplex-unfused", "serial")
 
 
+@pytest.mark.parametrize("overrides, unused", [
+    (["schedule=rollplex", "train.train_fusion=true"], False),
+    (["schedule=auto", "train.train_fusion=true"], False),
+    (["schedule=rollplex"], True),  # train fusion not asked for
+    (["schedule=serial", "train.train_fusion=true"], True),  # serial trains after decode
+    (["algorithm=ppo", "schedule=rollplex", "train.train_fusion=true"], True),  # ppo cannot fuse
+])
+def test_a_session_says_when_the_fusion_token_cap_does_nothing(tmp_path, overrides, unused):
+    cfg = load_config(None, [*OVERRIDES, *overrides, "train.fusion_batch_tokens=64"])
+    assert Session(cfg, tmp_path / "run").fusion_cap_unused is unused
+    assert Session(load_config(None, [*OVERRIDES, *overrides]), tmp_path / "run0").fusion_cap_unused is False
+
+
 def test_the_bench_refuses_a_train_fusion_policy_that_would_train_after_decode():
     from transformers import AutoConfig
 

@@ -134,6 +134,9 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = 
         log(f"weight sharing off: {why}")
     if session.train_fusion_off:  # asked for, but this algorithm or shape cannot: say why
         log(f"train fusion off: {session.train_fusion_off}; the policy trains after decode")
+    if session.fusion_cap_unused:
+        log("train.fusion_batch_tokens has no effect: it caps train fusion's backwards, and no schedule of this "
+            "run trains in the decode window")
     if session.ref_cache_off:
         log(f"reference-prefix cache off: {session.ref_cache_off}")
     stop = StopSignals()

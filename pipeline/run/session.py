@@ -387,6 +387,10 @@ class Session:
                 raise
             raise GraphError(f"{cfg.algorithm}: {exc}") from None
         self.schedules = tuple(name for name in self.schedules if name in self.graphs)
+        # train.fusion_batch_tokens caps the backwards of train fusion's nodes; with none in any graph
+        # (train fusion off, or a schedule that trains after decode) the setting does nothing: say so.
+        self.fusion_cap_unused = bool(cfg.train.fusion_batch_tokens) and not any(
+            "batch_tokens" in node.args for g in compiled_graphs.values() for node in g.nodes.values())
         # The first schedule's: what `rollplex graph` prints and graph.txt holds.
         self.compiled, self.graph = compiled_graphs[self.schedules[0]], self.graphs[self.schedules[0]]
         self.memory_plan = self.memory_plans[self.schedules[0]]
