@@ -5,11 +5,12 @@ step of the algorithm is per group (``compiler.train_fusable``). Each handed gro
 advantage → the policy's prefix and suffix forwards with grad → the loss → backward. The groups
 of one micro-batch (``train.micro_batch_groups``) share one prefix forward, one suffix forward and
 one backward (``train.fusion_batch_tokens`` also bounds a backward's tokens), and each batch's
-graphs are freed before the next is built, so no prefix graph outlives its group's backward. The batch's token (or response) count is known only after the last
-chunk, so each group's loss is summed, not averaged; the optimizer step divides the accumulated
-gradient by that count (``deferred_normaliser``), which gives the gradient of the averaged loss up
-to float rounding. Rewards, advantages, the loss's sum and
-its metrics are the per-prompt tasks' own helpers (tasks/updates.py).
+graphs are freed before the next is built, so no prefix graph outlives its group's backward. The
+batch's token (or response) count is known only after the last chunk, so each group's loss is
+summed, not averaged; the optimizer step divides the accumulated gradient by that count
+(``deferred_normaliser``), which gives the gradient of the averaged loss up to float rounding.
+Rewards, advantages, the loss's sum and its metrics are the per-prompt tasks' own helpers
+(tasks/updates.py).
 """
 from __future__ import annotations
 
