@@ -196,10 +196,16 @@ def batches_within(tokens: list[int], vocab: int, *, grad: bool, budget: int = L
     (tokens summed × vocab) stay within the logits budget, and of at most ``most`` groups each (a
     micro-batch) when given. Every group gets a batch, even one over the budget on its own."""
     limit = budget // 2 if grad else budget
+    return consecutive_runs(tokens, limit // vocab, most)  # (Σ n) · vocab ≤ limit ⇔ Σ n ≤ ⌊limit / vocab⌋
+
+
+def consecutive_runs(sizes: list[int], limit: int | None = None, most: int | None = None) -> list[list[int]]:
+    """Indices of ``sizes`` cut greedily, in order, into runs whose sizes sum to at most ``limit`` and
+    that hold at most ``most`` items (None: no such bound). An item over the limit makes a run alone."""
     out: list[list[int]] = []
     total = 0
-    for i, n in enumerate(tokens):
-        if out and (total + n) * vocab <= limit and (most is None or len(out[-1]) < most):
+    for i, n in enumerate(sizes):
+        if out and (limit is None or total + n <= limit) and (most is None or len(out[-1]) < most):
             out[-1].append(i)
             total += n
         else:

@@ -37,17 +37,8 @@ def handoff_batches(groups: list, tokens: dict, most: int, budget: int = 0) -> l
     most that many ``tokens`` (a group's prompt plus its responses); a group over the budget trains
     alone. A chunk's groups finish together where they are longest, so a count alone would put the
     run's longest groups into one backward."""
-    batches: list[list] = []
-    held = 0
-    for g in groups:
-        size = tokens[g] if budget else 0
-        if batches and len(batches[-1]) < most and (not budget or held + size <= budget):
-            batches[-1].append(g)
-            held += size
-        else:
-            batches.append([g])
-            held = size
-    return batches
+    runs = vlm.consecutive_runs([tokens[g] if budget else 0 for g in groups], budget or None, most)
+    return [[groups[i] for i in run] for run in runs]
 
 
 def train_handoff(ctx, node, inputs) -> dict:
