@@ -23,7 +23,7 @@ import time
 import torch
 
 
-def train_loop(model, prompts, visions, responses, stop: threading.Event, steps: list) -> None:
+def train_loop(model, prompts, visions, responses, stop: threading.Event, stepped: threading.Event) -> None:
     from rollplex.engines import vlm
 
     while not stop.is_set():
@@ -31,7 +31,7 @@ def train_loop(model, prompts, visions, responses, stop: threading.Event, steps:
         scored = vlm.suffix_logprobs_batch(model, states, responses, pad_id=0, grad=True)
         sum((lp * mask).sum() for lp, mask in scored).backward()
         model.zero_grad(set_to_none=True)
-        steps.append(time.perf_counter())
+        stepped.set()
 
 
 def retake_waits(launches: int, host_gap_s: float) -> list[float]:
@@ -74,11 +74,10 @@ def main() -> None:
             recompute.checkpoint_layers(model)
         for interval in (int(x) for x in args.intervals_us.split(",")):
             sys.setswitchinterval(interval / 1e6)
-            stop, steps = threading.Event(), []
-            trainer = threading.Thread(target=train_loop, args=(model, prompts, visions, responses, stop, steps))
+            stop, stepped = threading.Event(), threading.Event()
+            trainer = threading.Thread(target=train_loop, args=(model, prompts, visions, responses, stop, stepped))
             trainer.start()
-            while not steps:  # measure while training is under way (its loop never idles), not while it starts
-                time.sleep(0.01)
+            stepped.wait()  # measure while training is under way (its loop never idles), not while it starts
             waits = sorted(w * 1e3 for w in retake_waits(args.launches, args.host_gap_ms / 1e3))
             stop.set()
             trainer.join()
