@@ -137,7 +137,7 @@ def main() -> int:
     model = work / "model"
     if not (model / "config.json").exists():
         init = ["rollplex", "init-model", str(model), "--preset", args.preset,
-                "--dtype", "bfloat16" if args.device == "cuda" else "float32"]
+                "--dtype", "bfloat16" if args.device == "cuda" else "float32", "--device", args.device]
         run(init + (["--layers", str(args.layers)] if args.layers else [])
             + (["--vision-layers", str(args.vision_layers)] if args.vision_layers else []))
     vision = (args.side // 28) ** 2

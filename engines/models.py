@@ -83,13 +83,13 @@ def ensure_tiny_vlm(spec: TinyVLMSpec, cache_dir: Path | None = None) -> Path:
     return target
 
 
-def _build_then_rename(spec: TinyVLMSpec, target: Path) -> bool:
+def _build_then_rename(spec: TinyVLMSpec, target: Path, device: str = "cpu") -> bool:
     """Build ``spec`` in a temp directory beside ``target`` and rename it into place, so an interrupted
     build leaves nothing that looks like a model. False where ``target`` appeared meanwhile."""
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        build_tiny_vlm(spec, staging)
+        build_tiny_vlm(spec, staging, device)
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(staging, 0o777 & ~umask)  # mkdtemp's 0700 is for the staging only
@@ -119,10 +119,12 @@ def preset_spec(name: str, corpus: tuple[str, ...], layers: int | None = None,
                        vocab_size=m.vocab, tie_word_embeddings=m.tied, rope_theta=1e6, dtype=dtype)
 
 
-def write_vlm(spec: TinyVLMSpec, out_dir: Path) -> Path:
-    """Build ``spec`` into ``out_dir``, which must not exist yet (atomic: temp dir + rename)."""
+def write_vlm(spec: TinyVLMSpec, out_dir: Path, device: str = "cpu") -> Path:
+    """Build ``spec`` into ``out_dir``, which must not exist yet (atomic: temp dir + rename).
+    ``device``: where the random weights are drawn; a GPU draws a 7B model's in seconds where the CPU
+    takes minutes, but its values differ from the CPU's for the same seed."""
     out_dir = Path(out_dir)
-    if out_dir.exists() or not _build_then_rename(spec, out_dir):
+    if out_dir.exists() or not _build_then_rename(spec, out_dir, device):
         raise ConfigError(f"{out_dir}: exists already; name a new directory")
     return out_dir
 
@@ -154,7 +156,7 @@ def _train_tokenizer(spec: TinyVLMSpec):
     return fast
 
 
-def build_tiny_vlm(spec: TinyVLMSpec, out_dir: Path) -> None:
+def build_tiny_vlm(spec: TinyVLMSpec, out_dir: Path, device: str = "cpu") -> None:
     import torch
     from transformers import (
         Qwen2_5_VLConfig,
@@ -215,9 +217,11 @@ def build_tiny_vlm(spec: TinyVLMSpec, out_dir: Path) -> None:
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # built in its dtype: a 7B model in fp32 would need 30 GiB of host memory
     try:
-        model = Qwen2_5_VLForConditionalGeneration(config).to(dtype)
+        with torch.device(device):
+            model = Qwen2_5_VLForConditionalGeneration(config).to(dtype)
     finally:
         torch.set_default_dtype(default)
+    model.to("cpu")
     model.generation_config.eos_token_id = ids["<|im_end|>"]
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
     model.save_pretrained(out_dir)

@@ -68,3 +68,13 @@ def test_a_vocabulary_below_the_tokenizers_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="vocab_size 8 is smaller than the tokenizer's"):
         write_vlm(dataclasses.replace(TinyVLMSpec(corpus=("red",)), vocab_size=8), tmp_path / "m")
     assert not (tmp_path / "m").exists() and list(tmp_path.iterdir()) == []
+
+
+def test_cuda_weights_without_a_gpu_are_refused_before_writing(tmp_path, capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["init-model", str(tmp_path / "m"), "--preset", "qwen2.5-vl-3b", "--layers", "1",
+                 "--device", "cuda"]) == 2
+    assert "--device cuda: this machine has no CUDA device" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
