@@ -252,3 +252,23 @@ def test_a_runs_switch_interval_holds_while_its_worker_runs_and_the_process_gets
     train(load_config(None, overrides), tmp_path / "run", progress=False, log=lambda *a: None)
     assert seen and set(seen) == {300e-6}
     assert sys.getswitchinterval() == before != 300e-6
+
+
+def test_compute_alone_can_be_fenced_while_decode_keeps_the_whole_gpu():
+    import pytest
+
+    from rollplex.errors import RollplexError
+    from rollplex.pipeline.bench.bench import window_sharing
+    from rollplex.pipeline.bench.results import parse_policy
+    from rollplex.pipeline.run.partitions import split_sizes
+
+    assert split_sizes(132) == [(sms, 132 - sms) for _, sms in AUTO_SPLITS]  # disjoint, the GPU filled
+    assert split_sizes(132, [32]) == [(32, 100)]
+    assert split_sizes(132, None, 100) == [(132, 100)]  # overlapping: decode on every SM
+    assert split_sizes(132, [64], 100) == [(64, 100)]
+    assert split_sizes(132, None, 500) == [(132, 132)]
+    cfg = BenchConfig(device="cpu")
+    assert window_sharing(cfg, "rollplex:sp=1:cs=100").compute_sms == 100
+    assert window_sharing(cfg, "rollplex:sp=1").compute_sms == 0
+    with pytest.raises(RollplexError, match="'cs' fences compute .* it needs sp=1"):
+        parse_policy("rollplex:cs=100")

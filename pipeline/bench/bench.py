@@ -233,7 +233,7 @@ def window_sharing(cfg: BenchConfig, policy: str):
     return WindowSharing(partitions=bool(options.get("sp", 0)), decode_sms=options.get("sms", cfg.decode_sms),
                          sm_target=bool(options.get("target", 1)), grad_on_partition=bool(options.get("gp", 0)),
                          prefill_gate=bool(options.get("pf", 1)), gate_rows=options.get("gate", cfg.gate_rows),
-                         compute_spare=options.get("spare", 0))
+                         compute_spare=options.get("spare", 0), compute_sms=options.get("cs", 0))
 
 
 def _host(cfg: BenchConfig, actor_engine, ref_engine, decode, policy: str, streams: dict, device: str = "",
@@ -339,7 +339,7 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
     rates = measure_rates(device, dtype)  # the true lower bound's rates, this device's own
     log(f"bench: the bound's rates, measured: copy {rates.copy_bytes_per_s / 1e12:.2f} TB/s, matmul "
         f"{rates.matmul_flops_per_s / 1e12:.0f} TFLOP/s ({cfg.dtype})")
-    partitions: dict[tuple[str, int], Any] = {}  # (device, decode SMs or 0) -> pipeline.partitions.Partitions
+    partitions: dict[tuple[str, int, int], Any] = {}  # (device, decode SMs or 0, compute SMs or 0) -> Partitions
     results: dict[str, PolicyResult] = {}
     recorder = Recorder(decode)  # serial's rollouts, replayed below so updates compare on one rollout
 
@@ -390,9 +390,9 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
             if window.partitions and cfg.device == "cuda":
                 # made once per (device, split) and shared by the policies that ask for it: attaching
                 # them captures the decode engine's graphs on every split's stream
-                key = (home, window.decode_sms)
+                key = (home, window.decode_sms, window.compute_sms)
                 if key not in partitions:
-                    partitions[key] = sm_partitions(key[1], torch.device(home).index or 0)
+                    partitions[key] = sm_partitions(key[1], torch.device(home).index or 0, key[2])
                 split = partitions[key]
             hosts.append(_host(cfg, engines["actor"], engines["ref"], engines["decode"], policy, streams, home, split))
         return LocalExecutor(hosts)
@@ -579,11 +579,12 @@ def out_of_memory(exc: BaseException) -> bool:
     return False
 
 
-def sm_partitions(decode_sms: int, device_index: int = 0):
+def sm_partitions(decode_sms: int, device_index: int = 0, compute_sms: int = 0):
     """Green-context streams for decode and compute while both run (pipeline/run/partitions.py): the one
-    split ``decode_sms`` names, or with 0 one per row of the live-batch table, re-chosen per chunk."""
+    split ``decode_sms`` names, or with 0 one per row of the live-batch table, re-chosen per chunk;
+    ``compute_sms`` fences compute alone (decode on the whole GPU unless ``decode_sms`` says)."""
     from rollplex.pipeline.run.partitions import make
 
-    return make(device_index, [decode_sms] if decode_sms else None)
+    return make(device_index, [decode_sms] if decode_sms else None, compute_sms)
 
 

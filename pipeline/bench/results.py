@@ -28,6 +28,8 @@ ALL_POLICIES = POLICIES + ("rollplex-nofusion",) + TWO_GPU_POLICIES  # two-GPU o
 # Options of the rollplex policies only: how the decode window is shared.
 VARIANT_KEYS = {"gate": "prefix work waits until decode has at most this many live rows",
                 "sms": "decode's SMs while both streams are busy (0: re-chosen per chunk)",
+                "cs": "with sp=1: compute's SMs while both streams are busy (0: the GPU's less decode's); "
+                      "without sms, decode keeps the whole GPU and only compute is fenced in",
                 "target": "1 (default): matmuls on a partition target its SMs through cuBLASLt; 0: plain cuBLAS",
                 "sp": "1: decode and compute on SM partitions while both run; 0 (default): plain streams, "
                       "each on the whole GPU",
@@ -82,6 +84,8 @@ def parse_policy(name: str) -> tuple[str, dict[str, int]]:
         if key == "seq" and base != "plain":
             raise RollplexError(f"--policies: {name!r}: option 'seq' applies to the plain policy only")
         parsed[key] = int(value)
+    if parsed.get("cs") and not parsed.get("sp"):
+        raise RollplexError(f"--policies: {name!r}: option 'cs' fences compute on an SM partition; it needs sp=1")
     return base, parsed
 
 

@@ -28,6 +28,9 @@ class WindowSharing:
 
     partitions: bool = False  # SM partitions (green contexts) while both GPU streams are busy
     decode_sms: int = 0  # decode's SMs then; 0: re-chosen per chunk from the live batch
+    # Compute's SMs then; 0: the GPU's less decode's. Set alone, decode keeps the whole GPU and only
+    # compute is fenced in, so a decode kernel always finds SMs that no compute tile holds.
+    compute_sms: int = 0
     sm_target: bool = True  # a partition's matmuls target its SMs (sm_target)
     grad_on_partition: bool = False  # forwards kept for a backward may take a partition (on_stream)
     prefill_gate: bool = True  # prefix and scoring work wait out decode's prefill (wait_for_prefill)
@@ -130,9 +133,18 @@ def _immortal(context):
     return context
 
 
-def make(device_index: int, decode_sms: list[int] | None = None) -> Partitions | None:
-    """Green-context streams for each split (default: one per row of ``AUTO_SPLITS``), or None where
-    the torch build or driver has none."""
+def split_sizes(total: int, decode_sms: list[int] | None = None, compute_sms: int = 0) -> list[tuple[int, int]]:
+    """(decode SMs, compute SMs) of each split. Without ``compute_sms`` the two are disjoint and fill
+    the GPU (default: a split per row of ``AUTO_SPLITS``); with it, compute gets that many and decode
+    its named share, or all ``total`` SMs where none is named (the partitions then overlap)."""
+    if compute_sms:
+        return [(min(sms, total), min(compute_sms, total)) for sms in decode_sms or [total]]
+    return [(sms, total - sms) for sms in decode_sms or [sms for _, sms in AUTO_SPLITS]]
+
+
+def make(device_index: int, decode_sms: list[int] | None = None, compute_sms: int = 0) -> Partitions | None:
+    """Green-context streams for each split (``split_sizes``), or None where the torch build or driver
+    has none."""
     import torch
 
     try:
@@ -142,9 +154,9 @@ def make(device_index: int, decode_sms: list[int] | None = None) -> Partitions |
     total = torch.cuda.get_device_properties(device_index).multi_processor_count
     try:
         streams: dict[int, dict[str, Any]] = {}
-        for sms in decode_sms or [sms for _, sms in AUTO_SPLITS]:
+        for sms, rest in split_sizes(total, decode_sms, compute_sms):
             pair = {}
-            for name, n in (("decode", sms), ("compute", total - sms)):
+            for name, n in (("decode", sms), ("compute", rest)):
                 ctx = GreenContext.create(num_sms=n, device_id=device_index)
                 if hasattr(ctx, "Stream"):
                     pair[name] = ctx.Stream()
