@@ -327,6 +327,22 @@ def test_green_contexts_give_partition_streams_or_none(cuda):
                 assert float(x.sum()) == 2048.0
 
 
+def test_compute_can_be_fenced_while_decode_keeps_every_sm(cuda):
+    """cs=N: the partitions overlap, decode's on every SM and compute's on N; both streams work."""
+    from rollplex.pipeline.bench.bench import sm_partitions
+
+    total = torch.cuda.get_device_properties(0).multi_processor_count
+    parts = sm_partitions(0, 0, total - 16)
+    if parts is not None:
+        (split,) = parts.streams.values()
+        assert (split["decode_sms"], split["compute_sms"]) == (total, total - 16)
+        for name in ("decode", "compute"):
+            with torch.cuda.stream(split[name]):
+                x = torch.ones(1024, device="cuda") * 2
+            split[name].synchronize()
+            assert float(x.sum()) == 2048.0
+
+
 def test_compiled_layer_under_cuda_graphs_samples_what_the_eager_layer_does(cuda, tiny_model_dir):
     """``compile``: torch.compile of the decoder layer, then captured into the graphs as usual."""
     from transformers import Qwen2_5_VLForConditionalGeneration

@@ -90,6 +90,8 @@ def test_the_runtime_asks_for_partitions_under_the_rollplex_schedule_only(tmp_pa
     specs = {s: Session(load_config(None, [f"schedule={s}", *asked]), tmp_path / s).host_spec()
              for s in ("serial", "rollplex")}
     assert specs["rollplex"].window.partitions is True and specs["serial"].window.partitions is False
+    fenced = Session(load_config(None, ["schedule=rollplex", *asked, "cluster.compute_sms=100"]), tmp_path / "f")
+    assert fenced.host_spec().window.compute_sms == 100
     default = Session(load_config(None, ["schedule=rollplex"]), tmp_path / "default")
     assert default.host_spec().window.partitions is False  # plain streams unless asked for
     # Engines given, so that none is built (a DeepSpeed engine would start a process group here).
@@ -272,3 +274,13 @@ def test_compute_alone_can_be_fenced_while_decode_keeps_the_whole_gpu():
     assert window_sharing(cfg, "rollplex:sp=1").compute_sms == 0
     with pytest.raises(RollplexError, match="'cs' fences compute .* it needs sp=1"):
         parse_policy("rollplex:cs=100")
+
+
+def test_fencing_compute_without_partitions_is_refused_naming_the_field():
+    import pytest
+
+    from rollplex.config import load_config
+    from rollplex.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="cluster.compute_sms: 100 .* needs cluster.sm_partitions: true"):
+        load_config(None, ["cluster.compute_sms=100"])

@@ -497,7 +497,7 @@ class Session:
             weight_sharing=cfg.engines.weight_sharing,
             # Partitions serve work beside decode, which only the rollplex schedule runs.
             window=WindowSharing(partitions=cfg.cluster.sm_partitions and "rollplex" in self.schedules,
-                                 switch_interval_us=cfg.cluster.switch_interval_us),
+                                 compute_sms=cfg.cluster.compute_sms, switch_interval_us=cfg.cluster.switch_interval_us),
             task=self.task, eval_task=self.eval_task, graphs=self.graphs,
             env_name=self.environment[0] if self.environment else None,
             env_options=self.environment[2] if self.environment else {}, env_timeout=cfg.env.timeout_s)

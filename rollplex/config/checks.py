@@ -35,6 +35,9 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"cluster.lowering: 'iteration' runs a whole iteration on one worker; with "
                           f"cluster.workers {cfg.cluster.workers} the ranks exchange values mid-iteration "
                           f"(use nodes or auto)")
+    if cfg.cluster.compute_sms and not cfg.cluster.sm_partitions:
+        raise ConfigError(f"cluster.compute_sms: {cfg.cluster.compute_sms} fences compute-stream work on an SM "
+                          f"partition, which needs cluster.sm_partitions: true")
     if cfg.rollout.prompts_per_iteration % cfg.train.mini_batches:
         raise ConfigError(f"train.mini_batches: {cfg.train.mini_batches} does not divide "
                           f"rollout.prompts_per_iteration ({cfg.rollout.prompts_per_iteration}): each mini-batch "

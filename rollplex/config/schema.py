@@ -226,6 +226,9 @@ class ClusterConfig:
                             "together each gets its own SMs (green contexts), the split re-chosen per decode "
                             "chunk from the live batch; false: plain streams, which were as fast or faster on "
                             "an H200 (BENCHMARKS.md runs 23 and 34)")
+    compute_sms: int = f(0, lo=0, hi=4096, doc="with sm_partitions: the SMs compute-stream work keeps while decode "
+                         "runs (0: the GPU's less decode's); set, decode keeps the whole GPU and only compute is "
+                         "fenced in")
     cuda_allocator: str = f("native", choices=("native", "async"), doc="CUDA memory: native (torch's caching "
                             "allocator, blocks cached per stream) or async (cudaMallocAsync, one stream-ordered "
                             "pool for every stream); chosen before torch loads, through PYTORCH_CUDA_ALLOC_CONF")
