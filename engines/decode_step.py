@@ -179,18 +179,30 @@ def _advance(logits, temp, top_p, seed, n_gen, done, max_new, stop, tokens, logp
     return x, cos, sin, slot, (slot + 1).to(torch.int32)
 
 
-def _head(x, norm_w, eps: float, lm_head, logits, length, rope_pos) -> None:
-    """After the layers: each row's next logits (fp32, in place), and its cache length and rotary
-    position one further."""
-    logits.copy_(F.linear(_rms(x, norm_w, eps), lm_head).float())
+def _residual(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``x + y``. Compiled, written through fp32 (the same single rounding as a bf16 add): Inductor
+    turns ``x + mm(...)`` into cuBLAS's addmm, which first copies x into its output (two copies per
+    layer and step); this way the add fuses into the RMS norm that reads the sum."""
+    if torch.compiler.is_compiling():
+        return (x.float() + y.float()).to(x.dtype)
+    return x + y
+
+
+def _head(x, residual, norm_w, eps: float, lm_head, logits, length, rope_pos) -> None:
+    """After the layers: each row's next logits (fp32, in place) from the last layer's output (``x``
+    plus its MLP's ``residual``), and its cache length and rotary position one further."""
+    logits.copy_(F.linear(_rms(_residual(x, residual), norm_w, eps), lm_head).float())
     length.add_(1)
     rope_pos.add_(1)
 
 
-def _decoder_layer(x, cos, sin, visible, where, k_cache, v_cache, layer_weights, eps: tuple[float, float],
-                   heads: int, kv_heads: int, head_dim: int, scale: float, reduce=None, prefix=None) -> torch.Tensor:
+def _decoder_layer(x, residual, cos, sin, visible, where, k_cache, v_cache, layer_weights, eps: tuple[float, float],
+                   heads: int, kv_heads: int, head_dim: int, scale: float, reduce=None,
+                   prefix=None) -> tuple[torch.Tensor, torch.Tensor]:
     """One decoder layer for one token per row: writes this step's K/V into the row's slot and
-    returns the new hidden state. A function of tensors, so that ``torch.compile`` makes one kernel
+    returns (its input plus attention's output, its MLP's output). The hidden state is the sum of
+    the two; the next layer (or the head) adds them as it normalizes, so the add is no kernel of its
+    own. ``residual``: the previous layer's MLP output (zeros before the first). A function of tensors, so that ``torch.compile`` makes one kernel
     set for every layer (same shapes) instead of tracing the 36-layer loop. ``visible``: the additive
     length mask [n, 1, 1, max_len] for SDPA, or each row's filled slot count [n] (int32) for the
     split-KV kernel (``engines/decode_attention.py``). ``reduce``: the sum over tensor-parallel ranks
@@ -201,15 +213,16 @@ def _decoder_layer(x, cos, sin, visible, where, k_cache, v_cache, layer_weights,
     the prefix cache's tensors that follow (all None without one), with cos and sin [n, head_dim]
     fp32 and the whole caches, not their first n rows."""
     reduce = reduce or (lambda t: t)
+    x = _residual(x, residual)
     n = x.shape[0]
     group = heads // kv_heads
     if prefix is not None and prefix[0] == "layer":  # rotary, cache write and attention in the kernel
         ln1, qkv_w, qkv_b, o_w, ln2, gate_up_w, down_w = layer_weights
         qkv = F.linear(_rms(x, ln1, eps[0]), qkv_w, qkv_b)
         out = decode_layer_attention(qkv, cos, sin, visible, k_cache, v_cache, *prefix[1:], heads, scale)
-        x = x + reduce(F.linear(out.reshape(n, heads * head_dim), o_w))
+        x = _residual(x, reduce(F.linear(out.reshape(n, heads * head_dim), o_w)))
         gate, up = F.linear(_rms(x, ln2, eps[1]), gate_up_w).chunk(2, -1)
-        return x + reduce(F.linear(F.silu(gate) * up, down_w))
+        return x, reduce(F.linear(F.silu(gate) * up, down_w))
     if len(layer_weights) == 7:  # q|k|v and gate|up each one tensor (_fused_weights)
         ln1, qkv_w, qkv_b, o_w, ln2, gate_up_w, down_w = layer_weights
         h = _rms(x, ln1, eps[0])
@@ -234,13 +247,13 @@ def _decoder_layer(x, cos, sin, visible, where, k_cache, v_cache, layer_weights,
         # once for its `group` query heads (no repeat), under the additive length mask.
         out = F.scaled_dot_product_attention(q.reshape(n, heads, 1, head_dim), k_cache[:n], v_cache[:n],
                                              attn_mask=visible, scale=scale, enable_gqa=True)
-    x = x + reduce(F.linear(out.reshape(n, heads * head_dim), o_w))
+    x = _residual(x, reduce(F.linear(out.reshape(n, heads * head_dim), o_w)))
     h = _rms(x, ln2, eps[1])
     if len(layer_weights) == 7:
         gate, up = F.linear(h, gate_up_w).chunk(2, -1)
     else:
         gate, up = F.linear(h, gate_w), F.linear(h, up_w)
-    return x + reduce(F.linear(F.silu(gate) * up, down_w))
+    return x, reduce(F.linear(F.silu(gate) * up, down_w))
 
 
 def _fused_weights(weights: tuple) -> tuple | None:

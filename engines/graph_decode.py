@@ -446,6 +446,7 @@ class GraphDecodeEngine(DecodeEngine):
         if not self.layer_kernel:
             where = (torch.arange(n, device=x.device).view(-1, 1), torch.arange(w.kv_heads, device=x.device).view(1, -1),
                      slot.view(-1, 1))
+        residual = torch.zeros_like(x)
         for i, (weights, eps) in enumerate(w.layer_args):
             prefix = None
             if self.layer_kernel:
@@ -455,9 +456,9 @@ class GraphDecodeEngine(DecodeEngine):
                 prefix = ("sdpa", b.pk[i], b.pv[i], b.slot_of_row[:n])
             elif self.shared_prefix:
                 prefix = ("groups", b.pk[i], b.pv[i], b.entry_slot[:n], b.entry_len[:n], b.members[:n])
-            x = self._layer(x, cos, sin, visible, where, b.k[i], b.v[i], weights, eps,
-                            w.heads, w.kv_heads, w.head_dim, w.attn_scale, self._reduce, prefix)
-        self._head(x, w.norm_w, w.eps, w.lm_head, b.logits[:n], b.length[:n], b.rope_pos[:n])
+            x, residual = self._layer(x, residual, cos, sin, visible, where, b.k[i], b.v[i], weights, eps,
+                                      w.heads, w.kv_heads, w.head_dim, w.attn_scale, self._reduce, prefix)
+        self._head(x, residual, w.norm_w, w.eps, w.lm_head, b.logits[:n], b.length[:n], b.rope_pos[:n])
 
     def _run_steps(self, n: int, top_p: bool, k: int) -> None:
         self.steps_run += k
