@@ -87,3 +87,25 @@ def test_with_train_fusion_three_schedules_take_turns_and_the_fastest_is_kept():
     assert [n for n, _ in history] == list(names) * 3
     choice = next_schedule(history, 2, names)
     assert choice.decided and choice.schedule == "rollplex-unfused"
+
+
+
+def test_the_unfused_candidate_holds_one_micro_batch_of_prefix_graphs_ahead_unless_told(tmp_path):
+    """schedule: auto's rollplex-unfused graph would otherwise forward every micro-batch's policy
+    prefix with grad in the decode window and hold all their graphs (out of memory on an 80 GB GPU
+    where serial fits): as a candidate, the prefix of micro-batch m waits for the loss of m - 1."""
+    import networkx as nx
+
+    from rollplex.config import load_config
+    from rollplex.pipeline.run.session import Session
+
+    def losses_before_prefixes(name: str, overrides: list[str]) -> list[int]:
+        cfg = load_config(None, ["schedule=auto", "train.train_fusion=true", "engines.train=torch", "rollout.prompts_per_iteration=8",
+                                 "train.micro_batch_groups=2", "train.prompts_per_node=2", *overrides])
+        graph = Session(cfg, tmp_path / "-".join([name, *overrides])).graphs[name]
+        return [sum(graph.nodes[a].kind == "loss" for a in nx.ancestors(graph.g, node.name))
+                for node in graph if node.kind == "prefix" and node.args.get("grad")]
+
+    assert losses_before_prefixes("rollplex-unfused", []) == [0, 1, 2, 3]
+    assert losses_before_prefixes("rollplex-unfused", ["train.grad_prefix_lookahead=2"]) == [0, 0, 1, 2]
+    assert all(n == 0 for n in losses_before_prefixes("serial", []))
