@@ -100,8 +100,9 @@ def test_the_unfused_candidate_holds_one_micro_batch_of_prefix_graphs_ahead_unle
     from rollplex.pipeline.run.session import Session
 
     def losses_before_prefixes(name: str, overrides: list[str]) -> list[int]:
-        cfg = load_config(None, ["schedule=auto", "train.train_fusion=true", "engines.train=torch", "rollout.prompts_per_iteration=8",
-                                 "train.micro_batch_groups=2", "train.prompts_per_node=2", *overrides])
+        cfg = load_config(None, ["schedule=auto", "train.train_fusion=true", "engines.train=torch",
+                                 "rollout.prompts_per_iteration=8", "train.micro_batch_groups=2",
+                                 "train.prompts_per_node=2", *overrides])
         graph = Session(cfg, tmp_path / "-".join([name, *overrides])).graphs[name]
         return [sum(graph.nodes[a].kind == "loss" for a in nx.ancestors(graph.g, node.name))
                 for node in graph if node.kind == "prefix" and node.args.get("grad")]
