@@ -1,6 +1,6 @@
 """The compiled decode layer adds each residual inside the RMS norm that reads it: as ``x + mm(...)``,
 Inductor makes cuBLAS's addmm, which copies x into the output first (on the GPU, two copies per layer
-and step) and rounds the sum differently from the eager layer (engines/decode_step.py)."""
+and step) and rounds the sum once where the eager layer rounds mm first (engines/decode_step.py)."""
 from __future__ import annotations
 
 import torch
