@@ -41,8 +41,9 @@ TEXT = ("Describe the picture in detail: the objects, their colours, their posit
 
 # schedule: auto with train fusion asked for times these three in turn (pipeline/plan/autoschedule.py);
 # the bench's policy of the same work beside each.
+# schedule: auto's unfused candidate holds one micro-batch of prefix graphs ahead (gl=1; session.py).
 SCHEDULES = {"serial": "serial:ppn=8:mb=2", "rollplex": "rollplex:ppn=8:mb=2:tf=1",
-             "rollplex-unfused": "rollplex:ppn=8:mb=2:tf=0"}
+             "rollplex-unfused": "rollplex:ppn=8:mb=2:tf=0:gl=1"}
 
 
 def prompt_text(model: Path, side: int, tokens: int) -> str:
