@@ -1,5 +1,6 @@
-"""Shared by the reliability tests: launch `rollplex train` as a real subprocess in its own process
-group (the driver and its Dask worker processes), kill it, resume it, and compare run directories.
+"""Shared by the reliability tests: launch `rollplex train` as a process in its own process group (the
+driver and its Dask worker processes; forked from a pre-imported server, tests/fork_server.py, or a
+fresh interpreter), kill it, resume it, and compare run directories.
 
 Not a test module (no ``test_`` prefix); the tests import it from their own directory.
 """
@@ -21,6 +22,8 @@ from typing import Any, Callable
 
 import torch
 
+import fork_server
+
 DAG = Path(__file__).with_name("reliability_dag.py")
 ITERATIONS = 6
 WARMUP = 2
@@ -39,13 +42,24 @@ DETERMINISTIC = ("reward_mean", "reward_std", "loss", "grad_norm", "kl", "respon
 
 
 class Launch:
-    """One `rollplex train` process group; its stdout lines are collected as they come."""
+    """One `rollplex train` process group; its stdout lines are collected as they come.
 
-    def __init__(self, run_dir: Path, extra: list[str], env: dict[str, str] | None = None) -> None:
-        args = [sys.executable, "-m", "rollplex.cli", "train", str(DAG), "--out", str(run_dir), "--resume", *TINY,
-                *extra]
-        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     start_new_session=True, env={**os.environ, **(env or {})})
+    The process is forked from a server that imported the stack once (tests/fork_server.py: 2 s of a
+    tiny run instead of 6.5 s), unless ``fresh``: a new interpreter, with a str-hash seed of its own,
+    for a run that other launches are compared against or whose whole process is under watch."""
+
+    def __init__(self, run_dir: Path, extra: list[str], env: dict[str, str] | None = None,
+                 fresh: bool = False) -> None:
+        argv = ["train", str(DAG), "--out", str(run_dir), "--resume", *TINY, *extra]
+        env = {**os.environ, **(env or {})}
+        server = None if fresh else fork_server.server(
+            fork_server.WARM_HF if {"engines.decode=hf", "engines.train=torch"} <= set(extra) else
+            fork_server.WARM_DEFAULT)
+        if server is not None and server.serves(env):
+            self.proc = server.spawn(argv, env)
+        else:
+            self.proc = subprocess.Popen([sys.executable, "-m", "rollplex.cli", *argv], stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
         self.lines: list[str] = []
         self.err: list[str] = []
         self.ready = threading.Event()
@@ -104,8 +118,8 @@ def worker_start_environment(client) -> dict[str, str]:
     return dict(item.decode().split("=", 1) for item in raw.split(b"\0") if b"=" in item)
 
 
-def run_to_end(run_dir: Path, extra: list[str], env: dict[str, str] | None = None) -> Launch:
-    launch = Launch(run_dir, extra, env)
+def run_to_end(run_dir: Path, extra: list[str], env: dict[str, str] | None = None, fresh: bool = False) -> Launch:
+    launch = Launch(run_dir, extra, env, fresh)
     rc = launch.finish()
     assert rc == 0, launch.log()
     return launch
@@ -373,35 +387,6 @@ class Chain:
 
 
 # -- the CLI in a pre-imported process ------------------------------------------------------------
-_SERVER = r'''
-import json, os, sys, traceback
-import rollplex.cli, rollplex.pipeline.run.runner, rollplex.pipeline.run.preflight  # noqa: F401 - warm imports
-from transformers import AutoConfig, AutoProcessor, Qwen2_5_VLForConditionalGeneration  # noqa: F401
-import rollplex.engines, rollplex.tasks.data  # noqa: F401
-sys.stdout.flush()
-for line in sys.stdin:
-    req = json.loads(line)
-    pid = os.fork()
-    if pid == 0:
-        rc = 1
-        try:
-            os.chdir(req["cwd"])
-            for fd, path in ((1, req["stdout"]), (2, req["stderr"])):
-                os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
-            exec(req["setup"])
-            rc = rollplex.cli.main(req["argv"])
-        except SystemExit as exc:
-            rc = exc.code if isinstance(exc.code, int) else 1
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush(); sys.stderr.flush()
-            os._exit(rc)
-    _, status = os.waitpid(pid, 0)
-    print(json.dumps({"rc": os.waitstatus_to_exitcode(status)}), flush=True)
-'''
-
-
 @dataclass
 class CliResult:
     rc: int
@@ -411,29 +396,24 @@ class CliResult:
 
 
 class WarmCli:
-    """``rollplex.cli.main(argv)`` in a child forked from one process that imported everything once:
-    each case is its own process (exit code, file descriptors, working directory) without paying for
-    torch and transformers imports again. ``setup`` is Python run in the child first (e.g. to feed
-    the dataset a bad image)."""
+    """`rollplex ARGS` in a child forked from one process that imported everything once
+    (tests/fork_server.py, the server Launch uses): each case is its own process (exit code, file
+    descriptors, working directory) without paying for torch and transformers imports again.
+    ``setup`` is Python run in the child first (e.g. to feed the dataset a bad image)."""
 
     def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", _SERVER], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=dict(os.environ))
+        self.server = fork_server.server(fork_server.WARM_HF)
 
     def __call__(self, cwd: Path, argv: list[str], setup: str = "") -> CliResult:
         before = snapshot(cwd)
-        out, err = cwd.parent / f".{cwd.name}.stdout", cwd.parent / f".{cwd.name}.stderr"
-        self.proc.stdin.write(json.dumps({"cwd": str(cwd), "argv": argv, "setup": setup, "stdout": str(out),
-                                          "stderr": str(err)}) + "\n")
-        self.proc.stdin.flush()
-        reply = json.loads(self.proc.stdout.readline())
+        proc = self.server.spawn(argv, dict(os.environ), cwd=str(cwd), setup=setup)
+        out, err = proc.communicate(timeout=300)
         after = snapshot(cwd)
         changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
-        return CliResult(reply["rc"], out.read_text(), err.read_text(), changed)
+        return CliResult(proc.returncode, out, err, changed)
 
     def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(30)
+        pass  # the server stops with this process
 
 
 def snapshot(root: Path) -> dict[str, tuple[int, int]]:

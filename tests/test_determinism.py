@@ -4,7 +4,8 @@ the same seed and config write byte-identical rollouts files and equal weights a
 The same module kills a third run of that config at a decode, an optimizer-step and a checkpoint-write
 moment (SIGKILL to the whole process group, see tests/test_kill.py) and resumes it each time; it must
 end equal to the uninterrupted runs (compared once run a has finished).
-All three start together: the launches are mostly single-threaded imports.
+All three start together. Runs a and b are fresh interpreters, each with its own str-hash seed; the
+killed run's launches fork from a process that imported the stack once (tests/fork_server.py).
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def runs(tmp_path_factory):
 
     def first() -> None:
         try:
-            run_to_end(a, DEFAULT_ENGINES)
+            run_to_end(a, DEFAULT_ENGINES, fresh=True)
         finally:
             a_done.set()
 
@@ -62,7 +63,7 @@ def runs(tmp_path_factory):
         chain.run(3, timer_share=0.0)
         return chain
 
-    *_, chain = run_concurrently(first, lambda: run_to_end(b, DEFAULT_ENGINES), killed)
+    *_, chain = run_concurrently(first, lambda: run_to_end(b, DEFAULT_ENGINES, fresh=True), killed)
     return a, b, chain
 
 

@@ -12,9 +12,11 @@ which land exactly where a timer rarely would, and plain wall-clock delays into 
 also gets a SIGINT (to the whole group, as a Ctrl-C), the other a SIGTERM (to the driver alone); each
 must stop cleanly with a checkpoint of the last printed iteration and one line on stderr.
 
-CPU, the tiny model, decode=hf and train=torch so that a launch costs ~8 s; the same kills on vLLM +
-DeepSpeed run in tests/test_determinism.py. Two chains run side by side (the launches are mostly
-single-threaded imports). ``ROLLPLEX_SOAK=1`` enables test_soak: many more kills, both engine pairs.
+CPU, the tiny model, decode=hf and train=torch so that a launch costs ~3 s (forked from a process that
+imported the stack once, tests/fork_server.py; the reference is a fresh interpreter, so every chain ends
+compared with a run of another str-hash seed); the same kills on vLLM + DeepSpeed run in
+tests/test_determinism.py. Two chains run side by side. ``ROLLPLEX_SOAK=1`` enables test_soak: many
+more kills, both engine pairs.
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ WORKER_PROCESS = ["--set", "cluster.processes=true"]
 def reference(tmp_path_factory) -> Path:
     """The uninterrupted run every killed one must end up equal to."""
     run_dir = tmp_path_factory.mktemp("kill") / "reference"
-    run_to_end(run_dir, HF_TORCH)
+    run_to_end(run_dir, HF_TORCH, fresh=True)
     return run_dir
 
 

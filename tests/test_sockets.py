@@ -19,7 +19,7 @@ RUNS = {"in-process": [], "worker-process": ["--set", "cluster.processes=true"],
 
 @pytest.mark.parametrize("where", list(RUNS))
 def test_a_default_run_opens_no_socket_outside_loopback(tmp_path: Path, where: str):
-    launch = Launch(tmp_path / "run", ["--iterations", "1", *RUNS[where]])
+    launch = Launch(tmp_path / "run", ["--iterations", "1", *RUNS[where]], fresh=True)  # a whole process of its own
     watch = SocketWatch(launch.proc.pid)
     assert launch.finish() == 0, launch.log()
     watch.thread.join(5)
