@@ -52,10 +52,14 @@ def stock_cluster(tmp_path):
                 time.sleep(0.2)
         yield address, (scheduler.pid, worker.pid)
     finally:
-        for proc in (worker, scheduler):
-            proc.terminate()
-        for proc in (worker, scheduler):
-            proc.wait(timeout=30)
+        _stop(worker, scheduler)
+
+
+def _stop(worker: subprocess.Popen, scheduler: subprocess.Popen) -> None:
+    """The worker first: with its scheduler gone, it spends 8 s trying to reach it before it exits."""
+    for proc in (worker, scheduler):
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def test_train_on_a_stock_dask_cluster(stock_cluster, tmp_path):
@@ -99,7 +103,10 @@ def test_a_worker_with_two_units_of_a_stream_is_refused(tmp_path):
                                "--no-dashboard", "--host", "127.0.0.1"], stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
     try:
-        time.sleep(4)
+        from distributed import Client
+
+        with Client(address, timeout="30s") as client:  # the worker has joined: the run sees it
+            client.wait_for_workers(1, timeout=60)
         result = subprocess.run([str(BIN / "rollplex"), "train", "--scheduler", address, "--iterations", "1",
                                  "--out", str(tmp_path / "run"), "--set", "warmup.steps=0"],
                                 capture_output=True, text=True, timeout=120)
@@ -107,7 +114,4 @@ def test_a_worker_with_two_units_of_a_stream_is_refused(tmp_path):
         assert result.stderr.count("\n") == 1 and "declares decode=2" in result.stderr, result.stderr
         assert not (tmp_path / "run").exists()  # nothing written
     finally:
-        worker.terminate()
-        scheduler.terminate()
-        worker.wait(timeout=30)
-        scheduler.wait(timeout=30)
+        _stop(worker, scheduler)
