@@ -1,6 +1,7 @@
 """A fork server for `rollplex` commands: one process imports the stack once, then forks a child per
-command that runs ``python -m rollplex.cli ARGS`` as a fresh process would, in a session and process
-group of its own, with the caller's environment, working directory, stdout and stderr.
+command that runs ``python -m rollplex.cli ARGS`` (or the ``rollplex`` console script) as a fresh
+process would, in a session and process group of its own, with the caller's environment, working
+directory, stdout and stderr.
 
 A fresh interpreter spends about 3.5 s of CPU importing torch, transformers and the rest before a tiny
 run's first line, most of such a run's cost; a forked child starts with them imported. The child's
@@ -113,20 +114,25 @@ def _become(request: dict, fds: list[int]) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    sys.argv = ["-m", *request["argv"]]
-    sys.path[0] = os.getcwd()  # as `python -m` puts it
+    script = request["script"]
+    sys.argv = [script or "-m", *request["argv"]]
+    sys.path[0] = os.path.dirname(os.path.abspath(script)) if script else os.getcwd()  # as Python puts it
     assert "rollplex.cli" not in sys.modules, "the server imported rollplex.cli, which `-m` runs as __main__"
     np.random.seed()  # a fresh process's numpy state is its own
     torch.manual_seed(torch.initial_seed())  # and torch's is the default seed's, whatever imports drew
     exec(compile(request["setup"], "<setup>", "exec"), {})  # a test's patch (WarmCli's setup), before the CLI
 
 
-def _run_cli() -> int:
-    """``python -m rollplex.cli``'s exit status, with what Python prints for an uncaught exception."""
+def _run_cli(script: str | None) -> int:
+    """``python -m rollplex.cli``'s (or ``python SCRIPT``'s) exit status, with what Python prints for
+    an uncaught exception."""
     import runpy
 
     try:
-        runpy.run_module("rollplex.cli", run_name="__main__", alter_sys=True)
+        if script:
+            runpy.run_path(script, run_name="__main__")
+        else:
+            runpy.run_module("rollplex.cli", run_name="__main__", alter_sys=True)
     except SystemExit as exc:
         if exc.code is None or isinstance(exc.code, int):
             return exc.code or 0
@@ -146,7 +152,7 @@ def main() -> None:
     if served is None:
         return
     _become(*served)
-    status = _run_cli()
+    status = _run_cli(served[0]["script"])
     # Python's own exit less its last step: non-daemon threads joined, atexit handlers run, streams
     # flushed, but the server's modules not torn down (a second of copy-on-write page faults in the
     # child, for objects nothing else will read).
@@ -171,7 +177,7 @@ class ForkedProcess:
     of the fork server: its exit status comes from the server, which reaps it."""
 
     def __init__(self, server: "ForkServer", argv: list[str], env: dict[str, str], cwd: str | None = None,
-                 setup: str = "") -> None:
+                 setup: str = "", script: str | None = None) -> None:
         self.args = argv
         self.returncode: int | None = None
         self._exited = threading.Event()
@@ -180,7 +186,7 @@ class ForkedProcess:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         try:
-            request = {"argv": argv, "env": env, "cwd": cwd or os.getcwd(), "setup": setup}
+            request = {"argv": argv, "env": env, "cwd": cwd or os.getcwd(), "setup": setup, "script": script}
             socket.send_fds(self._conn, [json.dumps(request).encode()], [out_w, err_w])
         finally:
             os.close(out_w)
@@ -209,15 +215,19 @@ class ForkedProcess:
 
     def communicate(self, timeout: float | None = None) -> tuple[str, str]:
         """Everything the child (and what it started) wrote, once it has exited."""
-        err: list[str] = []
-        reader = threading.Thread(target=lambda: err.append(self.stderr.read()), daemon=True)
-        reader.start()
-        out = self.stdout.read()
-        reader.join()
+        got: dict[str, str] = {}
+        readers = [threading.Thread(target=lambda n=n, f=f: got.update({n: f.read()}), daemon=True)
+                   for n, f in (("out", self.stdout), ("err", self.stderr))]
+        for r in readers:
+            r.start()
         self.wait(timeout)
+        for r in readers:
+            r.join(timeout)
+            if r.is_alive():  # a process the child started still holds its pipes
+                raise subprocess.TimeoutExpired(self.args, timeout)
         self.stdout.close()
         self.stderr.close()
-        return out, err[0]
+        return got["out"], got["err"]
 
     def send_signal(self, sig: int) -> None:
         if self.returncode is None:
@@ -243,14 +253,15 @@ class ForkServer:
         self._ready = threading.Lock()
         self._started = False
 
-    def spawn(self, argv: list[str], env: dict[str, str], cwd: str | None = None, setup: str = "") -> ForkedProcess:
+    def spawn(self, argv: list[str], env: dict[str, str], cwd: str | None = None, setup: str = "",
+              script: str | None = None) -> ForkedProcess:
         with self._ready:
             if not self._started:
                 line = self.proc.stdout.readline()
                 if line != "ready\n":
                     raise RuntimeError(f"the fork server did not start (exit {self.proc.wait()})")
                 self._started = True
-        return ForkedProcess(self, argv, env, cwd, setup)
+        return ForkedProcess(self, argv, env, cwd, setup, script)
 
     def serves(self, env: dict[str, str]) -> bool:
         """Whether a child of this server would start as a fresh process with ``env`` would: what
@@ -286,6 +297,25 @@ def server(warm: tuple[str, ...]) -> ForkServer:
             _SERVERS[warm] = ForkServer(warm)
             atexit.register(_SERVERS[warm].close)
         return _SERVERS[warm]
+
+
+def run(argv: list[str], warm: tuple[str, ...] = WARM_HF, env: dict[str, str] | None = None,
+        timeout: float | None = None, script: str | None = None) -> subprocess.CompletedProcess:
+    """``subprocess.run([python, "-m", "rollplex.cli", *argv], capture_output=True, text=True, ...)``
+    (``[script, *argv]`` with ``script``, e.g. the ``rollplex`` console script) through the fork
+    server, or in a fresh interpreter where a child of it would not start as one would."""
+    env = dict(os.environ if env is None else env)
+    command = [script] if script else [sys.executable, "-m", "rollplex.cli"]
+    forks = server(warm)
+    if not forks.serves(env):
+        return subprocess.run([*command, *argv], capture_output=True, text=True, timeout=timeout, env=env)
+    proc = forks.spawn(argv, env, script=script)
+    try:
+        out, err = proc.communicate(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    return subprocess.CompletedProcess([*command, *argv], proc.returncode, out, err)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import sys
 from functools import partial
 from pathlib import Path
 
+import fork_server
 import pytest
 import torch
 from reliability_harness import checkpoint_tensors, run_concurrently
@@ -76,9 +77,14 @@ class StockCluster:
                     proc.kill()
 
 
+def rollplex(*argv: str, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """The `rollplex` console script, forked from a process that imported the stack once
+    (tests/fork_server.py); its Dask worker processes start as they always do."""
+    return fork_server.run(list(argv), env={**os.environ, **(env or {})}, timeout=timeout, script=str(BIN / "rollplex"))
+
+
 def train(out: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    result = subprocess.run([str(BIN / "rollplex"), "train", *ARGS, "--out", str(out), *extra],
-                            capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
+    result = rollplex("train", *ARGS, "--out", str(out), *extra, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
 
@@ -240,9 +246,8 @@ def test_ppo_trains_on_two_ranks(tmp_path):
     otherwise). Both models train on both ranks; that the update equals one worker's is not shown."""
     ppo = [str(Path(__file__).parents[1] / "dags" / "ppo.py"), *ARGS[1:]]
     jobs = {"two": ("--workers", "2")}
-    done = run_concurrently(*(partial(subprocess.run, [str(BIN / "rollplex"), "train", *ppo, "--out",
-                                                       str(tmp_path / name), *extra],
-                                      capture_output=True, text=True, timeout=900) for name, extra in jobs.items()))
+    done = run_concurrently(*(partial(rollplex, "train", *ppo, "--out", str(tmp_path / name), *extra, timeout=900)
+                              for name, extra in jobs.items()))
     for result in done:
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = rl_rows(tmp_path / "two")
@@ -259,9 +264,7 @@ def test_two_ranks_play_multi_turn_episodes_as_one_worker(tmp_path):
     args = (str(dag), *ARGS[1:], "--set", "task.name=zoom", "--set", "rollout.max_turns=2",
             "--set", "env.name=zoom-then-length", "--set", "engines.train=torch", "--set", "eval.every=2",
             "--set", "eval.prompts=3", "--set", "eval.samples=2", "--set", "eval.temperature=1.0")
-    done = run_concurrently(*(partial(subprocess.run, [str(BIN / "rollplex"), "train", *args, "--out",
-                                                       str(tmp_path / name), *extra],
-                                      capture_output=True, text=True, timeout=900)
+    done = run_concurrently(*(partial(rollplex, "train", *args, "--out", str(tmp_path / name), *extra, timeout=900)
                               for name, extra in (("one", ()), ("two", ("--workers", "2")))))
     for result in done:
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -13,10 +13,9 @@ import json
 import math
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
+import fork_server
 import pytest
 
 from rollplex.config import load_config
@@ -217,8 +216,7 @@ def test_a_resumed_run_continues_its_validation_and_tensorboard_steps(runs, tmp_
     shutil.copytree(runs["eval"], run)
     for i in (1, 2):
         shutil.rmtree(run / "checkpoints" / f"iter_{i:06d}")
-    done = subprocess.run([sys.executable, "-m", "rollplex.cli", "train", "--resume", str(run), "--no-progress"],
-                          capture_output=True, text=True, timeout=600)
+    done = fork_server.run(["train", "--resume", str(run), "--no-progress"], timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "eval    2" in done.stdout and "eval    3" in done.stdout
     assert _untimed(_rows(run)) == _untimed(_rows(runs["eval"]))
@@ -227,15 +225,13 @@ def test_a_resumed_run_continues_its_validation_and_tensorboard_steps(runs, tmp_
     rows = _rows(run)
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:-1]))
     (run / "eval" / "iter_000003.jsonl").unlink()
-    done = subprocess.run([sys.executable, "-m", "rollplex.cli", "train", "--resume", str(run), "--no-progress"],
-                          capture_output=True, text=True, timeout=600)
+    done = fork_server.run(["train", "--resume", str(run), "--no-progress"], timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert _untimed(_rows(run)) == _untimed(rows)
     assert (run / "eval" / "iter_000003.jsonl").read_bytes() == (runs["eval"] / "eval" / "iter_000003.jsonl").read_bytes()
     _assert_tensorboard_holds(run, _rows(run))
     # resumed once more from its last checkpoint (iteration 2), whose validation is kept: nothing to do
-    done = subprocess.run([sys.executable, "-m", "rollplex.cli", "train", "--resume", str(run), "--no-progress"],
-                          capture_output=True, text=True, timeout=600)
+    done = fork_server.run(["train", "--resume", str(run), "--no-progress"], timeout=600)
     assert done.returncode == 0 and "eval " not in done.stdout, (done.stdout, done.stderr[-3000:])
     assert _untimed(_rows(run)) == _untimed(rows)
     _assert_tensorboard_holds(run, _rows(run))
@@ -275,14 +271,13 @@ def test_wandb_offline_logs_every_row_once_and_a_resumed_run_continues_it(tmp_pa
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path / "wandb_dir"), "WANDB_SILENT": "true"}
     (tmp_path / "wandb_dir").mkdir()
     run = tmp_path / "run"
-    cli = [sys.executable, "-m", "rollplex.cli", "train", "--no-progress"]
-    done = subprocess.run([*cli, "--out", str(run), "--iterations", "2", *[f"--set={s}" for s in TINY],
-                           "--set=eval.every=2", "--set=eval.prompts=2", "--set=logging.backends=[wandb]"],
-                          capture_output=True, text=True, timeout=600, env=env)
+    cli = ["train", "--no-progress"]
+    done = fork_server.run([*cli, "--out", str(run), "--iterations", "2", *[f"--set={s}" for s in TINY],
+                            "--set=eval.every=2", "--set=eval.prompts=2", "--set=logging.backends=[wandb]"],
+                           timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     shutil.rmtree(run / "checkpoints" / "iter_000001")
-    done = subprocess.run([*cli, "--resume", str(run), "--iterations", "3"], capture_output=True, text=True,
-                          timeout=600, env=env)
+    done = fork_server.run([*cli, "--resume", str(run), "--iterations", "3"], timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     runs = list((tmp_path / "wandb_dir").glob("wandb/offline-run-*"))
     run_id = (run / "wandb_id").read_text().strip()
