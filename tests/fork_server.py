@@ -300,7 +300,8 @@ def server(warm: tuple[str, ...]) -> ForkServer:
 
 
 def run(argv: list[str], warm: tuple[str, ...] = WARM_HF, env: dict[str, str] | None = None,
-        timeout: float | None = None, script: str | None = None) -> subprocess.CompletedProcess:
+        timeout: float | None = None, script: str | None = None, cwd: str | Path | None = None
+        ) -> subprocess.CompletedProcess:
     """``subprocess.run([python, "-m", "rollplex.cli", *argv], capture_output=True, text=True, ...)``
     (``[script, *argv]`` with ``script``, e.g. the ``rollplex`` console script) through the fork
     server, or in a fresh interpreter where a child of it would not start as one would."""
@@ -308,8 +309,8 @@ def run(argv: list[str], warm: tuple[str, ...] = WARM_HF, env: dict[str, str] | 
     command = [script] if script else [sys.executable, "-m", "rollplex.cli"]
     forks = server(warm)
     if not forks.serves(env):
-        return subprocess.run([*command, *argv], capture_output=True, text=True, timeout=timeout, env=env)
-    proc = forks.spawn(argv, env, script=script)
+        return subprocess.run([*command, *argv], capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+    proc = forks.spawn(argv, env, cwd=str(cwd) if cwd else None, script=script)
     try:
         out, err = proc.communicate(timeout)
     except subprocess.TimeoutExpired:

@@ -1,6 +1,7 @@
 """`rollplex` on bad input: exit code 2, exactly one `rollplex: error: ...` line on stderr naming the
-field, engine or file, no traceback, and nothing written. Runs the real CLI in a subprocess; CPU only,
-no engine is started (`rollplex graph` only loads the tiny model's config to compile the DAG)."""
+field, engine or file, no traceback, and nothing written. Runs the real CLI in a process of its own
+(forked from one that imported the stack once, tests/fork_server.py); CPU only, no engine is started
+(`rollplex graph` only loads the tiny model's config to compile the DAG)."""
 from __future__ import annotations
 
 import os
@@ -9,6 +10,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import fork_server
 import pytest
 from dag_fixtures import CYCLIC_DAG
 
@@ -51,8 +53,7 @@ class Result:
 def rollplex(cwd: Path, *args: str, timeout: float = 120) -> Result:
     before = {p.relative_to(cwd).as_posix() for p in cwd.rglob("*")}
     env = dict(os.environ)  # conftest has set ROLLPLEX_CACHE: the tiny model is cached
-    proc = subprocess.run([sys.executable, "-m", "rollplex.cli", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    proc = fork_server.run(list(args), env=env, timeout=timeout, cwd=cwd)
     after = {p.relative_to(cwd).as_posix() for p in cwd.rglob("*")}
     return Result(proc.returncode, proc.stdout, proc.stderr, after - before)
 

@@ -1,5 +1,5 @@
 """Multi-turn settings on bad input: exit code 2, one line naming the field, nothing written (the
-real CLI in a subprocess, as tests/test_cli_errors.py runs it)."""
+real CLI in a process of its own, as tests/test_cli_errors.py runs it)."""
 from __future__ import annotations
 
 import pytest
