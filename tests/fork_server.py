@@ -241,33 +241,52 @@ class ForkedProcess:
 
 
 class ForkServer:
-    """The server process; it imports ``warm`` while the caller goes on, and stops when the caller's
-    process exits (its stdin closes)."""
+    """The server process, started with ``env``; it imports ``warm`` while the caller goes on, and
+    stops when the caller's process exits (its stdin closes) or when it is retired and its last child
+    has exited."""
 
-    def __init__(self, warm: tuple[str, ...]) -> None:
+    def __init__(self, warm: tuple[str, ...], env: dict[str, str]) -> None:
         self._dir = tempfile.mkdtemp(prefix="rollplex-fork-")
         self.path = os.path.join(self._dir, "socket")
-        self.env = dict(os.environ)
+        self.env = env
         self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), self.path, json.dumps(warm)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=self.env)
-        self._ready = threading.Lock()
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self._lock = threading.Lock()
         self._started = False
+        self._running = 0
+        self._retired = False
 
     def spawn(self, argv: list[str], env: dict[str, str], cwd: str | None = None, setup: str = "",
               script: str | None = None) -> ForkedProcess:
-        with self._ready:
+        with self._lock:
             if not self._started:
                 line = self.proc.stdout.readline()
                 if line != "ready\n":
                     raise RuntimeError(f"the fork server did not start (exit {self.proc.wait()})")
                 self._started = True
-        return ForkedProcess(self, argv, env, cwd, setup, script)
+            self._running += 1
+        try:
+            child = ForkedProcess(self, argv, env, cwd, setup, script)
+        except BaseException:
+            self._exited()
+            raise
+        threading.Thread(target=lambda: (child.wait(), self._exited()), daemon=True).start()
+        return child
 
-    def serves(self, env: dict[str, str]) -> bool:
-        """Whether a child of this server would start as a fresh process with ``env`` would: what
-        differs is read after start-up (the tests' fault and NaN switches, W&B's settings)."""
-        differ = {k for k in env.keys() | self.env.keys() if env.get(k) != self.env.get(k)}
-        return all(k.startswith(("ROLLPLEX_TEST_", "WANDB_", "PYTEST_CURRENT_TEST")) for k in differ)
+    def _exited(self) -> None:
+        with self._lock:
+            self._running -= 1
+            last = self._retired and self._running == 0
+        if last:
+            self.close()
+
+    def retire(self) -> None:
+        """No more children: stop once those running have exited."""
+        with self._lock:
+            self._retired = True
+            idle = self._running == 0
+        if idle:
+            self.close()
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -284,19 +303,30 @@ class ForkServer:
             pass
 
 
+# Read after start-up, so a child may be given other values than its server started with: the tests'
+# fault and NaN switches, W&B's settings, pytest's name of the running test.
+RUNTIME_ONLY = ("ROLLPLEX_TEST_", "WANDB_", "PYTEST_CURRENT_TEST")
 _SERVERS: dict[tuple[str, ...], ForkServer] = {}
 _LOCK = threading.Lock()
 
 
-def server(warm: tuple[str, ...]) -> ForkServer:
-    """This process's server for ``warm``, started on first use and stopped when this process exits."""
+def server(warm: tuple[str, ...], env: dict[str, str] | None = None) -> ForkServer:
+    """This process's server for ``warm`` whose children start as a fresh process with ``env`` would.
+    A server imported its modules under the environment it started with, so another one starts when
+    anything else in ``env`` differs (tests that run engines in the test process leave variables
+    behind: vLLM's, DeepSpeed's RANK and WORLD_SIZE, Dask's PYTHONHASHSEED). Each stops with this
+    process, or once a newer one has replaced it and its last child has exited."""
     import atexit
 
+    env = {k: v for k, v in (os.environ if env is None else env).items() if not k.startswith(RUNTIME_ONLY)}
     with _LOCK:
-        if warm not in _SERVERS:
-            _SERVERS[warm] = ForkServer(warm)
-            atexit.register(_SERVERS[warm].close)
-        return _SERVERS[warm]
+        current = _SERVERS.get(warm)
+        if current is None or current.env != env:
+            if current is not None:
+                current.retire()
+            _SERVERS[warm] = current = ForkServer(warm, env)
+            atexit.register(current.close)
+        return current
 
 
 def run(argv: list[str], warm: tuple[str, ...] = WARM_HF, env: dict[str, str] | None = None,
@@ -304,13 +334,10 @@ def run(argv: list[str], warm: tuple[str, ...] = WARM_HF, env: dict[str, str] | 
         ) -> subprocess.CompletedProcess:
     """``subprocess.run([python, "-m", "rollplex.cli", *argv], capture_output=True, text=True, ...)``
     (``[script, *argv]`` with ``script``, e.g. the ``rollplex`` console script) through the fork
-    server, or in a fresh interpreter where a child of it would not start as one would."""
+    server."""
     env = dict(os.environ if env is None else env)
     command = [script] if script else [sys.executable, "-m", "rollplex.cli"]
-    forks = server(warm)
-    if not forks.serves(env):
-        return subprocess.run([*command, *argv], capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
-    proc = forks.spawn(argv, env, cwd=str(cwd) if cwd else None, script=script)
+    proc = server(warm, env).spawn(argv, env, cwd=str(cwd) if cwd else None, script=script)
     try:
         out, err = proc.communicate(timeout)
     except subprocess.TimeoutExpired:

@@ -52,14 +52,13 @@ class Launch:
                  fresh: bool = False) -> None:
         argv = ["train", str(DAG), "--out", str(run_dir), "--resume", *TINY, *extra]
         env = {**os.environ, **(env or {})}
-        server = None if fresh else fork_server.server(
-            fork_server.WARM_HF if {"engines.decode=hf", "engines.train=torch"} <= set(extra) else
-            fork_server.WARM_DEFAULT)
-        if server is not None and server.serves(env):
-            self.proc = server.spawn(argv, env)
-        else:
+        if fresh:
             self.proc = subprocess.Popen([sys.executable, "-m", "rollplex.cli", *argv], stdout=subprocess.PIPE,
                                          stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
+        else:
+            warm = fork_server.WARM_HF if {"engines.decode=hf", "engines.train=torch"} <= set(extra) else \
+                fork_server.WARM_DEFAULT
+            self.proc = fork_server.server(warm, env).spawn(argv, env)
         self.lines: list[str] = []
         self.err: list[str] = []
         self.ready = threading.Event()
@@ -401,12 +400,10 @@ class WarmCli:
     descriptors, working directory) without paying for torch and transformers imports again.
     ``setup`` is Python run in the child first (e.g. to feed the dataset a bad image)."""
 
-    def __init__(self) -> None:
-        self.server = fork_server.server(fork_server.WARM_HF)
-
     def __call__(self, cwd: Path, argv: list[str], setup: str = "") -> CliResult:
         before = snapshot(cwd)
-        proc = self.server.spawn(argv, dict(os.environ), cwd=str(cwd), setup=setup)
+        env = dict(os.environ)
+        proc = fork_server.server(fork_server.WARM_HF, env).spawn(argv, env, cwd=str(cwd), setup=setup)
         out, err = proc.communicate(timeout=300)
         after = snapshot(cwd)
         changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
