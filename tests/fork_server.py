@@ -29,9 +29,10 @@ from pathlib import Path
 # Imported once by the server; vLLM only where a launch uses it: what a run never imports stays out of
 # its process. Not rollplex.cli itself, which the child runs as __main__ (as `-m` does), nor DeepSpeed,
 # which picks its accelerator as it loads, after the run has set DS_ACCELERATOR.
-WARM_HF = ("rollplex.pipeline.run.runner", "rollplex.pipeline.run.preflight", "rollplex.engines",
-           "rollplex.tasks.data", "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl",
-           "transformers.models.auto.processing_auto")
+WARM_HF = ("rollplex.pipeline.run.runner", "rollplex.pipeline.run.preflight", "rollplex.pipeline.run.cluster",
+           "rollplex.pipeline.run.execution", "rollplex.engines", "rollplex.tasks.data",
+           "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "transformers.models.auto.processing_auto",
+           "transformers.models.qwen2_5_vl.processing_qwen2_5_vl", "transformers.tokenization_mistral_common")
 WARM_DEFAULT = (*WARM_HF, "vllm")
 
 
@@ -112,8 +113,13 @@ def _become(request: dict, fds: list[int]) -> None:
     for fd in fds:
         os.close(fd)
     os.chdir(request["cwd"])
+    # The server started with the request's environment (less the variables read only later, which
+    # come from the request); what its imports set there (torch's TORCHINDUCTOR_CACHE_DIR, vLLM's
+    # compile settings, cv2's LD_LIBRARY_PATH) is what a fresh process would hold at this point too.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(RUNTIME_ONLY)}
+    env.update({k: v for k, v in request["env"].items() if k.startswith(RUNTIME_ONLY)})
     os.environ.clear()
-    os.environ.update(request["env"])
+    os.environ.update(env)
     script = request["script"]
     sys.argv = [script or "-m", *request["argv"]]
     sys.path[0] = os.path.dirname(os.path.abspath(script)) if script else os.getcwd()  # as Python puts it
@@ -258,6 +264,7 @@ class ForkServer:
 
     def spawn(self, argv: list[str], env: dict[str, str], cwd: str | None = None, setup: str = "",
               script: str | None = None) -> ForkedProcess:
+        assert _started_with(env) == self.env, "a child's environment is its server's (see server())"
         with self._lock:
             if not self._started:
                 line = self.proc.stdout.readline()
@@ -307,6 +314,11 @@ class ForkServer:
 # fault and NaN switches, W&B's settings, pytest's name of the running test.
 RUNTIME_ONLY = ("ROLLPLEX_TEST_", "WANDB_", "PYTEST_CURRENT_TEST")
 _SERVERS: dict[tuple[str, ...], ForkServer] = {}
+
+
+def _started_with(env) -> dict[str, str]:
+    return {k: v for k, v in env.items() if not k.startswith(RUNTIME_ONLY)}
+
 _LOCK = threading.Lock()
 
 
@@ -318,7 +330,7 @@ def server(warm: tuple[str, ...], env: dict[str, str] | None = None) -> ForkServ
     process, or once a newer one has replaced it and its last child has exited."""
     import atexit
 
-    env = {k: v for k, v in (os.environ if env is None else env).items() if not k.startswith(RUNTIME_ONLY)}
+    env = _started_with(os.environ if env is None else env)
     with _LOCK:
         current = _SERVERS.get(warm)
         if current is None or current.env != env:
