@@ -202,11 +202,12 @@ def _decoder_layer(x, residual, cos, sin, visible, where, k_cache, v_cache, laye
     """One decoder layer for one token per row: writes this step's K/V into the row's slot and
     returns (its input plus attention's output, its MLP's output). The hidden state is the sum of
     the two; the next layer (or the head) adds them as it normalizes, so the add is no kernel of its
-    own. ``residual``: the previous layer's MLP output (zeros before the first). A function of tensors, so that ``torch.compile`` makes one kernel
-    set for every layer (same shapes) instead of tracing the 36-layer loop. ``visible``: the additive
-    length mask [n, 1, 1, max_len] for SDPA, or each row's filled slot count [n] (int32) for the
-    split-KV kernel (``engines/decode_attention.py``). ``reduce``: the sum over tensor-parallel ranks
-    of a row-parallel projection's partial output (None: one rank). ``prefix``: the kernel's name
+    own. ``residual``: the previous layer's MLP output (zeros before the first). A function of
+    tensors, so that ``torch.compile`` makes one kernel set for every layer (same shapes) instead of
+    tracing the 36-layer loop. ``visible``: the additive length mask [n, 1, 1, max_len] for SDPA, or
+    each row's filled slot count [n] (int32) for the split-KV kernel (``engines/decode_attention.py``).
+    ``reduce``: the sum over tensor-parallel ranks of a row-parallel projection's partial output
+    (None: one rank). ``prefix``: the kernel's name
     (``groups`` or ``sdpa``) and the shared prefix cache's tensors it reads, None when each
     row's cache holds its prompt too; or ``layer``: ``decode_layer_attention`` rotates q and k,
     writes the step's k and v and attends in one launch (q|k|v fused weights, one rank), reading
