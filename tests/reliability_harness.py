@@ -409,9 +409,6 @@ class WarmCli:
         changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
         return CliResult(proc.returncode, out, err, changed)
 
-    def close(self) -> None:
-        pass  # the server stops with this process
-
 
 def snapshot(root: Path) -> dict[str, tuple[int, int]]:
     return {p.relative_to(root).as_posix(): (p.stat().st_size, p.stat().st_mtime_ns)

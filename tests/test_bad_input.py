@@ -321,9 +321,7 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def cli():
-    server = WarmCli()
-    yield server
-    server.close()
+    return WarmCli()  # its server stops with this process
 
 
 @pytest.fixture(scope="module")
