@@ -39,11 +39,20 @@ TEXT = ("Describe the picture in detail: the objects, their colours, their posit
         "doing and how they relate to one another, and then answer the question about it in one word.")
 
 
-# schedule: auto with train fusion asked for times these three in turn (pipeline/plan/autoschedule.py);
-# the bench's policy of the same work beside each.
-# schedule: auto's unfused candidate holds one micro-batch of prefix graphs ahead (gl=1; session.py).
-SCHEDULES = {"serial": "serial:ppn=8:mb=2", "rollplex": "rollplex:ppn=8:mb=2:tf=1",
-             "rollplex-unfused": "rollplex:ppn=8:mb=2:tf=0:gl=1"}
+def bench_twins() -> dict[str, str]:
+    """The three schedules that ``schedule: auto`` with train fusion asked for times in turn
+    (pipeline/plan/autoschedule.py), each with the bench's policy of the same work."""
+    from rollplex.pipeline.plan.autoschedule import candidates, policy_of
+
+    twins = {}
+    for name in sorted(candidates(train_fusion=True), key=lambda name: name != "serial"):  # serial first
+        policy, fusing, lookahead = policy_of(name)
+        twins[name] = f"{policy}:ppn=8:mb=2" + (f":tf={int(fusing)}" if policy == "rollplex" else "") + (
+            f":gl={lookahead}" if lookahead else "")
+    return twins
+
+
+SCHEDULES = bench_twins()
 
 
 def prompt_text(model: Path, side: int, tokens: int) -> str:

@@ -13,7 +13,7 @@ from pathlib import Path
 from rollplex.config import RunConfig, resolve_task_defaults, rollout_is_cap
 from rollplex.errors import ConfigError, EngineError, GraphError, RollplexError
 from rollplex.pipeline.run import checkpoints
-from rollplex.pipeline.plan.autoschedule import UNFUSED, Choice, candidates, next_schedule, policy_of
+from rollplex.pipeline.plan.autoschedule import Choice, candidates, next_schedule, policy_of
 from rollplex.pipeline.run.hostops import _save
 from rollplex.pipeline.run.preflight import check_servable
 
@@ -373,17 +373,13 @@ class Session:
             from rollplex.pipeline.plan.build import build_iteration
 
             for name in self.schedules:
-                policy, fusing = policy_of(name)
+                policy, fusing, lookahead = policy_of(name)
                 if not fusing and self.train_fusion_off:  # rollplex's graph is unfused already: one is enough
                     continue
                 candidate = spec.under(policy, train_fusion=fusing)
-                if name == UNFUSED and not candidate.shape.grad_prefix_lookahead:
-                    # Unbounded, the unfused graph forwards every micro-batch's policy prefix with grad in
-                    # the window and holds their graphs until the losses: out of memory on an 80 GB H100
-                    # at 3B, 8 × 8, responses up to 1,024, where the fused and serial graphs fit. As a
-                    # candidate beside them it holds one micro-batch ahead.
+                if lookahead and not candidate.shape.grad_prefix_lookahead:
                     candidate = dataclasses.replace(
-                        candidate, shape=dataclasses.replace(candidate.shape, grad_prefix_lookahead=1))
+                        candidate, shape=dataclasses.replace(candidate.shape, grad_prefix_lookahead=lookahead))
                 built = build_iteration(self.algorithm, candidate, dims,
                                         self.plan_memory if cfg.cluster.memory_plan else None)
                 if name == "rollplex":
