@@ -265,10 +265,10 @@ def test_compute_alone_can_be_fenced_while_decode_keeps_the_whole_gpu():
     from rollplex.pipeline.run.partitions import split_sizes
 
     assert split_sizes(132) == [(sms, 132 - sms) for _, sms in AUTO_SPLITS]  # disjoint, the GPU filled
-    assert split_sizes(132, [32]) == [(32, 100)]
-    assert split_sizes(132, None, 100) == [(132, 100)]  # overlapping: decode on every SM
-    assert split_sizes(132, [64], 100) == [(64, 100)]
-    assert split_sizes(132, None, 500) == [(132, 132)]
+    assert split_sizes(132, 32) == [(32, 100)]
+    assert split_sizes(132, 0, 100) == [(132, 100)]  # overlapping: decode on every SM
+    assert split_sizes(132, 64, 100) == [(64, 100)]
+    assert split_sizes(132, 0, 500) == [(132, 132)]
     cfg = BenchConfig(device="cpu")
     assert window_sharing(cfg, "rollplex:sp=1:cs=100").compute_sms == 100
     assert window_sharing(cfg, "rollplex:sp=1").compute_sms == 0

@@ -585,6 +585,6 @@ def sm_partitions(decode_sms: int, device_index: int = 0, compute_sms: int = 0):
     ``compute_sms`` fences compute alone (decode on the whole GPU unless ``decode_sms`` says)."""
     from rollplex.pipeline.run.partitions import make
 
-    return make(device_index, [decode_sms] if decode_sms else None, compute_sms)
+    return make(device_index, decode_sms, compute_sms)
 
 

@@ -133,16 +133,17 @@ def _immortal(context):
     return context
 
 
-def split_sizes(total: int, decode_sms: list[int] | None = None, compute_sms: int = 0) -> list[tuple[int, int]]:
+def split_sizes(total: int, decode_sms: int = 0, compute_sms: int = 0) -> list[tuple[int, int]]:
     """(decode SMs, compute SMs) of each split. Without ``compute_sms`` the two are disjoint and fill
-    the GPU (default: a split per row of ``AUTO_SPLITS``); with it, compute gets that many and decode
-    its named share, or all ``total`` SMs where none is named (the partitions then overlap)."""
+    the GPU: the one split ``decode_sms`` names, or with 0 one per row of ``AUTO_SPLITS``. With it,
+    compute gets that many and decode its named share, or all ``total`` SMs where none is named (the
+    partitions then overlap)."""
     if compute_sms:
-        return [(min(sms, total), min(compute_sms, total)) for sms in decode_sms or [total]]
-    return [(sms, total - sms) for sms in decode_sms or [sms for _, sms in AUTO_SPLITS]]
+        return [(min(decode_sms or total, total), min(compute_sms, total))]
+    return [(sms, total - sms) for sms in [decode_sms] if sms] or [(sms, total - sms) for _, sms in AUTO_SPLITS]
 
 
-def make(device_index: int, decode_sms: list[int] | None = None, compute_sms: int = 0) -> Partitions | None:
+def make(device_index: int, decode_sms: int = 0, compute_sms: int = 0) -> Partitions | None:
     """Green-context streams for each split (``split_sizes``), or None where the torch build or driver
     has none."""
     import torch

@@ -230,8 +230,7 @@ class WorkerHost:
         elif spec.window.partitions and self.device.type == "cuda" and self.streams:
             from rollplex.pipeline.run.partitions import make
 
-            sms = spec.window.decode_sms
-            self.use_partitions(make(self.device.index or 0, [sms] if sms else None, spec.window.compute_sms))
+            self.use_partitions(make(self.device.index or 0, spec.window.decode_sms, spec.window.compute_sms))
         self._busy = {"decode": 0, "compute": 0}
         if self.device.type == "cuda":
             alloc_retries_since_drain(self.device)  # from here on
