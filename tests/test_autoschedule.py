@@ -1,6 +1,8 @@
 """``schedule: auto``'s choice as a pure function of the run's (schedule, seconds) history."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -111,3 +113,39 @@ def test_the_unfused_candidate_holds_one_micro_batch_of_prefix_graphs_ahead_unle
     assert losses_before_prefixes("rollplex-unfused", []) == [0, 1, 2, 3]
     assert losses_before_prefixes("rollplex-unfused", ["train.grad_prefix_lookahead=2"]) == [0, 0, 1, 2]
     assert all(n == 0 for n in losses_before_prefixes("serial", []))
+
+
+def test_a_candidate_that_runs_out_of_memory_is_dropped_and_the_run_goes_on(tmp_path):
+    """schedule: auto's first candidate (rollplex) runs out of device memory inside its first
+    iteration's decode: the run restarts its worker, rolls back to the warm-up's checkpoint, times
+    serial alone and finishes; the run directory keeps the drop, so a resumed run leaves it out too."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from reliability_harness import HF_TORCH, ITERATIONS, Launch, metric_rows
+
+    from rollplex.config import load_config
+    from rollplex.pipeline.plan.autoschedule import DROPPED_FILE
+    from rollplex.pipeline.run.session import Session
+
+    run_dir = tmp_path / "auto-oom"
+    auto = ["--set", "schedule=auto", "--set", "schedule_trials=1", "--set", "cluster.processes=true"]
+    launch = Launch(run_dir, HF_TORCH + auto, {"ROLLPLEX_TEST_FAULT": "task:decode_chunk:before",
+                                               "ROLLPLEX_TEST_FAULT_KILL": "oom",
+                                               "ROLLPLEX_TEST_FAULT_ONCE": str(tmp_path / "fired")})
+    try:
+        rc = launch.finish()
+    finally:
+        launch.signal_group(9)
+    assert rc == 0, launch.log()
+    dropped = [line for line in launch.lines if "ran out of device memory" in line]
+    assert len(dropped) == 1 and "iteration 0: schedule auto's candidate rollplex" in dropped[0], launch.log()
+    assert "timing serial without it" in dropped[0] and "rolling back to after_warmup" in dropped[0], dropped
+    rows = [r for r in metric_rows(run_dir) if r.get("phase") == "rl"]
+    assert [r["iteration"] for r in rows] == list(range(ITERATIONS))
+    assert {r["schedule"] for r in rows} == {"serial"}
+    assert list(json.loads((run_dir / DROPPED_FILE).read_text())) == ["rollplex"]
+    cfg = load_config(None, ["schedule=auto", "engines.decode=hf", "engines.train=torch"])
+    assert Session(cfg, run_dir).schedules == ("serial",)
+    assert Session(cfg, tmp_path / "elsewhere").schedules == ("rollplex", "serial")

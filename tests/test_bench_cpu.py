@@ -118,7 +118,7 @@ def test_a_policy_that_runs_out_of_memory_is_reported_and_the_rest_still_run(tmp
     assert alive_at_collect and not any(alive_at_collect), alive_at_collect
     monkeypatch.setattr(gc, "collect", real_collect)
     assert {u["policy"]: u for u in out["updates"]}["rollplex"]["replayed"] <= 1e-2
-    from rollplex.pipeline.bench.bench import out_of_memory
+    from rollplex.pipeline.run.recovery import out_of_memory
 
     cublas = RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
     assert out_of_memory(NodeFailure("decode_c0", "decode_chunk", f"RuntimeError: {cublas}")) and out_of_memory(cublas)

@@ -49,6 +49,7 @@ import torch
 
 from rollplex.errors import RollplexError
 from rollplex.pipeline.bench.multi import TWO_GPU_POLICIES
+from rollplex.pipeline.run.recovery import out_of_memory
 from rollplex.pipeline.bench.results import (  # noqa: F401 - POLICIES, ALL_POLICIES: the CLI's names
     ALL_POLICIES,
     POLICIES,
@@ -560,23 +561,6 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
             if extra is not None:
                 extra.release()
     return report(cfg, spec, results, out_dir, log, failed, rates)
-
-
-# Out of device memory, in the words torch, a kernel launch and cuBLAS (a new thread's handle; run 27)
-# say it: none leaves the CUDA context unusable, so the next policy can still run.
-MEMORY_FAILURES = ("OutOfMemoryError", "CUDA error: out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
-
-
-def out_of_memory(exc: BaseException) -> bool:
-    """A CUDA out-of-memory error, raised directly or inside a node (NodeFailure keeps its text)."""
-    from rollplex.errors import NodeFailure
-
-    while exc is not None:
-        text = exc.detail if isinstance(exc, NodeFailure) else f"{type(exc).__name__}: {exc}"
-        if isinstance(exc, torch.OutOfMemoryError) or any(m in text for m in MEMORY_FAILURES):
-            return True
-        exc = exc.__cause__
-    return False
 
 
 def sm_partitions(decode_sms: int, device_index: int = 0, compute_sms: int = 0):

@@ -9,7 +9,9 @@ iterations alternate, and once each schedule has ``trials`` counted iterations t
 kept for the rest of the run.
 
 The choice is a pure function of the (schedule, seconds) history that metrics.jsonl records, so a
-resumed or rolled-back run makes the same choice from the same lines.
+resumed or rolled-back run makes the same choice from the same lines. A candidate whose iteration ran
+out of device memory is dropped (the runner restarts the workers and rolls back), and the run
+directory's ``DROPPED_FILE`` keeps it out after a resume.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ CANDIDATES: tuple[str, ...] = ("rollplex", "serial")
 # window pays for train fusion only while its work fits beside decode (at 32 prompts × 8 on an H100
 # it was twice decode's time, and the fused run 5% slower than serial; BENCHMARKS.md).
 UNFUSED = "rollplex-unfused"
+DROPPED_FILE = "schedule_auto_dropped.json"  # {candidate: why}, in the run directory
 
 
 def candidates(train_fusion: bool) -> tuple[str, ...]:

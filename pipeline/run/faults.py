@@ -1,4 +1,5 @@
-"""Test-only fault injection: SIGKILL at a named point of a run. Inert unless ROLLPLEX_TEST_FAULT is set.
+"""Test-only fault injection: SIGKILL (or a CUDA out-of-memory error) at a named point of a run. Inert
+unless ROLLPLEX_TEST_FAULT is set.
 
 The reliability tests kill ``rollplex train`` at precise moments (inside decode, around the optimizer
 step, between the steps of a checkpoint write), which a wall-clock timer hits only by luck.
@@ -6,6 +7,8 @@ step, between the steps of a checkpoint write), which a wall-clock timer hits on
     ROLLPLEX_TEST_FAULT=POINT#N        the N-th time this process reaches POINT (N defaults to 1)
     ROLLPLEX_TEST_FAULT_KILL=group     SIGKILL the whole process group: driver and Dask workers (default)
                            =self      SIGKILL only the process that reached it (a lost Dask worker)
+                           =oom       raise torch.OutOfMemoryError there instead (a node that ran out of
+                                      device memory; worker points only)
     ROLLPLEX_TEST_FAULT_ONCE=PATH      fire at most once across processes: a restarted worker or a
                                        resumed run counts afresh, and must not die at the same place
 
@@ -48,7 +51,12 @@ def point(name: str) -> None:
             os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
             return
-    if os.environ.get(f"{ENV}_KILL", "group") == "self":
+    how = os.environ.get(f"{ENV}_KILL", "group")
+    if how == "oom":
+        import torch
+
+        raise torch.OutOfMemoryError(f"CUDA out of memory (test fault at {name})")
+    if how == "self":
         os.kill(os.getpid(), signal.SIGKILL)
     os.killpg(os.getpgid(0), signal.SIGKILL)
 

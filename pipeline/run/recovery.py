@@ -97,6 +97,23 @@ def _keys_left(prefix: str, dask_scheduler=None) -> int:
     return sum(1 for k in dask_scheduler.tasks if isinstance(k, str) and k.startswith(prefix))
 
 
+# Out of device memory, in the words torch, a kernel launch and cuBLAS (a new thread's handle; bench run
+# 27) say it: none leaves the CUDA context unusable.
+MEMORY_FAILURES = ("OutOfMemoryError", "CUDA error: out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
+
+
+def out_of_memory(exc: BaseException | None) -> bool:
+    """A CUDA out-of-memory error, raised directly or inside a node (NodeFailure keeps its text)."""
+    from rollplex.errors import NodeFailure
+
+    while exc is not None:
+        text = exc.detail if isinstance(exc, NodeFailure) else f"{type(exc).__name__}: {exc}"
+        if any(m in text for m in MEMORY_FAILURES):  # torch.OutOfMemoryError's name is the first
+            return True
+        exc = exc.__cause__
+    return False
+
+
 def drop_tracebacks(exc: BaseException | None) -> None:
     """distributed re-raises the exception object its FutureState keeps, so the traceback (whose frames
     hold the Future) makes a cycle reachable from ``client.futures``: the failed iteration's tasks

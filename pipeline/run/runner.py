@@ -37,6 +37,7 @@ from rollplex.pipeline.run import evaluation
 from rollplex.pipeline.run.hostops import _adopt_reference, _end_warmup, _lora_sizes, _restore, _sync_decode, _warmup
 from rollplex.pipeline.run.loggers import WANDB_ID, Loggers, check_installed
 from rollplex.pipeline.run.session import Session, resolve_device
+from rollplex.pipeline.plan.autoschedule import DROPPED_FILE
 from rollplex.pipeline.plan.trace import chrome_trace, seconds_by_kind
 
 
@@ -82,6 +83,8 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = 
             log(f"--resume: {run_dir} has no complete checkpoint yet; starting the run from the beginning")
     elif metrics_path.exists():
         raise RollplexError(f"{run_dir} already holds a run; pass --resume to continue it or pick another --out")
+    else:  # schedule auto's candidates that an earlier start dropped before it logged a row: not this run's
+        (run_dir / DROPPED_FILE).unlink(missing_ok=True)
     changed: dict = {}
     if state is not None:  # what else the resume reads, checked before anything starts
         changed = resume_changes(cfg, state, log)
@@ -327,7 +330,7 @@ def _iterate(cfg: RunConfig, session: Session, executor, watch, loggers, state, 
 
     from rollplex.pipeline.run import faults
     from rollplex.pipeline.run.executor import task_key
-    from rollplex.pipeline.run.recovery import drop_tracebacks, quiet_task_errors
+    from rollplex.pipeline.run.recovery import drop_tracebacks, out_of_memory, quiet_task_errors
 
     run_dir, client = session.run_dir, executor.client
     changed_at = state.iteration + 1 if state else 0  # a rollback below may move ``state`` on
@@ -339,7 +342,7 @@ def _iterate(cfg: RunConfig, session: Session, executor, watch, loggers, state, 
         loggers.log(row)
         bar.write(validation.describe(row)) if progress else log(validation.describe(row))
 
-    bar = None
+    bar, trying = None, None  # trying: schedule auto's candidate of the iteration in flight, still timed
     iteration_seconds: list[float] = []
     iteration, recovering, where = None, False, "warm-up"
     while True:
@@ -365,7 +368,9 @@ def _iterate(cfg: RunConfig, session: Session, executor, watch, loggers, state, 
                 where = f"iteration {iteration}"
                 point("iteration:start")
                 choice = session.schedule_for(timed)
+                trying = None if choice.decided else choice.schedule
                 result = _run_iteration(session, executor, watch, session.graphs[choice.schedule], iteration)
+                trying = None
                 watch.check()  # results computed (even partly) on a replaced worker are not the run's
                 out = result.output["report"]
                 trace = chrome_trace(result.events, iteration, choice.schedule)
@@ -412,18 +417,31 @@ def _iterate(cfg: RunConfig, session: Session, executor, watch, loggers, state, 
             raise
         except Exception as exc:
             lost = str(exc) if isinstance(exc, WorkerLost) else watch.lost()
-            if lost is None:
+            # schedule: auto's candidate that ran out of device memory is dropped, where fresh workers can
+            # be had: the failed iteration left gradients and engine state half-written.
+            dropped = trying if lost is None and trying and session.worker_processes and out_of_memory(exc) else None
+            if lost is None and dropped is None:
                 bar.leave = False
                 bar.close()  # cleared: the error's one line is all the console keeps
                 raise _failure(exc, where, run_dir) from exc
             if stop.requested:
                 raise _interrupted(stop, run_dir, None) from None
             drop_tracebacks(exc)
-        # A lost worker. Out of the except block: the exception's traceback holds the failed
-        # iteration's future, and the scheduler releases its tasks only once nothing does.
+        # A lost worker, or a dropped candidate. Out of the except block: the exception's traceback
+        # holds the failed iteration's future, and the scheduler releases its tasks only once nothing does.
         state = checkpoints.latest(run_dir)
-        log(f"{where}: lost a Dask worker: {lost}; rolling back to "
-            f"{state.directory.name if state else 'the beginning'} and replaying from there")
+        back = f"rolling back to {state.directory.name if state else 'the beginning'} and replaying from there"
+        if dropped is not None:
+            session.drop_schedule(dropped, f"out of device memory in {where}")
+            log(f"{where}: schedule auto's candidate {dropped} ran out of device memory; timing "
+                f"{', '.join(session.schedules)} without it; restarting the workers, {back}")
+            if session.world == 1:  # reform_ranks below restarts a data-parallel run's ranks
+                from rollplex.pipeline.run.recovery import REPLACEMENT_TIMEOUT_S
+
+                client.restart(timeout=REPLACEMENT_TIMEOUT_S, wait_for_workers=False)
+        else:
+            log(f"{where}: lost a Dask worker: {lost}; {back}")
+        trying = None
         if session.world > 1:  # the survivors' process group lost a member: restart every rank afresh
             from rollplex.pipeline.run.cluster import reform_ranks
 

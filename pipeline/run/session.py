@@ -7,13 +7,15 @@ stage fusion, the memory plan when asked) and schedules it. ``pipeline/run/runne
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from pathlib import Path
 
 from rollplex.config import RunConfig, resolve_task_defaults, rollout_is_cap
 from rollplex.errors import ConfigError, EngineError, GraphError, RollplexError
 from rollplex.pipeline.run import checkpoints
-from rollplex.pipeline.plan.autoschedule import Choice, candidates, next_schedule, policy_of
+from rollplex.fsio import atomic_write_bytes
+from rollplex.pipeline.plan.autoschedule import DROPPED_FILE, Choice, candidates, next_schedule, policy_of
 from rollplex.pipeline.run.hostops import _save
 from rollplex.pipeline.run.preflight import check_servable
 
@@ -391,6 +393,11 @@ class Session:
                 raise
             raise GraphError(f"{cfg.algorithm}: {exc}") from None
         self.schedules = tuple(name for name in self.schedules if name in self.graphs)
+        # Candidates that ran out of memory earlier in this run (drop_schedule) stay out after a resume.
+        self.dropped: dict[str, str] = {}
+        if len(self.schedules) > 1 and (run_dir / DROPPED_FILE).exists():
+            self.dropped = json.loads((run_dir / DROPPED_FILE).read_text())
+            self.schedules = tuple(name for name in self.schedules if name not in self.dropped) or self.schedules
         # train.fusion_batch_tokens caps the backwards of train fusion's nodes; with none in any graph
         # (train fusion off, or a schedule that trains after decode) the setting does nothing: say so.
         self.fusion_cap_unused = bool(cfg.train.fusion_batch_tokens) and not any(
@@ -525,6 +532,13 @@ class Session:
         if cfg.iterations * cfg.rollout.prompts_per_iteration <= len(self.task):
             return f"the run's {cfg.iterations} iterations end within its first epoch of {len(self.task)} prompts"
         return None
+
+    def drop_schedule(self, name: str, reason: str) -> None:
+        """``schedule: auto`` stops timing ``name`` (it ran out of device memory) for the rest of the
+        run, a resumed one included."""
+        self.dropped[name] = reason
+        atomic_write_bytes(self.run_dir / DROPPED_FILE, json.dumps(self.dropped, indent=1).encode())
+        self.schedules = tuple(schedule for schedule in self.schedules if schedule != name)
 
     def schedule_for(self, history: list[tuple[str, float]]) -> Choice:
         """The schedule of the next RL iteration, from the (schedule, seconds) of those before it."""

@@ -255,7 +255,8 @@ class RunConfig:
     schedule: str = f("rollplex", choices=("serial", "rollplex", "auto"),
                       doc="iteration schedule policy; auto: alternate rollplex and serial first (and, with "
                           "train.train_fusion, rollplex with the training after decode), then keep the fastest "
-                          "(the update is the same under each)")
+                          "(the update is the same under each); one that runs out of device memory is dropped "
+                          "and the run rolls back to its last checkpoint")
     schedule_trials: int = f(3, lo=1, hi=1000, doc="schedule auto: timed iterations per schedule before keeping "
                                                    "the fastest median (each one's first iteration is not counted)")
     algorithm: str = f("grpo", doc="a dags/ name (grpo) or a path to a DAG .py file")
