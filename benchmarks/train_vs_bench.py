@@ -208,7 +208,11 @@ def main() -> int:
     rows = [json.loads(line) for line in (train_dir / "metrics.jsonl").read_text().splitlines()]
     bench = json.loads((bench_dir / "bench.json").read_text()) if args.bench_iterations else {"results": []}
     result = {}
-    for schedule in SCHEDULES:
+    ran = [name for name in SCHEDULES if len([r for r in rows if r.get("schedule") == name]) > 1]
+    dropped = train_dir / "schedule_auto_dropped.json"  # out of memory in train (pipeline/run/runner.py)
+    if dropped.exists():
+        print(f"train dropped: {dropped.read_text().strip()}")
+    for schedule in ran:
         mine = [r for r in rows if r.get("schedule") == schedule][1:]  # its first iteration: compile, capture
         seconds = [r["iter_seconds"] for r in mine]
         outside = [outside_share(json.loads((train_dir / "traces" / f"iter_{r['iteration']:06d}.json").read_text()),
@@ -224,14 +228,14 @@ def main() -> int:
     from rollplex.pipeline.bench.results import median_interval
 
     print(f"{'policy':16s} {'train s/it':>10s} {'bench s/it':>10s} {'train÷bench':>11s} {'outside nodes':>13s}")
-    for schedule in SCHEDULES:
+    for schedule in ran:
         r = result[schedule]
         bench_s, ratio = ((f"{r['bench_median']:10.3f}", f"{r['train_over_bench']:11.3f}") if r["bench_median"]
                           else (f"{'-':>10s}", f"{'-':>11s}"))
         print(f"{schedule:16s} {r['train_median']:10.3f} {bench_s} {ratio} "
               f"{r['outside_median']:12.1%}   (train iterations: {', '.join(f'{s:.2f}' for s in r['train_seconds'])};"
               f" mean response {r['response_len_mean']:.0f} tokens)")
-    for schedule in (name for name in SCHEDULES if name != "serial"):
+    for schedule in (name for name in ran if name != "serial" and "serial" in ran):
         pairs = [s / r for s, r in zip(result["serial"]["train_seconds"], result[schedule]["train_seconds"])]
         interval = median_interval(pairs)
         result[f"{schedule}_over_serial_paired"] = {"ratios": pairs, "median_low_high": interval}
@@ -243,7 +247,7 @@ def main() -> int:
     if args.bench_iterations:
         shutil.copy(bench_dir / "bench.json", out / "bench.json")
         shutil.copy(bench_dir / "iterations.jsonl", out / "bench_iterations.jsonl")
-    for schedule in SCHEDULES:  # each schedule's last iteration, for trace_nodes.py
+    for schedule in ran:  # each schedule's last iteration, for trace_nodes.py
         last = max(r["iteration"] for r in rows if r.get("schedule") == schedule)
         shutil.copy(train_dir / "traces" / f"iter_{last:06d}.json", out / f"train_trace_{schedule}.json")
     return 0
