@@ -126,6 +126,7 @@ def test_a_candidate_that_runs_out_of_memory_is_dropped_and_the_run_goes_on(tmp_
     from reliability_harness import HF_TORCH, ITERATIONS, Launch, metric_rows
 
     from rollplex.config import load_config
+    from rollplex.errors import RollplexError
     from rollplex.pipeline.plan.autoschedule import DROPPED_FILE
     from rollplex.pipeline.run.session import Session
 
@@ -149,3 +150,6 @@ def test_a_candidate_that_runs_out_of_memory_is_dropped_and_the_run_goes_on(tmp_
     cfg = load_config(None, ["schedule=auto", "engines.decode=hf", "engines.train=torch"])
     assert Session(cfg, run_dir).schedules == ("serial",)
     assert Session(cfg, tmp_path / "elsewhere").schedules == ("rollplex", "serial")
+    (run_dir / DROPPED_FILE).write_text("[rollplex")
+    with pytest.raises(RollplexError, match=f"{DROPPED_FILE}: not the .* delete it"):
+        Session(cfg, run_dir)

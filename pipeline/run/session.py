@@ -169,6 +169,18 @@ def resolve_device(cfg: RunConfig) -> str:
     return cfg.model.device
 
 
+def read_dropped(path: Path) -> dict[str, str]:
+    """``schedule: auto``'s dropped candidates, {name: why}, as ``Session.drop_schedule`` wrote them."""
+    try:
+        dropped = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        dropped = exc
+    if not isinstance(dropped, dict) or not all(isinstance(v, str) for v in dropped.values()):
+        raise RollplexError(f"{path}: not the {{candidate: reason}} object a run writes ({dropped}); "
+                            "delete it to time every candidate again")
+    return dropped
+
+
 def resolve_worker_processes(processes: bool | str, workers: int, device: str, scheduler: str | None = None) -> bool:
     """Whether the workers run in processes of their own. An external scheduler's always do (stock
     `dask worker` processes); a LocalCluster's as ``processes`` says. ``auto``: not for one CPU
@@ -396,7 +408,7 @@ class Session:
         # Candidates that ran out of memory earlier in this run (drop_schedule) stay out after a resume.
         self.dropped: dict[str, str] = {}
         if len(self.schedules) > 1 and (run_dir / DROPPED_FILE).exists():
-            self.dropped = json.loads((run_dir / DROPPED_FILE).read_text())
+            self.dropped = read_dropped(run_dir / DROPPED_FILE)
             self.schedules = tuple(name for name in self.schedules if name not in self.dropped) or self.schedules
         # train.fusion_batch_tokens caps the backwards of train fusion's nodes; with none in any graph
         # (train fusion off, or a schedule that trains after decode) the setting does nothing: say so.
