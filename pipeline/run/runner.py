@@ -438,7 +438,10 @@ def _iterate(cfg: RunConfig, session: Session, executor, watch, loggers, state, 
             if session.world == 1:  # reform_ranks below restarts a data-parallel run's ranks
                 from rollplex.pipeline.run.recovery import REPLACEMENT_TIMEOUT_S
 
-                client.restart(timeout=REPLACEMENT_TIMEOUT_S, wait_for_workers=False)
+                try:
+                    client.restart(timeout=REPLACEMENT_TIMEOUT_S, wait_for_workers=False)
+                except Exception as exc:  # noqa: BLE001 - await_replacements below waits, or names the failure
+                    log(f"restarting the workers: {type(exc).__name__}: {exc}")
         else:
             log(f"{where}: lost a Dask worker: {lost}; {back}")
         trying = None
