@@ -14,6 +14,8 @@ the reference's prefixes is off (``train.ref_cache_gib=0``): its prompts repeat 
 it would skip the reference's prefix forwards that the bench runs.
 
     python benchmarks/train_vs_bench.py --out $OUT/tvb            # on the GPU (scripts/on-device.sh --wheels)
+    python benchmarks/train_vs_bench.py --bench-only --out $OUT/tvb   # a later call on the same machine:
+        # the bench half against the train run the first call left in --work
     python benchmarks/train_vs_bench.py --device cpu --layers 1 --vision-layers 1 --side 112 --new-tokens 8 --chunk-tokens 4 \
         --trials 2 --bench-iterations 2 --out /tmp/tvb   # a smoke run of the script
         # (on a 2-core, 24 GB host the bench half, at the 3B preset's widths, was killed (SIGKILL) on
@@ -110,6 +112,28 @@ def outside_share(trace: dict, seconds: float) -> float:
     return max(0.0, seconds - covered / 1e6) / seconds
 
 
+def train(args, model: Path, data: Path, dtype: str, shape: list[str], train_dir: Path) -> None:
+    """``rollplex train`` under ``schedule: auto`` at the shape, into a fresh ``train_dir``."""
+    shutil.rmtree(train_dir, ignore_errors=True)
+    run(["rollplex", "train", "--no-progress", "--schedule", "auto", "--out", str(train_dir),
+         "--iterations", str(len(SCHEDULES) * args.trials),
+         "--set", f"schedule_trials={args.trials}", "--set", f"model.path={model}", "--set", f"model.dtype={dtype}",
+         "--set", f"model.device={args.device}", "--set", f"data.path={data}", "--set", "warmup.steps=0",
+         "--set", "stop_at_reward=null", "--set", "engines.train=torch", "--set", "engines.decode=torch-graph",
+         "--set", "engines.decode_options={compile: %s, attention: %s}" % (
+             "true" if args.device == "cuda" else "false", args.decode_attention),
+         "--set", "train.train_fusion=true", "--set", "checkpoint.every=0",
+         # The same prompts every iteration would make the reference's prefixes cache hits from the
+         # second on; the bench computes them each time, so train does too (same work, same bytes).
+         "--set", "train.ref_cache_gib=0"]
+        + (["--set", f"cluster.threads={args.threads}"] if args.threads else [])
+        + (["--set", f"cluster.switch_interval_us={args.switch_interval_us}"] if args.switch_interval_us else [])
+        + (["--set", f"train.fusion_batch_tokens={args.fusion_batch_tokens}"] if args.fusion_batch_tokens else [])
+        + (["--set", "train.gradient_checkpointing=true"] if args.gradient_checkpointing else [])
+        + (["--set", "rollout.length_caps={mean: %d, sigma: 0.8}" % args.mean_new_tokens] if args.mean_new_tokens else [])
+        + [x for s in shape for x in ("--set", s)])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="where the result JSON and the runs' metrics go")
@@ -130,6 +154,9 @@ def main() -> int:
     ap.add_argument("--chunk-tokens", type=int, default=32)
     ap.add_argument("--trials", type=int, default=5, help="train iterations per schedule (the first not timed)")
     ap.add_argument("--bench-iterations", type=int, default=6, help="0: train alone, no bench")
+    ap.add_argument("--bench-only", action="store_true",
+                    help="the bench alone, against the train run an earlier call left in --work (a call's time "
+                         "limit may not hold both)")
     ap.add_argument("--bench-also", default="",
                     help="more bench policies beside the three schedules', e.g. plain:seq=4 (comma-separated)")
     ap.add_argument("--gradient-checkpointing", action="store_true", help="both runs recompute layer activations")
@@ -143,6 +170,8 @@ def main() -> int:
                          "train.fusion_batch_tokens, the bench: ft=N on the fused policy); 0: no cap")
     args = ap.parse_args()
     out, work = Path(args.out), Path(args.work)
+    if args.bench_only and not (work / "train" / "metrics.jsonl").exists():
+        sys.exit(f"--bench-only: {work / 'train'} holds no train run of an earlier call (same --work) to compare with")
     out.mkdir(parents=True, exist_ok=True)
     model = work / "model"
     if not (model / "config.json").exists():
@@ -157,24 +186,8 @@ def main() -> int:
              f"rollout.max_new_tokens={args.new_tokens}", f"rollout.chunk_tokens={args.chunk_tokens}", "train.prompts_per_node=8",
              "train.micro_batch_groups=2"]
     train_dir = work / "train"
-    shutil.rmtree(train_dir, ignore_errors=True)
-    run(["rollplex", "train", "--no-progress", "--schedule", "auto", "--out", str(train_dir),
-         "--iterations", str(len(SCHEDULES) * args.trials),
-         "--set", f"schedule_trials={args.trials}", "--set", f"model.path={model}", "--set", f"model.dtype={dtype}",
-         "--set", f"model.device={args.device}", "--set", f"data.path={data}", "--set", "warmup.steps=0",
-         "--set", "stop_at_reward=null", "--set", "engines.train=torch", "--set", "engines.decode=torch-graph",
-         "--set", "engines.decode_options={compile: %s, attention: %s}" % (
-             "true" if args.device == "cuda" else "false", args.decode_attention),
-         "--set", "train.train_fusion=true", "--set", "checkpoint.every=0",
-         # The same prompts every iteration would make the reference's prefixes cache hits from the
-         # second on; the bench computes them each time, so train does too (same work, same bytes).
-         "--set", "train.ref_cache_gib=0"]
-        + (["--set", f"cluster.threads={args.threads}"] if args.threads else [])
-        + (["--set", f"cluster.switch_interval_us={args.switch_interval_us}"] if args.switch_interval_us else [])
-        + (["--set", f"train.fusion_batch_tokens={args.fusion_batch_tokens}"] if args.fusion_batch_tokens else [])
-        + (["--set", "train.gradient_checkpointing=true"] if args.gradient_checkpointing else [])
-        + (["--set", "rollout.length_caps={mean: %d, sigma: 0.8}" % args.mean_new_tokens] if args.mean_new_tokens else [])
-        + [x for s in shape for x in ("--set", s)])
+    if not args.bench_only:
+        train(args, model, data, dtype, shape, train_dir)
     shutil.copy(train_dir / "metrics.jsonl", out / "train_metrics.jsonl")  # kept should the bench not finish
     bench_dir = work / "bench"
     gil = f":gil={args.switch_interval_us}" if args.switch_interval_us else ""
