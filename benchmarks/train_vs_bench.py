@@ -129,6 +129,7 @@ def train(args, model: Path, data: Path, dtype: str, shape: list[str], train_dir
         + (["--set", f"cluster.threads={args.threads}"] if args.threads else [])
         + (["--set", f"cluster.switch_interval_us={args.switch_interval_us}"] if args.switch_interval_us else [])
         + (["--set", f"train.fusion_batch_tokens={args.fusion_batch_tokens}"] if args.fusion_batch_tokens else [])
+        + (["--set", f"train.micro_batch_tokens={args.micro_batch_tokens}"] if args.micro_batch_tokens else [])
         + (["--set", "train.gradient_checkpointing=true"] if args.gradient_checkpointing else [])
         + (["--set", "rollout.length_caps={mean: %d, sigma: 0.8}" % args.mean_new_tokens] if args.mean_new_tokens else [])
         + [x for s in shape for x in ("--set", s)])
@@ -168,6 +169,9 @@ def main() -> int:
     ap.add_argument("--fusion-batch-tokens", type=int, default=0,
                     help="train fusion's backwards capped at this many tokens in both runs (train: "
                          "train.fusion_batch_tokens, the bench: ft=N on the fused policy); 0: no cap")
+    ap.add_argument("--micro-batch-tokens", type=int, default=0,
+                    help="training after decode (serial, rollplex-unfused) in backwards of at most this many tokens "
+                         "in both runs (train: train.micro_batch_tokens, the bench: mt=N); 0: one per micro-batch")
     args = ap.parse_args()
     out, work = Path(args.out), Path(args.work)
     if args.bench_only and not (work / "train" / "metrics.jsonl").exists():
@@ -192,10 +196,11 @@ def main() -> int:
     bench_dir = work / "bench"
     gil = f":gil={args.switch_interval_us}" if args.switch_interval_us else ""
     ft = f":ft={args.fusion_batch_tokens}" if args.fusion_batch_tokens else ""
+    mt = f":mt={args.micro_batch_tokens}" if args.micro_batch_tokens else ""
 
     def bench_policy(schedule: str) -> str:
         """The bench's policy for one of train's schedules, with this run's options."""
-        return SCHEDULES[schedule] + (ft if schedule == "rollplex" else "") + gil
+        return SCHEDULES[schedule] + (ft if schedule == "rollplex" else mt) + gil
 
     policies = ",".join([bench_policy(s) for s in SCHEDULES] + [p for p in args.bench_also.split(",") if p])
     lengths = []

@@ -138,6 +138,10 @@ def loss(ctx, node, inputs):
         from rollplex.tasks.fused_train import train_handoff
 
         return train_handoff(ctx, node, inputs)
+    if "micro_batch_tokens" in node.args:  # the policy's forwards with grad too, in token-capped backwards
+        from rollplex.tasks.capped_train import train_capped
+
+        return train_capped(ctx, node, inputs)
     decl, engine = ctx.algorithm.losses()[node.model], ctx.train_engine(node.model)
     stats = inputs[the(ctx, node.inputs, "rollout_stats")]
     bound = bound_values(inputs, node.args["bind"])

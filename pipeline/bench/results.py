@@ -51,6 +51,8 @@ VARIANT_KEYS = {"gate": "prefix work waits until decode has at most this many li
 SHAPE_KEYS = {"ppn": "prompts per vit/prefix/suffix node (batched forwards; default: --prompts-per-node)",
               "seq": "plain: sequences per forward and backward (default G, one group)",
               "mb": "prompts per micro-batch: one loss and backward each (default 1)",
+              "mt": "training after decode: a micro-batch's groups in backwards of at most this many tokens, "
+                    "cut once the responses are known (train.micro_batch_tokens; 0, default: one backward)",
               "spg": "decode steps per CUDA graph launch (default 1)",
               "gil": "Python's GIL switch interval in µs during the policy's timed iterations (default: "
                      "the process's, 5000; a run's cluster.switch_interval_us): how long a compute thread may "
@@ -118,7 +120,7 @@ def policy_shape(policy: str, *, prompts_per_node: int, stage_fusion: bool, trai
             "stage_fusion": fused,
             "train_fusion": fused and bool(options.get("tf", train_fusion)),
             "window_chunks": options.get("wc", 0), "grad_prefix_lookahead": options.get("gl", 0),
-            "fusion_batch_tokens": options.get("ft", 0)}
+            "fusion_batch_tokens": options.get("ft", 0), "micro_batch_tokens": options.get("mt", 0)}
 
 
 @dataclass

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from rollplex.errors import EngineError, GraphError
 from rollplex.pipeline.compile.authoring import Algorithm
 from rollplex.pipeline.compile.ir import IterationGraph, Node, gc_paused, get_kind
-from rollplex.pipeline.compile.updates import add_updates
+from rollplex.pipeline.compile.updates import add_updates, token_cap_blocker
 
 
 @dataclass(frozen=True)
@@ -104,6 +104,11 @@ class BatchShape:
     # With train fusion, the most tokens (prompts plus responses) one backward over a chunk's finished
     # groups holds; 0: micro_batch_groups alone bounds it (tasks/fused_train.handoff_batches).
     fusion_batch_tokens: int = 0
+    # Training after decode (no train fusion): the policy's forwards with grad, loss and backward of a
+    # micro-batch run in one node, its groups cut after the rollout into backwards of at most this many
+    # tokens (prompts plus responses; a group over it trains alone), as verl's dynamic batch size does.
+    # 0: the micro-batch's prefix, suffix and loss nodes, one backward each (``token_cap_blocker``).
+    micro_batch_tokens: int = 0
     # With stage fusion (and no train fusion), the chunks from this one on are scored by one node
     # after the last chunk: each chunk's node is a forward, and late chunks end after the window,
     # where one forward is cheaper than several. 0: every chunk has its own node.
@@ -142,8 +147,9 @@ class BatchShape:
                      "prompts_per_node", "mini_batches", "epochs", "ranks", "max_turns"):
             if getattr(self, name) < 1:
                 raise GraphError(f"batch shape: {name} must be ≥ 1, got {getattr(self, name)}")
-        if self.fusion_batch_tokens < 0:
-            raise GraphError(f"batch shape: fusion_batch_tokens must be ≥ 0, got {self.fusion_batch_tokens}")
+        for name in ("fusion_batch_tokens", "micro_batch_tokens"):
+            if getattr(self, name) < 0:
+                raise GraphError(f"batch shape: {name} must be ≥ 0, got {getattr(self, name)}")
         if self.steps > 1 and self.prompts % (self.ranks * self.mini_batches):
             raise GraphError(f"batch shape: {self.prompts} prompts do not split into {self.mini_batches} equal "
                              f"mini-batches over {self.ranks} rank(s)")
@@ -413,10 +419,13 @@ def _compile(alg: Algorithm, shape: BatchShape, engines: EngineChoice, dims: Mod
     # With several optimizer steps only the first mini-batch trains on its rollout-time forwards; the
     # others' are scored without grad for their old values and scored anew before their steps.
     first = set(shape.mini_batch_prompts()[0])
+    capped = bool(shape.micro_batch_tokens) and not train_fused
+    if capped and (why := token_cap_blocker(alg, shape, early)):
+        raise GraphError(f"train.micro_batch_tokens: {alg.name} cannot train in token-capped micro-batches: {why}")
     for s in alg.scores:
         role = role_of(s.model)
-        if s.grad and train_fused:
-            continue  # each chunk's training node runs the policy's prefixes of the groups it trains
+        if s.grad and (train_fused or capped):
+            continue  # the training nodes run the policy's prefixes and suffixes of the groups they train
         for ps in shape.node_groups(grad=s.grad):
             grad = s.grad and ps[0] in first
             outs, score_info = [], {}

@@ -71,6 +71,10 @@ def add_updates(g: IterationGraph, alg, shape, add, host, dev, dims, bind, value
             own = {v for v, m in alg.scored_values().items() if m == model}
             scored = [v for v in alg.scored_values() if v not in others] if model == policy else sorted(own)
             reads = tuple(dict.fromkeys(("responses", "rewards", "advantages", *scored, *decl.reads)))
+            # train.micro_batch_tokens: the micro-batch's node makes the policy's log-probs itself
+            # (token_cap_blocker held), in backwards it cuts by tokens once the responses are known.
+            capped = [s.as_ for s in alg.scores if s.grad] if model == policy and shape.micro_batch_tokens else []
+            reads = tuple(r for r in reads if r not in {*capped, *(f"old_{a}" for a in capped)})
             for j, groups in enumerate(micro):
                 binding, inputs = bind(reads, groups)
                 if renamed:  # this step's forwards in place of rollout time's
@@ -80,8 +84,17 @@ def add_updates(g: IterationGraph, alg, shape, add, host, dev, dims, bind, value
                 args = {"prompts": list(groups), "bind": binding}
                 if at is not None:  # normalised over its own mini-batch
                     args.update(step=k, normalise=list(minis[mini]))
-                add(out, "loss", ["rollout_stats", *inputs], [out], model=model, args=args,
-                    **{out: host(64, "loss", model=model, prompts=tuple(groups))})
+                outputs, info = [out], {out: host(64, "loss", model=model, prompts=tuple(groups))}
+                if capped:
+                    (as_,) = capped
+                    inputs = list(dict.fromkeys([*(f"prompt_p{p}" for p in groups), *(f"vis_p{p}" for p in groups),
+                                                 *inputs]))
+                    args.update({"as": as_, "micro_batch_tokens": shape.micro_batch_tokens})
+                    outputs += [f"old_{as_}_p{p}" for p in groups]
+                    info.update({f"old_{as_}_p{p}": host(dims.score_bytes(G * shape.continuation_tokens), "score",
+                                                         model=model, prompts=(p,), label=f"old_{as_}")
+                                 for p in groups})
+                add(out, "loss", ["rollout_stats", *inputs], outputs, model=model, args=args, **info)
                 losses.setdefault(model, []).append(out)
         # Gradients accumulate in floating point, so their order fixes the bits of the update: chain
         # the micro-batches, and the forwards whose graphs they walk (autograd orders a backward by the
@@ -123,6 +136,30 @@ def add_updates(g: IterationGraph, alg, shape, add, host, dev, dims, bind, value
                 g.add_order(before, after, reason="accumulation order")
     for before, after, reason in orders:
         g.add_order(before, after, reason=reason)
+
+
+def token_cap_blocker(alg, shape, early: set[str]) -> str | None:
+    """Why the policy's micro-batches cannot train in token-capped backwards of one node each
+    (``BatchShape.micro_batch_tokens``), or None: one optimizer step, one turn, prefix sharing, the
+    policy alone trained through its lm head with a frozen vision tower, and its log-probs read by
+    the loss only (the node makes them)."""
+    policy = alg.rollout_model
+    if shape.steps > 1:
+        return f"it takes {shape.steps} optimizer steps per iteration (train.mini_batches × train.epochs)"
+    if shape.max_turns > 1:
+        return "a multi-turn rollout scores whole trajectories"
+    if not shape.prefix_sharing:
+        return "it needs prefix sharing"
+    if shape.trains_vision:
+        return "the vision tower trains (train.freeze_vision: false)"
+    if alg.trainable != [policy] or list(alg.losses()) != [policy] or alg.models[policy].head != "lm":
+        return f"it trains {alg.trainable}, not the policy {policy!r} alone through its lm head"
+    grad = [s for s in alg.scores if s.grad]
+    if [s.model for s in grad] != [policy]:
+        return "a score other than the policy's keeps a graph"
+    if {grad[0].as_, f"old_{grad[0].as_}"} & early:
+        return f"the advantage or a node of the algorithm's own reads {grad[0].as_!r} before the loss"
+    return None
 
 
 def _check_rescorable(alg, early: set[str]) -> None:

@@ -358,6 +358,9 @@ class CostModel:
     def __call__(self, node: Node, gang: int) -> NodeCost:
         if "handoff_chunk" in node.args:
             return self._handed_on(node, gang)
+        if "micro_batch_tokens" in node.args:  # a loss node that makes the policy's forwards with grad too
+            groups = list(node.args["prompts"])
+            return NodeCost(self._trained(groups, len(groups), gang))
         cost = self._raw(node, gang)
         return NodeCost(self.calibration.apply(node.kind, cost.seconds), cost.batch)
 
@@ -370,16 +373,9 @@ class CostModel:
         at once)."""
         chunks = set(node.args["handed_chunks"])
         groups = [p for p in node.args.get("prompts", []) if self.profile.finish_chunk.get(p) in chunks]
-        cal, L = self.calibration, self.w.prefix_tokens
+        cal = self.calibration
         if node.kind == "loss":
-            seconds, most = 0.0, max(1, node.args.get("micro_batch_groups") or len(groups))
-            for mb in (groups[i : i + most] for i in range(0, len(groups), most)):
-                prefix = self._compute(len(mb) * self.m.prefill_flops(L), gang, self.eff.forward) + self._tp_comm(
-                    L * len(mb), gang)
-                suffix = self._forward({p: None for p in mb}, gang)
-                seconds += (cal.apply("prefix", prefix) + cal.apply("suffix_score", suffix)
-                            + cal.apply("loss", self._loss(mb, gang, forward_kept=True)))
-            return NodeCost(seconds)
+            return NodeCost(self._trained(groups, max(1, node.args.get("micro_batch_groups") or len(groups)), gang))
         if node.args["handed"] == "samples":
             some = {p: [g for g, c in enumerate(self.profile.sample_chunks[p]) if c in chunks]
                     for p in node.args.get("prompts", []) if p in self.profile.sample_chunks}
@@ -387,6 +383,18 @@ class CostModel:
         else:
             some = {p: None for p in groups}
         return NodeCost(cal.apply(node.kind, self._forward(some, gang)) if some else 0.0)
+
+    def _trained(self, groups: list[int], most: int, gang: int) -> float:
+        """Training ``groups`` in backwards of ``most`` groups, each the policy's prefix and suffix with
+        grad, the loss and backward, each part calibrated as serial's node of that kind."""
+        seconds, cal, L = 0.0, self.calibration, self.w.prefix_tokens
+        for mb in (groups[i : i + most] for i in range(0, len(groups), most)):
+            prefix = self._compute(len(mb) * self.m.prefill_flops(L), gang, self.eff.forward) + self._tp_comm(
+                L * len(mb), gang)
+            suffix = self._forward({p: None for p in mb}, gang)
+            seconds += (cal.apply("prefix", prefix) + cal.apply("suffix_score", suffix)
+                        + cal.apply("loss", self._loss(mb, gang, forward_kept=True)))
+        return seconds
 
     def _forward(self, samples: Mapping[int, list[int] | None], gang: int) -> float:
         """A suffix forward over the given samples of each prompt (None: all of its samples)."""
