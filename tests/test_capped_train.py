@@ -78,14 +78,16 @@ def test_train_fusion_keeps_its_own_cap_and_the_session_says_the_other_does_noth
 
 
 @pytest.mark.slow
-def test_capped_backwards_give_the_uncapped_loss_and_gradient(tmp_path):
+@pytest.mark.parametrize("engine", ["torch", "deepspeed"])
+def test_capped_backwards_give_the_uncapped_loss_and_gradient(tmp_path, engine):
     """Serial with one backward per micro-batch of two groups against backwards of one group each
     (a 1-token cap): the same sampled responses, the same loss and gradient norm up to rounding, in
-    iterations that sample after one update. A supervised warm-up first, so that rewards vary and the
+    iterations that sample after one update; on both train engines (DeepSpeed marks each backward a
+    micro-batch of its own). A supervised warm-up first, so that rewards vary and the
     gradient is not zero (the embedded task rewards nothing before its format is learned)."""
     runs = {}
     for name, extra in (("whole", []), ("capped", ["train.micro_batch_tokens=1"])):
-        cfg = load_config(None, [*OVERRIDES, "schedule=serial", *extra])
+        cfg = load_config(None, [*OVERRIDES, "schedule=serial", f"engines.train={engine}", *extra])
         train(cfg, tmp_path / name, progress=False, log=lambda *a: None)
         rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         runs[name] = [r for r in rows if r["phase"] == "rl"]
