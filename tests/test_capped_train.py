@@ -66,15 +66,19 @@ def test_the_bench_names_the_cap_mt():
     assert policy_shape("serial", prompts_per_node=1, stage_fusion=True, train_fusion=False)["micro_batch_tokens"] == 0
 
 
-def test_train_fusion_keeps_its_own_cap_and_the_session_says_the_other_does_nothing(tmp_path):
+def test_one_cap_serves_training_after_decode_and_in_the_window(tmp_path):
     fused = compile_iteration(grpo, _shape(micro_batch_tokens=512, stage_fusion=True, train_fusion=True),
                               ENGINES, DIMS)
-    assert not any("micro_batch_tokens" in n.args for n in fused)
-    window = load_config(None, [*OVERRIDES, "schedule=rollplex", "train.train_fusion=true",
-                                "train.micro_batch_tokens=64"])
-    assert Session(window, tmp_path / "a").micro_cap_unused is True
-    auto = load_config(None, [*OVERRIDES, "schedule=auto", "train.train_fusion=true", "train.micro_batch_tokens=64"])
-    assert Session(auto, tmp_path / "b").micro_cap_unused is False  # serial and the unfused candidate use it
+    assert not any("micro_batch_tokens" in n.args for n in fused)  # train fusion's nodes take their own
+    auto = Session(load_config(None, [*OVERRIDES, "schedule=auto", "train.train_fusion=true",
+                                      "train.micro_batch_tokens=64"]), tmp_path / "a")
+    caps = {name: {n.args.get("micro_batch_tokens", n.args.get("batch_tokens")) for n in graph
+                   if n.kind == "loss"} for name, graph in auto.graphs.items()}
+    assert caps == {"rollplex": {64}, "rollplex-unfused": {64}, "serial": {64}}
+    assert not auto.fusion_cap_unused
+    apart = Session(load_config(None, [*OVERRIDES, "schedule=rollplex", "train.train_fusion=true",
+                                       "train.micro_batch_tokens=64", "train.fusion_batch_tokens=999"]), tmp_path / "b")
+    assert {n.args["batch_tokens"] for n in apart.graphs["rollplex"] if n.kind == "loss"} == {999}
 
 
 @pytest.mark.slow

@@ -140,9 +140,6 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = 
     if session.fusion_cap_unused:
         log("train.fusion_batch_tokens has no effect: it caps train fusion's backwards, and no schedule of this "
             "run trains in the decode window")
-    if session.micro_cap_unused:
-        log("train.micro_batch_tokens has no effect: it caps the backwards of training after decode, and every "
-            "schedule of this run trains in the decode window (train.fusion_batch_tokens caps those)")
     if session.ref_cache_off:
         log(f"reference-prefix cache off: {session.ref_cache_off}")
     stop = StopSignals()

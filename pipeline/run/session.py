@@ -249,7 +249,8 @@ def iteration_spec(cfg: RunConfig, dims, prompt_tokens: int, vision_tokens: int,
         # its own decode chain's samples (pipeline/compile/ranks.py).
         stage_fusion=cfg.train.stage_fusion,
         train_fusion=cfg.train.train_fusion,
-        fusion_batch_tokens=cfg.train.fusion_batch_tokens,
+        # One cap for all training unless train fusion's is set apart.
+        fusion_batch_tokens=cfg.train.fusion_batch_tokens or cfg.train.micro_batch_tokens,
         micro_batch_tokens=cfg.train.micro_batch_tokens,
         window_chunks=cfg.train.window_chunks,
         grad_prefix_lookahead=cfg.train.grad_prefix_lookahead,
@@ -415,10 +416,6 @@ class Session:
         # (train fusion off, or a schedule that trains after decode) the setting does nothing: say so.
         self.fusion_cap_unused = bool(cfg.train.fusion_batch_tokens) and not any(
             "batch_tokens" in node.args for g in compiled_graphs.values() for node in g.nodes.values())
-        # train.micro_batch_tokens caps the backwards of training after decode: unused where every
-        # schedule trains in the window.
-        self.micro_cap_unused = bool(cfg.train.micro_batch_tokens) and not any(
-            "micro_batch_tokens" in node.args for g in compiled_graphs.values() for node in g.nodes.values())
         # The first schedule's: what `rollplex graph` prints and graph.txt holds.
         self.compiled, self.graph = compiled_graphs[self.schedules[0]], self.graphs[self.schedules[0]]
         self.memory_plan = self.memory_plans[self.schedules[0]]

@@ -119,13 +119,14 @@ class TrainConfig:
     fusion_batch_tokens: int = f(0, lo=0, hi=2**31, doc="with train fusion, the most tokens (prompts plus responses) "
                                  "one backward over a chunk's finished groups holds: groups past it start another "
                                  "backward (a group over it trains alone), so the chunk where the longest groups "
-                                 "finish together does not hold all their graphs at once; 0 = only "
-                                 "micro_batch_groups bounds a backward")
+                                 "finish together does not hold all their graphs at once; 0 = train.micro_batch_tokens's "
+                                 "(0 there too: only micro_batch_groups bounds a backward)")
     micro_batch_tokens: int = f(0, lo=0, hi=2**31, doc="training after decode (serial, or rollplex without "
                                 "train fusion): a micro-batch's groups train in backwards of at most this many "
                                 "tokens (prompts plus responses; a group over it trains alone), cut once the "
                                 "responses are known, as verl's dynamic batch size; the policy's forwards with "
-                                "grad run in the loss node. 0 = one backward per micro-batch")
+                                "grad run in the loss node. Caps train fusion's backwards too unless "
+                                "train.fusion_batch_tokens is set. 0 = one backward per micro-batch")
     window_chunks: int = f(0, lo=0, hi=65536, doc="with stage fusion and no train fusion, the decode chunks from this "
                            "one on are scored by one node after the last chunk (one forward instead of one per "
                            "chunk, for the chunks that end after the decode window); 0 = one node per chunk")
