@@ -170,8 +170,8 @@ def main() -> int:
                     help="train fusion's backwards capped at this many tokens in both runs (train: "
                          "train.fusion_batch_tokens, the bench: ft=N on the fused policy); 0: no cap")
     ap.add_argument("--micro-batch-tokens", type=int, default=0,
-                    help="training after decode (serial, rollplex-unfused) in backwards of at most this many tokens "
-                         "in both runs (train: train.micro_batch_tokens, the bench: mt=N); 0: one per micro-batch")
+                    help="every backward at most this many tokens in both runs (train: train.micro_batch_tokens, the "
+                         "bench: mt=N, and ft=N on the fused policy unless --fusion-batch-tokens); 0: no cap")
     args = ap.parse_args()
     out, work = Path(args.out), Path(args.work)
     if args.bench_only and not (work / "train" / "metrics.jsonl").exists():
@@ -195,7 +195,8 @@ def main() -> int:
     shutil.copy(train_dir / "metrics.jsonl", out / "train_metrics.jsonl")  # kept should the bench not finish
     bench_dir = work / "bench"
     gil = f":gil={args.switch_interval_us}" if args.switch_interval_us else ""
-    ft = f":ft={args.fusion_batch_tokens}" if args.fusion_batch_tokens else ""
+    fused_cap = args.fusion_batch_tokens or args.micro_batch_tokens  # train's fallback (session.py)
+    ft = f":ft={fused_cap}" if fused_cap else ""
     mt = f":mt={args.micro_batch_tokens}" if args.micro_batch_tokens else ""
 
     def bench_policy(schedule: str) -> str:
