@@ -10,7 +10,9 @@ prefix in the decode window, as with one step). Every later step scores its mini
 weights the steps before it left, prefix once per prompt and suffix with grad
 (``prefix_actor_s2_p0``, ``suffix_logprobs_s2_p0``); its ``old_`` values are still those of rollout
 time, so the ratio π/π_old moves away from 1 and the clip binds. Each step's loss is the mean over
-its own mini-batch's tokens (or responses). One weight sync follows the policy's last step.
+its own mini-batch's tokens (or responses). One weight sync follows the policy's last step. With
+``micro_batch_tokens`` (one step only, ``token_cap_blocker``) the policy's loss node makes its
+forwards with grad and old log-probs itself, in backwards cut by tokens (tasks/capped_train.py).
 
 Ordering edges make the update the same under every schedule:
 
@@ -73,8 +75,9 @@ def add_updates(g: IterationGraph, alg, shape, add, host, dev, dims, bind, value
             reads = tuple(dict.fromkeys(("responses", "rewards", "advantages", *scored, *decl.reads)))
             # train.micro_batch_tokens: the micro-batch's node makes the policy's log-probs itself
             # (token_cap_blocker held), in backwards it cuts by tokens once the responses are known.
-            capped = [s.as_ for s in alg.scores if s.grad] if model == policy and shape.micro_batch_tokens else []
-            reads = tuple(r for r in reads if r not in {*capped, *(f"old_{a}" for a in capped)})
+            made = next(s.as_ for s in alg.scores if s.grad) if model == policy and shape.micro_batch_tokens else None
+            if made:
+                reads = tuple(r for r in reads if r not in (made, f"old_{made}"))
             for j, groups in enumerate(micro):
                 binding, inputs = bind(reads, groups)
                 if renamed:  # this step's forwards in place of rollout time's
@@ -85,14 +88,13 @@ def add_updates(g: IterationGraph, alg, shape, add, host, dev, dims, bind, value
                 if at is not None:  # normalised over its own mini-batch
                     args.update(step=k, normalise=list(minis[mini]))
                 outputs, info = [out], {out: host(64, "loss", model=model, prompts=tuple(groups))}
-                if capped:
-                    (as_,) = capped
+                if made:
                     inputs = list(dict.fromkeys([*(f"prompt_p{p}" for p in groups), *(f"vis_p{p}" for p in groups),
                                                  *inputs]))
-                    args.update({"as": as_, "micro_batch_tokens": shape.micro_batch_tokens})
-                    outputs += [f"old_{as_}_p{p}" for p in groups]
-                    info.update({f"old_{as_}_p{p}": host(dims.score_bytes(G * shape.continuation_tokens), "score",
-                                                         model=model, prompts=(p,), label=f"old_{as_}")
+                    args.update({"as": made, "micro_batch_tokens": shape.micro_batch_tokens})
+                    outputs += [f"old_{made}_p{p}" for p in groups]
+                    info.update({f"old_{made}_p{p}": host(dims.score_bytes(G * shape.continuation_tokens), "score",
+                                                          model=model, prompts=(p,), label=f"old_{made}")
                                  for p in groups})
                 add(out, "loss", ["rollout_stats", *inputs], outputs, model=model, args=args, **info)
                 losses.setdefault(model, []).append(out)
