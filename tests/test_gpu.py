@@ -466,3 +466,22 @@ def test_a_training_run_on_cuda_decodes_with_the_graph_engine_by_default(cuda, t
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "@torch-graph" in (out / "graph.txt").read_text()
     assert len((out / "metrics.jsonl").read_text().splitlines()) >= 3
+
+
+def test_skinny_linear_matches_cublas_in_bf16_at_the_3b_layers_shapes(cuda):
+    """engines/skinny_linear.py in bf16 (the interpreter test is fp32 only), every tiling, against
+    F.linear at the 3B layer's projections for 8 and 64 rows."""
+    import torch.nn.functional as F
+
+    from rollplex.engines.skinny_linear import CONFIGS, skinny_linear
+
+    torch.manual_seed(0)
+    for n, k, bias in ((2560, 2048, True), (2048, 2048, False), (22016, 2048, False), (2048, 11008, False)):
+        w = torch.randn(n, k, device=cuda, dtype=torch.bfloat16) * 0.02
+        b = torch.randn(n, device=cuda, dtype=torch.bfloat16) if bias else None
+        for m in (8, 64):
+            x = torch.randn(m, k, device=cuda, dtype=torch.bfloat16)
+            want = F.linear(x, w, b).float()
+            for config in CONFIGS:
+                err = ((skinny_linear(x, w, b, config).float() - want).abs().max() / want.abs().max()).item()
+                assert err < 1e-2, (n, k, m, config, err)
