@@ -32,6 +32,9 @@ def main() -> None:
     ap.add_argument("--attention", default="split-kv",
                     help="the step's attention (engines/decode_attention.py), or several in turn, comma-separated: "
                          "sdpa, split-kv, fused (rotary and cache write in the kernel); both: sdpa,split-kv")
+    ap.add_argument("--linear", default="cublas",
+                    help="the layer's projections, or several in turn, comma-separated: cublas, skinny "
+                         "(engines/skinny_linear.py)")
     ap.add_argument("--kernels", action="store_true",
                     help="per configuration, the kernels of replayed step graphs: launches and µs per step by name")
     ap.add_argument("--max-len", type=int, default=0,
@@ -69,8 +72,10 @@ def main() -> None:
     prefix_tiles = prefix_tiles or [(decode_attention.PREFIX_TOKENS_PER_SPLIT, decode_attention.PREFIX_WARPS)]
     prefixes = {"shared": [], "per-row": [(False, None)], "both": [(False, None)]}[args.prefix]
     prefixes += [(True, t) for t in prefix_tiles] if args.prefix != "per-row" else []
-    for fused, n, compiled, (attention, tile), (shared, choice) in (
-            (f, n, c, a, p) for f in fusions for n in sizes for c in modes for a in attentions for p in prefixes):
+    linears = args.linear.split(",")
+    for fused, n, compiled, (attention, tile), (shared, choice), linear in (
+            (f, n, c, a, p, lin) for f in fusions for n in sizes for c in modes for a in attentions for p in prefixes
+            for lin in linears):
         ptile = choice
         if ptile:
             decode_attention.PREFIX_TOKENS_PER_SPLIT, decode_attention.PREFIX_WARPS = ptile
@@ -83,7 +88,7 @@ def main() -> None:
         engine = GraphDecodeEngine(EngineContext("", device, torch.bfloat16, 0, {
             "share_model": model, "max_num_seqs": n, "max_model_len": max_len, "shared_prefix": shared, "prefix_slots": groups,
             "max_prompt_len": args.prompt_len, "max_response_len": max_len - args.prompt_len,
-            "compile": args.compile_mode if compiled else False, "attention": attention}))
+            "compile": args.compile_mode if compiled else False, "attention": attention, "linear": linear}))
         ids = torch.randint(100, 100000, (groups, args.prompt_len))
         engine.add_requests([DecodeRequest(f"r{i}", ids[i].tolist(), None, None, max_tokens=256, seed=i, n=g)
                              for i in range(groups)])
@@ -99,7 +104,7 @@ def main() -> None:
         label = (f"B={n:3d} G={g}{' shared' if shared else ' per-row'}{f' {ptile[0]}x{ptile[1]}' if ptile else ''}"
                  f"{' compiled' if compiled else ''}"
                  f"{' fused' if engine.w.fused else ''} {attention}"
-                 f"{f' {tile[0]}x{tile[1]}' if tile else ''}")
+                 f"{f' {tile[0]}x{tile[1]}' if tile else ''}{' skinny' if linear == 'skinny' else ''}")
         print(f"{label}: {per_step * 1e3:6.2f} ms/step, {need / per_step / 1e12:5.2f} TB/s = "
               f"{need / per_step / args.bandwidth:5.1%} of {args.bandwidth / 1e12:.1f} TB/s; "
               f"{n / per_step:8.0f} tok/s; KV cache {engine_kv_bytes(engine) / 2**30:.2f} GiB")
@@ -107,7 +112,7 @@ def main() -> None:
             print(kernel_table(engine, per_step))
         if (not args.kernels and n == sizes[-1] and compiled == modes[-1] and fused == fusions[-1]
                 and (attention, tile) == attentions[-1]
-                and (shared, choice) == prefixes[-1]):
+                and (shared, choice) == prefixes[-1] and linear == linears[-1]):
             engine.use_graphs = False
             from torch.profiler import ProfilerActivity, profile
 

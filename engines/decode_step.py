@@ -198,7 +198,7 @@ def _head(x, residual, norm_w, eps: float, lm_head, logits, length, rope_pos) ->
 
 def _decoder_layer(x, residual, cos, sin, visible, where, k_cache, v_cache, layer_weights, eps: tuple[float, float],
                    heads: int, kv_heads: int, head_dim: int, scale: float, reduce=None,
-                   prefix=None) -> tuple[torch.Tensor, torch.Tensor]:
+                   prefix=None, linear=None) -> tuple[torch.Tensor, torch.Tensor]:
     """One decoder layer for one token per row: writes this step's K/V into the row's slot and
     returns (its input plus attention's output, its MLP's output). The hidden state is the sum of
     the two; the next layer (or the head) adds them as it normalizes, so the add is no kernel of its
@@ -212,27 +212,28 @@ def _decoder_layer(x, residual, cos, sin, visible, where, k_cache, v_cache, laye
     row's cache holds its prompt too; or ``layer``: ``decode_layer_attention`` rotates q and k,
     writes the step's k and v and attends in one launch (q|k|v fused weights, one rank), reading
     the prefix cache's tensors that follow (all None without one), with cos and sin [n, head_dim]
-    fp32 and the whole caches, not their first n rows."""
+    fp32 and the whole caches, not their first n rows. ``linear``: the projections' function
+    (``engines/projections.linear_for``; None: ``F.linear``)."""
     reduce = reduce or (lambda t: t)
+    linear = linear or F.linear
     x = _residual(x, residual)
     n = x.shape[0]
     group = heads // kv_heads
     if prefix is not None and prefix[0] == "layer":  # rotary, cache write and attention in the kernel
         ln1, qkv_w, qkv_b, o_w, ln2, gate_up_w, down_w = layer_weights
-        qkv = F.linear(_rms(x, ln1, eps[0]), qkv_w, qkv_b)
+        qkv = linear(_rms(x, ln1, eps[0]), qkv_w, qkv_b)
         out = decode_layer_attention(qkv, cos, sin, visible, k_cache, v_cache, *prefix[1:], heads, scale)
-        x = _residual(x, reduce(F.linear(out.reshape(n, heads * head_dim), o_w)))
-        gate, up = F.linear(_rms(x, ln2, eps[1]), gate_up_w).chunk(2, -1)
-        return x, reduce(F.linear(F.silu(gate) * up, down_w))
+        x = _residual(x, reduce(linear(out.reshape(n, heads * head_dim), o_w)))
+        gate, up = linear(_rms(x, ln2, eps[1]), gate_up_w).chunk(2, -1)
+        return x, reduce(linear(F.silu(gate) * up, down_w))
     if len(layer_weights) == 7:  # q|k|v and gate|up each one tensor (_fused_weights)
         ln1, qkv_w, qkv_b, o_w, ln2, gate_up_w, down_w = layer_weights
         h = _rms(x, ln1, eps[0])
-        q, k, v = F.linear(h, qkv_w, qkv_b).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim],
-                                                  -1)
+        q, k, v = linear(h, qkv_w, qkv_b).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
     else:
         ln1, q_w, q_b, k_w, k_b, v_w, v_b, o_w, ln2, gate_w, up_w, down_w = layer_weights
         h = _rms(x, ln1, eps[0])
-        q, k, v = F.linear(h, q_w, q_b), F.linear(h, k_w, k_b), F.linear(h, v_w, v_b)
+        q, k, v = linear(h, q_w, q_b), linear(h, k_w, k_b), linear(h, v_w, v_b)
     q, k, v = (q.reshape(n, kv_heads, group, head_dim), k.reshape(n, kv_heads, 1, head_dim),
                v.reshape(n, kv_heads, head_dim))
     q, k = _rope(q, cos, sin), _rope(k, cos, sin).view(n, kv_heads, head_dim)
@@ -248,13 +249,13 @@ def _decoder_layer(x, residual, cos, sin, visible, where, k_cache, v_cache, laye
         # once for its `group` query heads (no repeat), under the additive length mask.
         out = F.scaled_dot_product_attention(q.reshape(n, heads, 1, head_dim), k_cache[:n], v_cache[:n],
                                              attn_mask=visible, scale=scale, enable_gqa=True)
-    x = _residual(x, reduce(F.linear(out.reshape(n, heads * head_dim), o_w)))
+    x = _residual(x, reduce(linear(out.reshape(n, heads * head_dim), o_w)))
     h = _rms(x, ln2, eps[1])
     if len(layer_weights) == 7:
-        gate, up = F.linear(h, gate_up_w).chunk(2, -1)
+        gate, up = linear(h, gate_up_w).chunk(2, -1)
     else:
-        gate, up = F.linear(h, gate_w), F.linear(h, up_w)
-    return x, reduce(F.linear(F.silu(gate) * up, down_w))
+        gate, up = linear(h, gate_w), linear(h, up_w)
+    return x, reduce(linear(F.silu(gate) * up, down_w))
 
 
 def _fused_weights(weights: tuple) -> tuple | None:

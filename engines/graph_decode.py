@@ -101,6 +101,7 @@ class GraphDecodeEngine(DecodeEngine):
         self.use_graphs = bool(opts.get("cuda_graphs", self.device.type == "cuda"))
         self.shared_prefix = bool(opts.get("shared_prefix", True))
         self.split_kv, self.layer_kernel = self._attention(opts.get("attention"))
+        self._linear = self._projections(opts.get("linear"))
         self.max_prompt_len = int(opts.get("max_prompt_len") or self.max_len)
         self.max_response_len = int(opts.get("max_response_len") or self.max_len)
         self._slots: list[_Slot | None] = [None] * int(opts.get("prefix_slots") or self.rows)
@@ -394,6 +395,20 @@ class GraphDecodeEngine(DecodeEngine):
             self._slots[slot] = None
             del self._slot_of_key[held.key]
 
+    def _projections(self, linear: str | None):
+        """The layer's projections: cuBLAS (``cublas``, the default) or ``skinny``, the Triton kernel of
+        engines/skinny_linear.py at its first tiling (``benchmarks/decode_linear.py`` compares them)."""
+        if linear in (None, "cublas"):
+            return None
+        if linear != "skinny":
+            raise EngineError(f"engine 'torch-graph': linear {linear!r} is not one of cublas, skinny")
+        if self.device.type != "cuda" or not decode_attention.available():
+            raise EngineError("engine 'torch-graph': linear 'skinny' needs CUDA and Triton; set linear: cublas")
+        from rollplex.engines.projections import linear_for
+        from rollplex.engines.skinny_linear import CONFIGS
+
+        return linear_for(CONFIGS[0])
+
     def _attention(self, attention: str | None) -> tuple[bool, bool]:
         """(split_kv, layer_kernel): whether attention reads each row's filled slots only
         (``split-kv``), and whether it is ``fused``: the split-KV kernel that also rotates q and k and
@@ -457,7 +472,8 @@ class GraphDecodeEngine(DecodeEngine):
             elif self.shared_prefix:
                 prefix = ("groups", b.pk[i], b.pv[i], b.entry_slot[:n], b.entry_len[:n], b.members[:n])
             x, residual = self._layer(x, residual, cos, sin, visible, where, b.k[i], b.v[i], weights, eps,
-                                      w.heads, w.kv_heads, w.head_dim, w.attn_scale, self._reduce, prefix)
+                                      w.heads, w.kv_heads, w.head_dim, w.attn_scale, self._reduce, prefix,
+                                      self._linear)
         self._head(x, residual, w.norm_w, w.eps, w.lm_head, b.logits[:n], b.length[:n], b.rope_pos[:n])
 
     def _run_steps(self, n: int, top_p: bool, k: int) -> None:
@@ -586,6 +602,7 @@ SPEC = register_engine(EngineSpec(
              "graph_batch_sizes": Option(list, check=_batch_sizes), "cuda_graphs": Option(bool),
              "steps_per_graph": Option(int, 1, 1024), "compile": Option((bool, str), check=_compile_mode),
              "attention": Option(str, choices=("auto", "fused", "split-kv", "sdpa")),
+             "linear": Option(str, choices=("cublas", "skinny")),
              "shared_prefix": Option(bool),
              "prefix_slots": Option(int, 1, 2**20), "max_prompt_len": Option(int, 1, 2**20),
              "max_response_len": Option(int, 1, 2**20)},

@@ -464,6 +464,10 @@ def test_graph_engine_attends_over_every_slot_on_cpu_and_names_a_kernel_it_canno
             get_engine("torch-graph").factory(ctx(model_dir, max_num_seqs=2, attention=kernel))
     with pytest.raises(EngineError, match="attention 'flash' is not one of fused, split-kv, sdpa, auto"):
         get_engine("torch-graph").factory(ctx(model_dir, max_num_seqs=2, attention="flash"))
+    # The projections' Triton kernel likewise (engines/skinny_linear.py; cublas, the default, runs anywhere).
+    assert get_engine("torch-graph").factory(ctx(model_dir, max_num_seqs=2, linear="cublas"))._linear is None
+    with pytest.raises(EngineError, match="linear 'skinny' needs CUDA and Triton"):
+        get_engine("torch-graph").factory(ctx(model_dir, max_num_seqs=2, linear="skinny"))
 
 
 def test_graph_engine_projects_fused_groups_in_one_matmul_and_samples_what_separate_ones_do(model_dir, prompts):

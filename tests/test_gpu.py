@@ -288,6 +288,23 @@ def test_split_kv_and_sdpa_decode_engines_sample_the_same_tokens(cuda, tiny_mode
         assert runs["split-kv"][key].logprobs == pytest.approx(seq.logprobs, abs=1e-4)
 
 
+def test_the_skinny_projection_kernel_decodes_the_tokens_cublas_does(cuda, tiny_model_dir):
+    """The torch-graph engine with ``linear: skinny`` (engines/projections.py), compiled under CUDA
+    graphs, in fp32: the same tokens and log-probs as with cuBLAS."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_model_dir, dtype=torch.float32).to(cuda).eval()
+    runs = {}
+    for linear in ("cublas", "skinny"):
+        engine, runs[linear] = _decode_all(model, tiny_model_dir, cuda, {"linear": linear, "compile": True},
+                                           tokens_per_call=3)
+        assert (engine._linear is None) == (linear == "cublas")
+    assert runs["cublas"].keys() == runs["skinny"].keys()
+    for key, seq in runs["cublas"].items():
+        assert runs["skinny"][key].token_ids == seq.token_ids
+        assert runs["skinny"][key].logprobs == pytest.approx(seq.logprobs, abs=1e-4)
+
+
 def test_decode_graphs_are_captured_with_cudnn_attention_while_eager_forwards_go_without(cuda, tiny_model_dir,
                                                                                           monkeypatch):
     """Eager work meets new shapes (cuDNN would build a plan for each); a graph is captured once."""

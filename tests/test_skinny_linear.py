@@ -36,3 +36,51 @@ def test_skinny_linear_in_triton_interpreter_equals_f_linear():
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "TRITON_INTERPRET": "1"})
     assert out.returncode == 0 and out.stdout.strip() == "32 ok", out.stdout[-2000:] + out.stderr[-3000:]
+
+
+LAYER_SCRIPT = textwrap.dedent("""
+    import torch
+    from torch._inductor.utils import run_and_get_code
+    from rollplex.engines.decode_step import _decoder_layer
+    from rollplex.engines.projections import linear_for
+    from rollplex.engines.skinny_linear import CONFIGS
+
+    torch.manual_seed(0)
+    n, heads, kv_heads, head_dim, hidden, mlp, slots = 4, 4, 2, 16, 64, 128, 8
+    w = lambda *shape: torch.randn(*shape) * 0.1
+    weights = (w(hidden) + 1, w((heads + 2 * kv_heads) * head_dim, hidden), w((heads + 2 * kv_heads) * head_dim),
+               w(hidden, heads * head_dim), w(hidden) + 1, w(2 * mlp, hidden), w(hidden, mlp))
+    x, residual = w(n, hidden), w(n, hidden)
+    angle = torch.rand(n, 1, 1, head_dim)
+    filled = torch.tensor([3, 5, 1, 8])
+    visible = torch.zeros(n, 1, 1, slots).masked_fill(
+        torch.arange(slots).view(1, 1, 1, -1) >= filled.view(-1, 1, 1, 1), float("-inf"))
+    where = (torch.arange(n).view(-1, 1), torch.arange(kv_heads).view(1, -1), (filled - 1).view(-1, 1))
+    caches = [w(n, kv_heads, slots, head_dim) for _ in range(2)]
+
+    def layer(x, residual, k_cache, v_cache, linear):
+        return _decoder_layer(x, residual, angle.cos(), angle.sin(), visible, where, k_cache, v_cache, weights,
+                              (1e-6, 1e-6), heads, kv_heads, head_dim, head_dim ** -0.5, linear=linear)
+
+    want = layer(x, residual, *(c.clone() for c in caches), None)
+    skinny = linear_for(CONFIGS[0])
+    eager = layer(x, residual, *(c.clone() for c in caches), skinny)
+    compiled, code = run_and_get_code(torch.compile(lambda *a: layer(*a, skinny), dynamic=False), x, residual,
+                                      *(c.clone() for c in caches))
+    code = "\\n".join(code)
+    assert code.count("torch.ops.rollplex.skinny_linear.default(") == 4, "q|k|v, o, gate|up and down"
+    assert "extern_kernels.mm(" not in code and "extern_kernels.addmm(" not in code
+    for got in (eager, compiled):
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    print("ok")
+""")
+
+
+def test_the_decode_layer_projects_through_the_kernel_eager_and_compiled():
+    """engines/projections.py's custom op in the decode layer (fused q|k|v and gate|up, as a run
+    sharing the trainer's weights has them): the same outputs as F.linear, and torch.compile keeps
+    the four projections as the op."""
+    out = subprocess.run([sys.executable, "-c", LAYER_SCRIPT], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-3000:]
