@@ -12,14 +12,10 @@ next is built: the peak holds one capped backward, not the micro-batch.
 """
 from __future__ import annotations
 
-import torch
-
 from rollplex.engines import vlm
-from rollplex.tasks import mismatch
 from rollplex.tasks.fused_train import handoff_batches
 from rollplex.tasks.nodes import by_prompt, the
-from rollplex.tasks.returns import loss_values
-from rollplex.tasks.updates import bound_values, count_of, join_groups, loss_metrics, normaliser, summed_loss
+from rollplex.tasks.updates import add_loss, backward_of, count_of, join_groups, joined_on, loss_inputs, normaliser
 
 
 def train_capped(ctx, node, inputs) -> dict:
@@ -28,13 +24,10 @@ def train_capped(ctx, node, inputs) -> dict:
     as_, groups, budget = node.args["as"], node.args["prompts"], node.args["micro_batch_tokens"]
     stats = inputs[the(ctx, node.inputs, "rollout_stats")]
     prompt_of, vision_of = by_prompt(ctx, node.inputs, "prompt"), by_prompt(ctx, node.inputs, "vision")
-    bound = bound_values(inputs, node.args["bind"])  # {parameter: [its value for each group, in order]}
-    bound.pop("rollout_is_weights", None)  # bound to the responses; computed below
+    bound = loss_inputs(inputs, node)  # {parameter: [its value for each group, in order]}
     responses = bound["responses"]
     tokens = {i: inputs[prompt_of[p]].num_tokens + sum(map(len, responses[i].token_ids)) for i, p in enumerate(groups)}
-    agg = decl.options["agg"]
-    count = normaliser(stats, count_of(agg), node.args.get("normalise"))
-    world = int(node.args.get("world", 1))  # DeepSpeed averages ranks' gradients: scaled by R, it sums them
+    count = normaliser(stats, count_of(decl.options["agg"]), node.args.get("normalise"))
     record = {"loss": 0.0, "tokens": 0.0, "sums": {}, "scalars": {}, "step": node.args.get("step", 0)}
     scalars: dict[str, list[float]] = {}
     old_out = {}
@@ -44,29 +37,11 @@ def train_capped(ctx, node, inputs) -> dict:
         scored = vlm.suffix_logprobs_batch(model, prefixes, [responses[i].token_ids for i in batch], pad_id=s.pad_id,
                                            temperature=s.score_temperature, grad=True)
         logprobs = [lp for lp, _ in scored]
-        values = {k: join_groups([v[i] for i in batch], "cat") for k, v in bound.items()}
-        values["mask"] = join_groups([responses[i].mask() for i in batch], "cat")
-        values = {k: v.to(engine.device) if torch.is_tensor(v) else v for k, v in values.items()}
+        values = joined_on(bound, batch, engine.device)
         values[as_] = join_groups(logprobs, "cat")
         values[f"old_{as_}"] = values[as_].detach()
-        mask = values["mask"]
-        if "rollout_is_weights" in decl.reads:
-            values["rollout_is_weights"] = mismatch.rollout_is_weights(s.rollout_is_cap, values[f"old_{as_}"],
-                                                                       [responses[i] for i in batch])
-        per_token, metrics = loss_values(decl.fn, decl.call(values, ctx.params), mask)
-        if "rollout_is_weights" in decl.reads and s.rollout_is_cap is not None:
-            metrics = {**metrics, "rollout_is_weight": values["rollout_is_weights"]}
-        contribution = summed_loss(per_token, mask, agg) / count
-        if not torch.isfinite(contribution):
-            raise FloatingPointError(f"non-finite loss {contribution.item()} in micro-batch {node.name}")
-        engine.backward(contribution * world if world != 1 else contribution)
-        record["loss"] += float(contribution.detach())
-        record["tokens"] += float(mask.sum())
-        sums, batch_scalars = loss_metrics(metrics, mask)
-        for k, v in sums.items():
-            record["sums"][k] = record["sums"].get(k, 0.0) + v
-        for k, v in batch_scalars.items():
-            scalars.setdefault(k, []).append(v)
+        loss, metrics = backward_of(ctx, node, decl, engine, values, [responses[i] for i in batch], count)
+        add_loss(record, scalars, loss, values["mask"], metrics)
         for i, lp in zip(batch, logprobs):
             old_out[groups[i]] = lp.detach().cpu()
     record["scalars"] = {k: sum(v) / len(v) for k, v in scalars.items()}

@@ -20,7 +20,7 @@ from rollplex.engines import vlm
 from rollplex.tasks import mismatch
 from rollplex.tasks.returns import loss_values
 from rollplex.tasks.nodes import by_prompt, join_samples, the, with_role
-from rollplex.tasks.updates import count_of, group_advantages, group_rewards, loss_metrics, summed_loss
+from rollplex.tasks.updates import add_loss, count_of, group_advantages, group_rewards, summed_loss
 
 
 def frozen_scores(chunks: list, p: int, width: int) -> torch.Tensor:
@@ -99,13 +99,7 @@ def train_handoff(ctx, node, inputs) -> dict:
         world = int(node.args.get("world", 1))
         engine.backward(total * world if world != 1 else total)
         for (_, _, mask, metrics), loss_value in zip(parts, losses.tolist()):
-            record["loss"] += loss_value
-            record["tokens"] += float(mask.sum())
-            sums, group_scalars = loss_metrics(metrics, mask)
-            for k, v in sums.items():
-                record["sums"][k] = record["sums"].get(k, 0.0) + v
-            for k, v in group_scalars.items():
-                scalars.setdefault(k, []).append(v)
+            add_loss(record, scalars, loss_value, mask, metrics)
     record["scalars"] = {k: sum(v) / len(v) for k, v in scalars.items()}
     out = node.outputs
     return {the(ctx, out, "rewards"): rewards_out, the(ctx, out, "advantages"): advantages_out,

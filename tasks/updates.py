@@ -144,30 +144,63 @@ def loss(ctx, node, inputs):
         return train_capped(ctx, node, inputs)
     decl, engine = ctx.algorithm.losses()[node.model], ctx.train_engine(node.model)
     stats = inputs[the(ctx, node.inputs, "rollout_stats")]
+    bound = loss_inputs(inputs, node)
+    values = joined_on(bound, range(len(bound["responses"])), engine.device)
+    agg = decl.options["agg"]
+    loss, metrics = backward_of(ctx, node, decl, engine, values, bound["responses"],
+                                normaliser(stats, count_of(agg), node.args.get("normalise")))
+    sums, scalars = loss_metrics(metrics, values["mask"])
+    return {node.outputs[0]: {"loss": loss, "tokens": float(values["mask"].sum()),
+                              "sums": sums, "scalars": scalars, "step": node.args.get("step", 0)}}
+
+
+def loss_inputs(inputs: dict[str, Any], node) -> dict[str, list]:
+    """The loss function's bound values, per group, without the importance weights (bound to the
+    responses, they are computed from the old log-probs: ``backward_of``)."""
     bound = bound_values(inputs, node.args["bind"])
-    bound.pop("rollout_is_weights", None)  # bound to the responses; computed below
-    values = {k: join_groups(v, "cat") for k, v in bound.items()}
-    values["mask"] = join_groups([r.mask() for r in bound["responses"]], "cat")
-    values = {k: v.to(engine.device) if torch.is_tensor(v) else v for k, v in values.items()}
-    mask = values["mask"]
-    weighted = "rollout_is_weights" in decl.reads
+    bound.pop("rollout_is_weights", None)
+    return bound
+
+
+def joined_on(bound: dict[str, list], groups, device) -> dict[str, Any]:
+    """The values of ``groups`` (indices into each bound list) as one batch, with the responses'
+    mask, their tensors on ``device``."""
+    values = {k: join_groups([v[i] for i in groups], "cat") for k, v in bound.items()}
+    values["mask"] = join_groups([bound["responses"][i].mask() for i in groups], "cat")
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in values.items()}
+
+
+def backward_of(ctx, node, decl, engine, values: dict[str, Any], responses: list, count: int) -> tuple[float, dict]:
+    """The loss over ``values`` (one batch of groups, ``joined_on``), summed and divided by the whole
+    batch's ``count`` (``normaliser``), and its backward: (that loss, its metrics). A non-finite loss
+    is refused before any gradient moves."""
+    mask, weighted = values["mask"], "rollout_is_weights" in decl.reads
     if weighted:
         old = values[f"old_{ctx.algorithm.policy_logprobs()}"]
-        values["rollout_is_weights"] = mismatch.rollout_is_weights(ctx.settings.rollout_is_cap, old, bound["responses"])
+        values["rollout_is_weights"] = mismatch.rollout_is_weights(ctx.settings.rollout_is_cap, old, responses)
     per_token, metrics = loss_values(decl.fn, decl.call(values, ctx.params), mask)
     if weighted and ctx.settings.rollout_is_cap is not None:
         metrics = {**metrics, "rollout_is_weight": values["rollout_is_weights"]}
-    agg = decl.options["agg"]
-    contribution = summed_loss(per_token, mask, agg) / normaliser(stats, count_of(agg), node.args.get("normalise"))
+    contribution = summed_loss(per_token, mask, decl.options["agg"]) / count
     if not torch.isfinite(contribution):
         raise FloatingPointError(f"non-finite loss {contribution.item()} in micro-batch {node.name}")
     # With R data-parallel ranks DeepSpeed averages the ranks' gradients; each rank's share of the
     # global-batch loss is scaled by R so that the all-reduce yields their sum.
     world = int(node.args.get("world", 1))
     engine.backward(contribution * world if world != 1 else contribution)
-    sums, scalars = loss_metrics(metrics, mask)
-    return {node.outputs[0]: {"loss": float(contribution.detach()), "tokens": float(mask.sum()),
-                              "sums": sums, "scalars": scalars, "step": node.args.get("step", 0)}}
+    return float(contribution.detach()), metrics
+
+
+def add_loss(record: dict, scalars: dict[str, list[float]], loss: float, mask: torch.Tensor, metrics: dict) -> None:
+    """One backward's loss, token count and per-token metric sums added into a node's loss ``record``;
+    its scalar metrics appended to ``scalars`` (the node averages them)."""
+    record["loss"] += loss
+    record["tokens"] += float(mask.sum())
+    sums, batch_scalars = loss_metrics(metrics, mask)
+    for k, v in sums.items():
+        record["sums"][k] = record["sums"].get(k, 0.0) + v
+    for k, v in batch_scalars.items():
+        scalars.setdefault(k, []).append(v)
 
 
 @register_task("optimizer_step")
