@@ -270,6 +270,17 @@ def form_ranks(client, spec: HostSpec, world: int, timeout: float = 120) -> list
     return addresses
 
 
+def restart_workers(client, log) -> None:
+    """Every worker process afresh, each plugin rebuilding its engines, without waiting for them: the
+    caller waits (``WorkerWatch.await_replacements``, ``form_ranks``) and names a failure there."""
+    from rollplex.pipeline.run.recovery import REPLACEMENT_TIMEOUT_S
+
+    try:
+        client.restart(timeout=REPLACEMENT_TIMEOUT_S, wait_for_workers=False)
+    except Exception as exc:  # noqa: BLE001 - a worker may be mid-restart already; the wait covers it
+        log(f"restarting the workers: {type(exc).__name__}: {exc}")
+
+
 def reform_ranks(client, spec: HostSpec, world: int, watch, log) -> list[str]:
     """After a rank was lost: restart every worker, then form the group anew. The survivors cannot keep
     their engines: one may be blocked in a collective with the dead rank, and a torch.distributed group
@@ -277,10 +288,7 @@ def reform_ranks(client, spec: HostSpec, world: int, watch, log) -> list[str]:
     checkpoint (or replays from the beginning before the first one)."""
     from rollplex.pipeline.run.recovery import REPLACEMENT_TIMEOUT_S
 
-    try:
-        client.restart(timeout=REPLACEMENT_TIMEOUT_S, wait_for_workers=False)
-    except Exception as exc:  # noqa: BLE001 - a worker may be mid-restart already; form_ranks waits for all
-        log(f"restarting the workers: {type(exc).__name__}: {exc}")
+    restart_workers(client, log)
     addresses = form_ranks(client, spec, world, timeout=REPLACEMENT_TIMEOUT_S)
     watch.known = watch.identities()
     watch.expected = len(watch.known)

@@ -436,12 +436,9 @@ def _iterate(cfg: RunConfig, session: Session, executor, watch, loggers, state, 
             log(f"{where}: schedule auto's candidate {dropped} ran out of device memory; timing "
                 f"{', '.join(session.schedules)} without it; restarting the workers, {back}")
             if session.world == 1:  # reform_ranks below restarts a data-parallel run's ranks
-                from rollplex.pipeline.run.recovery import REPLACEMENT_TIMEOUT_S
+                from rollplex.pipeline.run.cluster import restart_workers
 
-                try:
-                    client.restart(timeout=REPLACEMENT_TIMEOUT_S, wait_for_workers=False)
-                except Exception as exc:  # noqa: BLE001 - await_replacements below waits, or names the failure
-                    log(f"restarting the workers: {type(exc).__name__}: {exc}")
+                restart_workers(client, log)
         else:
             log(f"{where}: lost a Dask worker: {lost}; {back}")
         trying = None
