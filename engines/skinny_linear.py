@@ -6,8 +6,9 @@ its weights, and a grid sized for a square matmul leaves SMs idle or waits on a 
 ``skinny_linear`` gives each program ``block_n`` output columns for every row, streams their weight
 rows once along K in ``block_k`` tiles (the rows padded to 16, the smallest ``tl.dot``), and writes
 the result with the bias added: one launch, no reduction pass. ``CONFIGS`` are the tilings a GPU
-benchmark sweeps against cuBLAS per shape (``benchmarks/decode_linear.py``); nothing in the decode
-step calls this until that benchmark has shown a shape where it wins.
+benchmark sweeps against cuBLAS per shape (``benchmarks/decode_linear.py``); the decode step calls
+it only with the torch-graph engine's ``linear: skinny`` (engines/projections.py), off by default
+until that benchmark shows where it wins.
 
 Only callers import this module: it needs Triton, which CPU installs may lack. On the CPU the tests
 run it through Triton's interpreter (fp32).

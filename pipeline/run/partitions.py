@@ -140,7 +140,9 @@ def split_sizes(total: int, decode_sms: int = 0, compute_sms: int = 0) -> list[t
     partitions then overlap)."""
     if compute_sms:
         return [(min(decode_sms or total, total), min(compute_sms, total))]
-    return [(sms, total - sms) for sms in [decode_sms] if sms] or [(sms, total - sms) for _, sms in AUTO_SPLITS]
+    if decode_sms:
+        return [(decode_sms, total - decode_sms)]
+    return [(sms, total - sms) for _, sms in AUTO_SPLITS]
 
 
 def make(device_index: int, decode_sms: int = 0, compute_sms: int = 0) -> Partitions | None:
