@@ -228,7 +228,9 @@ def main() -> int:
     bench = json.loads((bench_dir / "bench.json").read_text()) if args.bench_iterations else {"results": []}
     result = {}
     ran = [name for name in SCHEDULES if len([r for r in rows if r.get("schedule") == name]) > 1]
-    dropped = train_dir / "schedule_auto_dropped.json"  # out of memory in train (pipeline/run/runner.py)
+    from rollplex.pipeline.plan.autoschedule import DROPPED_FILE
+
+    dropped = train_dir / DROPPED_FILE  # candidates that ran out of memory in train (pipeline/run/runner.py)
     if dropped.exists():
         print(f"train dropped: {dropped.read_text().strip()}")
     for schedule in ran:
