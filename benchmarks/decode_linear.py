@@ -7,7 +7,8 @@ and the LM head, in bf16: µs per call and the bandwidth its bytes (weights, inp
 time, for cuBLAS and for every tiling in ``engines/skinny_linear.CONFIGS``. Each is timed as a CUDA
 graph of calls over enough copies of the weight that none is read from L2 (a decode step reads each
 weight once), so the time is a step's, without launch gaps. Prints the best tiling per shape and its
-ratio to cuBLAS; a shape where the kernel does not win keeps cuBLAS.
+ratio to cuBLAS, then the ``TILINGS`` table these timings give: a shape where the kernel does not win
+keeps cuBLAS.
 """
 from __future__ import annotations
 
@@ -54,6 +55,21 @@ def per_call_seconds(call, copies: int, repeats: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def proposed_tilings(results: list[dict]) -> dict:
+    """(n, k) -> the tiling with the least time summed over the measured row counts, or None where
+    cuBLAS's sum is less."""
+    by_shape: dict[tuple[int, int], list[dict]] = {}
+    for row in results:
+        by_shape.setdefault((row["n"], row["k"]), []).append(row)
+    chosen = {}
+    for shape, rows in sorted(by_shape.items()):
+        total = {c: sum(r["configs"][c] for r in rows) for c in rows[0]["configs"]}
+        best = min(total, key=total.get)
+        chosen[shape] = tuple(json.loads(best.replace("(", "[").replace(")", "]"))) \
+            if total[best] < sum(r["cublas_s"] for r in rows) else None
+    return chosen
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="qwen2.5-vl-3b", help="presets, comma-separated")
@@ -93,6 +109,9 @@ def main() -> int:
                       f"({moved / cublas / 1e12:4.2f}), skinny {mine * 1e6:7.1f} ({moved / mine / 1e12:4.2f}) "
                       f"{best}: {cublas / mine:4.2f}×")
             del ws
+    print("engines/skinny_linear.TILINGS from this run (the tiling fastest over every row count, None where\n"
+          "cuBLAS is faster in sum):")
+    print(f"TILINGS = {proposed_tilings(results)!r}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -397,7 +397,8 @@ class GraphDecodeEngine(DecodeEngine):
 
     def _projections(self, linear: str | None):
         """The layer's projections: cuBLAS (``cublas``, the default) or ``skinny``, the Triton kernel of
-        engines/skinny_linear.py at its first tiling (``benchmarks/decode_linear.py`` compares them)."""
+        engines/skinny_linear.py at each weight shape's measured tiling, cuBLAS where that is faster
+        (``benchmarks/decode_linear.py`` compares them)."""
         if linear in (None, "cublas"):
             return None
         if linear != "skinny":
@@ -405,9 +406,9 @@ class GraphDecodeEngine(DecodeEngine):
         if self.device.type != "cuda" or not decode_attention.available():
             raise EngineError("engine 'torch-graph': linear 'skinny' needs CUDA and Triton; set linear: cublas")
         from rollplex.engines.projections import linear_for
-        from rollplex.engines.skinny_linear import CONFIGS
+        from rollplex.engines.skinny_linear import tiling_for
 
-        return linear_for(CONFIGS[0])
+        return linear_for(tiling_for)
 
     def _attention(self, attention: str | None) -> tuple[bool, bool]:
         """(split_kv, layer_kernel): whether attention reads each row's filled slots only

@@ -3,12 +3,12 @@
 The kernel is a torch custom op, so ``torch.compile`` keeps it as one call in the compiled decoder
 layer and a CUDA graph captures it like any kernel. ``linear_for`` gives the layer its projection:
 None (``F.linear``) or one that sends every projection of ≤ 64 rows with contiguous weight rows
-through the kernel at one tiling, and anything else to ``F.linear``. Triton is imported on first
-call only.
+through the kernel at the tiling ``choose(n, k)`` names for its weight's shape, and anything else
+(or a shape it gives None) to ``F.linear``. Triton is imported on first call only.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -16,24 +16,29 @@ import torch.nn.functional as F
 
 @torch.library.custom_op("rollplex::skinny_linear", mutates_args=())
 def skinny_linear_op(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], block_n: int, block_k: int,
-                     warps: int, stages: int) -> torch.Tensor:
+                     warps: int, stages: int, split_k: int) -> torch.Tensor:
     from rollplex.engines.skinny_linear import skinny_linear
 
-    return skinny_linear(x.contiguous(), w, b, (block_n, block_k, warps, stages))
+    return skinny_linear(x.contiguous(), w, b, (block_n, block_k, warps, stages, split_k))
 
 
 @skinny_linear_op.register_fake
-def _(x, w, b, block_n, block_k, warps, stages):
+def _(x, w, b, block_n, block_k, warps, stages, split_k):
     return x.new_empty(x.shape[0], w.shape[0])
 
 
-def linear_for(tiling: tuple[int, int, int, int] | None):
-    """The decode layer's projection: None for ``F.linear``, or the kernel at ``tiling``."""
-    if tiling is None:
+Tiling = tuple[int, int, int, int, int]
+
+
+def linear_for(choose: Callable[[int, int], Tiling | None] | None):
+    """The decode layer's projection: None for ``F.linear`` everywhere, or the kernel at
+    ``choose(out_features, in_features)``'s tiling, ``F.linear`` where that is None."""
+    if choose is None:
         return None
 
     def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        if x.dim() != 2 or x.shape[0] > 64 or w.stride(-1) != 1:
+        tiling = choose(*w.shape) if x.dim() == 2 and x.shape[0] <= 64 and w.stride(-1) == 1 else None
+        if tiling is None:
             return F.linear(x, w, b)
         return skinny_linear_op(x, w, b, *tiling)
 

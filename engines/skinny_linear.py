@@ -5,7 +5,10 @@ bandwidth and the MLP's at 67–74% (BENCHMARKS.md, dk8): at so few rows a proje
 its weights, and a grid sized for a square matmul leaves SMs idle or waits on a split-K reduction.
 ``skinny_linear`` gives each program ``block_n`` output columns for every row, streams their weight
 rows once along K in ``block_k`` tiles (the rows padded to 16, the smallest ``tl.dot``), and writes
-the result with the bias added: one launch, no reduction pass. ``CONFIGS`` are the tilings a GPU
+the result with the bias added: one launch. Where the output has too few columns to give every SM a
+program (the 3B layer's o and down projections: 2,048 columns, 64 programs of 32), ``split_k`` > 1
+cuts K into that many stretches, each program writes an fp32 partial, and a second launch sums them
+and adds the bias. ``CONFIGS`` are the tilings a GPU
 benchmark sweeps against cuBLAS per shape (``benchmarks/decode_linear.py``); the decode step calls
 it only with the torch-graph engine's ``linear: skinny`` (engines/projections.py), off by default
 until that benchmark shows where it wins.
@@ -19,46 +22,80 @@ import torch
 import triton
 import triton.language as tl
 
-# (block_n, block_k, num_warps, num_stages) a benchmark may try; the first is the default.
-CONFIGS = ((32, 128, 4, 4), (16, 128, 4, 4), (16, 256, 4, 3), (32, 256, 4, 3), (64, 128, 4, 4),
-           (64, 64, 4, 5), (16, 512, 8, 3), (32, 64, 2, 5))
+# (block_n, block_k, num_warps, num_stages, split_k) a benchmark may try; the first is the default.
+CONFIGS = ((32, 128, 4, 4, 1), (16, 128, 4, 4, 1), (16, 256, 4, 3, 1), (32, 256, 4, 3, 1), (64, 128, 4, 4, 1),
+           (64, 64, 4, 5, 1), (16, 512, 8, 3, 1), (32, 64, 2, 5, 1), (32, 128, 4, 4, 2), (32, 128, 4, 4, 4),
+           (16, 256, 4, 3, 4), (64, 128, 4, 4, 4), (32, 256, 4, 3, 8))
+
+# The tiling per weight shape (out features, in features) where benchmarks/decode_linear.py measured
+# the kernel ahead of cuBLAS at both 8 and 64 rows, None where cuBLAS won; a shape not measured gets
+# CONFIGS[0].
+TILINGS: dict[tuple[int, int], tuple[int, int, int, int, int] | None] = {}
+
+
+def tiling_for(n: int, k: int) -> tuple[int, int, int, int, int] | None:
+    """The kernel's tiling for a [n, k] weight, or None where cuBLAS projects it faster."""
+    return TILINGS.get((n, k), CONFIGS[0])
 
 
 @triton.jit
-def _skinny_linear(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+def _skinny_linear(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, K_PER, stride_xm, stride_wn, stride_ym, stride_ys,
                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    IEEE: tl.constexpr):
+    """Columns ``program_id(0)``'s block over K stretch ``program_id(1)`` (K_PER long, a multiple of
+    BLOCK_K): into y itself, bias added, when there is one stretch; else its fp32 partial at row
+    ``program_id(1)`` of a [split, M, N] buffer (stride_ys apart), the bias left to the sum."""
     rows = tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_start = tl.program_id(1) * K_PER
+    k_end = tl.minimum(k_start + K_PER, K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < K),
-                    other=0.0)
-        w = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K),
-                    other=0.0)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :],
+                    mask=(rows[:, None] < M) & (ks[None, :] < k_end), other=0.0)
+        w = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :],
+                    mask=(cols[:, None] < N) & (ks[None, :] < k_end), other=0.0)
         if IEEE:  # fp32 inputs: tf32 would lose the precision the fp32 tests check
             acc += tl.dot(x, tl.trans(w), input_precision="ieee")
         else:
             acc += tl.dot(x, tl.trans(w))
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=(rows[:, None] < M) & (cols[None, :] < N))
+    out = y_ptr + tl.program_id(1) * stride_ys + rows[:, None] * stride_ym + cols[None, :]
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+@triton.jit
+def _sum_split(p_ptr, b_ptr, y_ptr, MN, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """y = the SPLIT fp32 partials [SPLIT, M, N] summed, plus the bias, in y's dtype."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(SPLIT):
+        acc += tl.load(p_ptr + s * MN + i, mask=i < MN, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + i % N, mask=i < MN, other=0.0).to(tl.float32)
+    tl.store(y_ptr + i, acc.to(y_ptr.dtype.element_ty), mask=i < MN)
 
 
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
-                  config: tuple[int, int, int, int] = CONFIGS[0]) -> torch.Tensor:
+                  config: tuple[int, int, int, int, int] = CONFIGS[0]) -> torch.Tensor:
     """``F.linear(x, w, b)`` for x [M, K] with M ≤ 64 rows (contiguous rows), w [N, K] contiguous."""
     m, k = x.shape
     n = w.shape[0]
     if m > 64 or w.shape[1] != k or x.stride(1) != 1 or w.stride(1) != 1:
         raise ValueError(f"skinny_linear: x {tuple(x.shape)} (≤ 64 rows, contiguous rows), w {tuple(w.shape)}")
-    block_n, block_k, warps, stages = config
+    block_n, block_k, warps, stages, split = config
+    k_per = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    split = triton.cdiv(k, k_per)  # no empty stretch
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     block_m = max(16, triton.next_power_of_2(m))
-    _skinny_linear[(triton.cdiv(n, block_n),)](
-        x, w, b if b is not None else w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
-        HAS_BIAS=b is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+    _skinny_linear[(triton.cdiv(n, block_n), split)](
+        x, w, b if b is not None else w, out, m, n, k, k_per, x.stride(0), w.stride(0), n, m * n,
+        HAS_BIAS=b is not None and split == 1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages)
+    if split > 1:
+        _sum_split[(triton.cdiv(m * n, 1024),)](out, b if b is not None else w, y, m * n, n, SPLIT=split,
+                                                HAS_BIAS=b is not None, BLOCK=1024)
     return y
