@@ -75,6 +75,7 @@ def main() -> int:
     ap.add_argument("--models", default="qwen2.5-vl-3b", help="presets, comma-separated")
     ap.add_argument("--rows", default="8,64", help="decode rows (M), comma-separated; at most 64")
     ap.add_argument("--json", default="", help="write every timing here")
+    ap.add_argument("--tilings-out", default="", help="write the proposed tilings here, for decode_profile.py --tilings")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("decode_linear.py times CUDA kernels: run it on the GPU machine")
@@ -111,7 +112,11 @@ def main() -> int:
             del ws
     print("engines/skinny_linear.TILINGS from this run (the tiling fastest over every row count, None where\n"
           "cuBLAS is faster in sum):")
-    print(f"TILINGS = {proposed_tilings(results)!r}")
+    tilings = proposed_tilings(results)
+    print(f"TILINGS = {tilings!r}")
+    if args.tilings_out:
+        with open(args.tilings_out, "w") as f:
+            json.dump([{"shape": list(shape), "tiling": tiling} for shape, tiling in tilings.items()], f)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -11,6 +11,7 @@ own response KV.
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import torch
@@ -32,6 +33,9 @@ def main() -> None:
     ap.add_argument("--attention", default="split-kv",
                     help="the step's attention (engines/decode_attention.py), or several in turn, comma-separated: "
                          "sdpa, split-kv, fused (rotary and cache write in the kernel); both: sdpa,split-kv")
+    ap.add_argument("--tilings", default="",
+                    help="a JSON file of skinny tilings per weight shape, as decode_linear.py --tilings-out "
+                         "writes it, in place of engines/skinny_linear.TILINGS")
     ap.add_argument("--linear", default="cublas",
                     help="the layer's projections, or several in turn, comma-separated: cublas, skinny "
                          "(engines/skinny_linear.py)")
@@ -73,6 +77,13 @@ def main() -> None:
     prefixes = {"shared": [], "per-row": [(False, None)], "both": [(False, None)]}[args.prefix]
     prefixes += [(True, t) for t in prefix_tiles] if args.prefix != "per-row" else []
     linears = args.linear.split(",")
+    if args.tilings:
+        from rollplex.engines import skinny_linear
+
+        with open(args.tilings) as f:
+            skinny_linear.TILINGS.clear()
+            skinny_linear.TILINGS.update({tuple(row["shape"]): row["tiling"] and tuple(row["tiling"])
+                                          for row in json.load(f)})
     for fused, n, compiled, (attention, tile), (shared, choice), linear in (
             (f, n, c, a, p, lin) for f in fusions for n in sizes for c in modes for a in attentions for p in prefixes
             for lin in linears):
