@@ -37,8 +37,8 @@ def main() -> None:
                     help="a JSON file of skinny tilings per weight shape, as decode_linear.py --tilings-out "
                          "writes it, in place of engines/skinny_linear.TILINGS")
     ap.add_argument("--linear", default="cublas",
-                    help="the layer's projections, or several in turn, comma-separated: cublas, skinny "
-                         "(engines/skinny_linear.py)")
+                    help="the layer's projections, or several in turn, comma-separated: cublas, skinny, "
+                         "skinny-norm (engines/skinny_linear.py)")
     ap.add_argument("--kernels", action="store_true",
                     help="per configuration, the kernels of replayed step graphs: launches and µs per step by name")
     ap.add_argument("--max-len", type=int, default=0,
@@ -115,7 +115,7 @@ def main() -> None:
         label = (f"B={n:3d} G={g}{' shared' if shared else ' per-row'}{f' {ptile[0]}x{ptile[1]}' if ptile else ''}"
                  f"{' compiled' if compiled else ''}"
                  f"{' fused' if engine.w.fused else ''} {attention}"
-                 f"{f' {tile[0]}x{tile[1]}' if tile else ''}{' skinny' if linear == 'skinny' else ''}")
+                 f"{f' {tile[0]}x{tile[1]}' if tile else ''}{f' {linear}' if linear != 'cublas' else ''}")
         print(f"{label}: {per_step * 1e3:6.2f} ms/step, {need / per_step / 1e12:5.2f} TB/s = "
               f"{need / per_step / args.bandwidth:5.1%} of {args.bandwidth / 1e12:.1f} TB/s; "
               f"{n / per_step:8.0f} tok/s; KV cache {engine_kv_bytes(engine) / 2**30:.2f} GiB")

@@ -196,6 +196,25 @@ def _head(x, residual, norm_w, eps: float, lm_head, logits, length, rope_pos) ->
     rope_pos.add_(1)
 
 
+def _norm_linear_of(linear):
+    """(projection, x + residual) of the residual add, RMS norm and ``linear`` (and with ``silu_mul``
+    gate|up's SiLU product) as separate ops; a fused ``norm_linear`` defers here where it returns None."""
+    fused = getattr(linear, "norm_linear", None)
+
+    def norm_linear(x, residual, norm_weight, eps: float, w, b, silu_mul: bool):
+        got = fused(x, residual, norm_weight, eps, w, b, silu_mul) if fused is not None else None
+        if got is not None:
+            return got
+        x = _residual(x, residual)
+        y = linear(_rms(x, norm_weight, eps), w, b)
+        if silu_mul:
+            gate, up = y.chunk(2, -1)
+            y = F.silu(gate) * up
+        return y, x
+
+    return norm_linear
+
+
 def _decoder_layer(x, residual, cos, sin, visible, where, k_cache, v_cache, layer_weights, eps: tuple[float, float],
                    heads: int, kv_heads: int, head_dim: int, scale: float, reduce=None,
                    prefix=None, linear=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,16 +235,17 @@ def _decoder_layer(x, residual, cos, sin, visible, where, k_cache, v_cache, laye
     (``engines/projections.linear_for``; None: ``F.linear``)."""
     reduce = reduce or (lambda t: t)
     linear = linear or F.linear
-    x = _residual(x, residual)
     n = x.shape[0]
     group = heads // kv_heads
     if prefix is not None and prefix[0] == "layer":  # rotary, cache write and attention in the kernel
         ln1, qkv_w, qkv_b, o_w, ln2, gate_up_w, down_w = layer_weights
-        qkv = linear(_rms(x, ln1, eps[0]), qkv_w, qkv_b)
+        norm_linear = _norm_linear_of(linear)
+        qkv, x = norm_linear(x, residual, ln1, eps[0], qkv_w, qkv_b, False)
         out = decode_layer_attention(qkv, cos, sin, visible, k_cache, v_cache, *prefix[1:], heads, scale)
-        x = _residual(x, reduce(linear(out.reshape(n, heads * head_dim), o_w)))
-        gate, up = linear(_rms(x, ln2, eps[1]), gate_up_w).chunk(2, -1)
-        return x, reduce(linear(F.silu(gate) * up, down_w))
+        attended = reduce(linear(out.reshape(n, heads * head_dim), o_w))
+        act, x = norm_linear(x, attended, ln2, eps[1], gate_up_w, None, True)
+        return x, reduce(linear(act, down_w))
+    x = _residual(x, residual)
     if len(layer_weights) == 7:  # q|k|v and gate|up each one tensor (_fused_weights)
         ln1, qkv_w, qkv_b, o_w, ln2, gate_up_w, down_w = layer_weights
         h = _rms(x, ln1, eps[0])

@@ -398,17 +398,19 @@ class GraphDecodeEngine(DecodeEngine):
     def _projections(self, linear: str | None):
         """The layer's projections: cuBLAS (``cublas``, the default) or ``skinny``, the Triton kernel of
         engines/skinny_linear.py at each weight shape's measured tiling, cuBLAS where that is faster
-        (``benchmarks/decode_linear.py`` compares them)."""
+        (``benchmarks/decode_linear.py`` compares them); ``skinny-norm`` also takes the residual add
+        and RMS norm into the q|k|v and gate|up launches, and gate|up's SiLU product (fused
+        attention's layer only)."""
         if linear in (None, "cublas"):
             return None
-        if linear != "skinny":
-            raise EngineError(f"engine 'torch-graph': linear {linear!r} is not one of cublas, skinny")
+        if linear not in ("skinny", "skinny-norm"):
+            raise EngineError(f"engine 'torch-graph': linear {linear!r} is not one of cublas, skinny, skinny-norm")
         if self.device.type != "cuda" or not decode_attention.available():
-            raise EngineError("engine 'torch-graph': linear 'skinny' needs CUDA and Triton; set linear: cublas")
+            raise EngineError(f"engine 'torch-graph': linear {linear!r} needs CUDA and Triton; set linear: cublas")
         from rollplex.engines.projections import linear_for
         from rollplex.engines.skinny_linear import tiling_for
 
-        return linear_for(tiling_for)
+        return linear_for(tiling_for, norm=linear == "skinny-norm")
 
     def _attention(self, attention: str | None) -> tuple[bool, bool]:
         """(split_kv, layer_kernel): whether attention reads each row's filled slots only
@@ -603,7 +605,7 @@ SPEC = register_engine(EngineSpec(
              "graph_batch_sizes": Option(list, check=_batch_sizes), "cuda_graphs": Option(bool),
              "steps_per_graph": Option(int, 1, 1024), "compile": Option((bool, str), check=_compile_mode),
              "attention": Option(str, choices=("auto", "fused", "split-kv", "sdpa")),
-             "linear": Option(str, choices=("cublas", "skinny")),
+             "linear": Option(str, choices=("cublas", "skinny", "skinny-norm")),
              "shared_prefix": Option(bool),
              "prefix_slots": Option(int, 1, 2**20), "max_prompt_len": Option(int, 1, 2**20),
              "max_response_len": Option(int, 1, 2**20)},

@@ -99,3 +99,82 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = Non
         _sum_split[(triton.cdiv(m * n, 1024),)](out, b if b is not None else w, y, m * n, n, SPLIT=split,
                                                 HAS_BIAS=b is not None, BLOCK=1024)
     return y
+
+
+@triton.jit
+def _skinny_norm_linear(x_ptr, r_ptr, g_ptr, w_ptr, b_ptr, y_ptr, s_ptr, M, N, K, eps, stride_xm, stride_rm,
+                        stride_wn, stride_ym, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    """The decoder layer's residual add and RMS norm ahead of a projection, in the projection's
+    launch: s = x + r (rounded as the dtype rounds it; program 0 writes it out), h = norm(s) * g with
+    the eager path's roundings, y = h @ w.T (+ b). With SILU_MUL, w is gate|up ([2N, K]) and
+    y = silu(gate) * up, each rounded as the eager path rounds it. A first pass over K sums the
+    squares; x and r are a few rows, so both passes read them from L2."""
+    rows = tl.arange(0, BLOCK_M)
+    pid = tl.program_id(0)
+    squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        inside = (rows[:, None] < M) & (ks[None, :] < K)
+        s = (tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=inside, other=0.0).to(tl.float32)
+             + tl.load(r_ptr + rows[:, None] * stride_rm + ks[None, :], mask=inside, other=0.0).to(tl.float32))
+        s = s.to(x_ptr.dtype.element_ty).to(tl.float32)
+        squares += tl.sum(s * s, axis=1)
+    rstd = 1.0 / tl.sqrt(squares / K + eps)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        inside = (rows[:, None] < M) & (ks[None, :] < K)
+        s = (tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=inside, other=0.0).to(tl.float32)
+             + tl.load(r_ptr + rows[:, None] * stride_rm + ks[None, :], mask=inside, other=0.0).to(tl.float32))
+        s = s.to(x_ptr.dtype.element_ty)
+        if pid == 0:
+            tl.store(s_ptr + rows[:, None] * K + ks[None, :], s, mask=inside)
+        g = tl.load(g_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+        h = ((s.to(tl.float32) * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32) * g[None, :])
+        h = h.to(x_ptr.dtype.element_ty)
+        wmask = (cols[:, None] < N) & (ks[None, :] < K)
+        w = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=wmask, other=0.0)
+        if IEEE:
+            acc += tl.dot(h, tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.dot(h, tl.trans(w))
+        if SILU_MUL:
+            up = tl.load(w_ptr + (cols[:, None] + N) * stride_wn + ks[None, :], mask=wmask, other=0.0)
+            if IEEE:
+                acc_up += tl.dot(h, tl.trans(up), input_precision="ieee")
+            else:
+                acc_up += tl.dot(h, tl.trans(up))
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    if SILU_MUL:
+        gate = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(y_ptr.dtype.element_ty).to(tl.float32)
+        acc = act * acc_up.to(y_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+def skinny_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                       w: torch.Tensor, b: torch.Tensor | None = None, silu_mul: bool = False,
+                       config: tuple[int, int, int, int, int] = CONFIGS[0]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(projection, s) of s = x + residual: ``F.linear(rms_norm(s) * norm_weight, w, b)``, or with
+    ``silu_mul`` (w gate|up stacked) ``silu(gate) * up``. x, residual [M ≤ 64, K] with contiguous
+    rows; the tiling's split_k is not used (the norm needs all of K)."""
+    m, k = x.shape
+    if m > 64 or residual.shape != x.shape or w.shape[1] != k or x.stride(1) != 1 or residual.stride(1) != 1 \
+            or w.stride(1) != 1 or (silu_mul and w.shape[0] % 2):
+        raise ValueError(f"skinny_norm_linear: x {tuple(x.shape)}, residual {tuple(residual.shape)}, "
+                         f"w {tuple(w.shape)}")
+    n = w.shape[0] // 2 if silu_mul else w.shape[0]
+    block_n, block_k, warps, stages, _ = config
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    s = torch.empty(m, k, dtype=x.dtype, device=x.device)
+    _skinny_norm_linear[(triton.cdiv(n, block_n),)](
+        x, residual, norm_weight, w, b if b is not None else w, y, s, m, n, k, eps, x.stride(0),
+        residual.stride(0), w.stride(0), n, HAS_BIAS=b is not None, SILU_MUL=silu_mul,
+        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
+        IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages)
+    return y, s

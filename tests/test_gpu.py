@@ -289,20 +289,21 @@ def test_split_kv_and_sdpa_decode_engines_sample_the_same_tokens(cuda, tiny_mode
 
 
 def test_the_skinny_projection_kernel_decodes_the_tokens_cublas_does(cuda, tiny_model_dir):
-    """The torch-graph engine with ``linear: skinny`` (engines/projections.py), compiled under CUDA
-    graphs, in fp32: the same tokens and log-probs as with cuBLAS."""
+    """The torch-graph engine with ``linear: skinny`` and ``skinny-norm`` (engines/projections.py),
+    compiled under CUDA graphs, in fp32: the same tokens and log-probs as with cuBLAS."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_model_dir, dtype=torch.float32).to(cuda).eval()
     runs = {}
-    for linear in ("cublas", "skinny"):
+    for linear in ("cublas", "skinny", "skinny-norm"):
         engine, runs[linear] = _decode_all(model, tiny_model_dir, cuda, {"linear": linear, "compile": True},
                                            tokens_per_call=3)
         assert (engine._linear is None) == (linear == "cublas")
-    assert runs["cublas"].keys() == runs["skinny"].keys()
-    for key, seq in runs["cublas"].items():
-        assert runs["skinny"][key].token_ids == seq.token_ids
-        assert runs["skinny"][key].logprobs == pytest.approx(seq.logprobs, abs=1e-4)
+    for linear in ("skinny", "skinny-norm"):
+        assert runs["cublas"].keys() == runs[linear].keys()
+        for key, seq in runs["cublas"].items():
+            assert runs[linear][key].token_ids == seq.token_ids
+            assert runs[linear][key].logprobs == pytest.approx(seq.logprobs, abs=1e-4)
 
 
 def test_decode_graphs_are_captured_with_cudnn_attention_while_eager_forwards_go_without(cuda, tiny_model_dir,
@@ -501,4 +502,26 @@ def test_skinny_linear_matches_cublas_in_bf16_at_the_3b_layers_shapes(cuda):
             want = F.linear(x, w, b).float()
             for config in CONFIGS:
                 err = ((skinny_linear(x, w, b, config).float() - want).abs().max() / want.abs().max()).item()
+                assert err < 1e-2, (n, k, m, config, err)
+
+
+def test_skinny_norm_linear_matches_the_separate_ops_in_bf16_at_the_3b_layers_shapes(cuda):
+    """The residual add, RMS norm and projection in one launch (and gate|up's SiLU product), bf16, at
+    the 3B layer's q|k|v and gate|up for 8 and 64 rows, against the separate ops the layer runs."""
+    from rollplex.engines.decode_step import _norm_linear_of
+    from rollplex.engines.skinny_linear import CONFIGS, skinny_norm_linear
+
+    separate = _norm_linear_of(torch.nn.functional.linear)
+    torch.manual_seed(0)
+    for n, k, silu in ((2560, 2048, False), (22016, 2048, True)):
+        w = torch.randn(n, k, device=cuda, dtype=torch.bfloat16) * 0.02
+        b = None if silu else torch.randn(n, device=cuda, dtype=torch.bfloat16)
+        g = torch.rand(k, device=cuda, dtype=torch.bfloat16) + 0.5
+        for m in (8, 64):
+            x, r = (torch.randn(m, k, device=cuda, dtype=torch.bfloat16) for _ in range(2))
+            want, want_sum = separate(x, r, g, 1e-6, w, b, silu)
+            for config in CONFIGS[:8]:
+                got, got_sum = skinny_norm_linear(x, r, g, 1e-6, w, b, silu, config)
+                assert torch.equal(got_sum, want_sum)
+                err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
                 assert err < 1e-2, (n, k, m, config, err)

@@ -86,3 +86,45 @@ def test_the_decode_layer_projects_through_the_kernel_eager_and_compiled():
     out = subprocess.run([sys.executable, "-c", LAYER_SCRIPT], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "TRITON_INTERPRET": "1"})
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-3000:]
+
+
+NORM_SCRIPT = textwrap.dedent("""
+    import torch
+    from torch._inductor.utils import run_and_get_code
+    from rollplex.engines.decode_step import _norm_linear_of
+    from rollplex.engines.projections import linear_for
+    from rollplex.engines.skinny_linear import CONFIGS
+
+    torch.manual_seed(0)
+    separate = _norm_linear_of(torch.nn.functional.linear)
+    fused = _norm_linear_of(linear_for(lambda n, k: CONFIGS[1], norm=True))
+    checked = 0
+    for m, k, n, silu in ((1, 96, 40, False), (8, 160, 72, True), (17, 300, 33, False), (8, 200, 48, True)):
+        x, residual = torch.randn(m, k), torch.randn(m, k)
+        norm_weight, w = torch.rand(k) + 0.5, torch.randn(2 * n if silu else n, k) * 0.1
+        for b in (None, torch.randn(w.shape[0])) if not silu else (None,):
+            want = separate(x, residual, norm_weight, 1e-6, w, b, silu)
+            for got in (fused(x, residual, norm_weight, 1e-6, w, b, silu),
+                        torch.compile(lambda *a: fused(*a), dynamic=False)(x, residual, norm_weight, 1e-6, w, b, silu)):
+                for a, c in zip(got, want):
+                    torch.testing.assert_close(a, c, atol=1e-4, rtol=1e-4)
+            checked += 1
+    _, code = run_and_get_code(torch.compile(lambda *a: fused(*a), dynamic=False), x, residual, norm_weight, 1e-6, w,
+                               None, True)
+    assert "torch.ops.rollplex.skinny_norm_linear.default(" in "\\n".join(code)
+    unfused = _norm_linear_of(linear_for(lambda n, k: None, norm=True))
+    for a, c in zip(unfused(x, residual, norm_weight, 1e-6, w, None, True), separate(x, residual, norm_weight, 1e-6, w,
+                                                                                    None, True)):
+        torch.testing.assert_close(a, c, atol=0, rtol=0)
+    print(checked, "ok")
+""")
+
+
+def test_the_norm_and_silu_fused_into_the_projection_equal_the_separate_ops():
+    """``linear: skinny-norm``: the residual add and RMS norm ahead of q|k|v and gate|up, and
+    gate|up's SiLU product, in the projection's launch (skinny_norm_linear) against the layer's
+    separate ops, eager and compiled (fp32, the interpreter); a shape the table sends to cuBLAS
+    takes the separate ops."""
+    out = subprocess.run([sys.executable, "-c", NORM_SCRIPT], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert out.returncode == 0 and out.stdout.strip() == "6 ok", out.stdout[-2000:] + out.stderr[-3000:]
