@@ -128,3 +128,43 @@ def test_the_norm_and_silu_fused_into_the_projection_equal_the_separate_ops():
     out = subprocess.run([sys.executable, "-c", NORM_SCRIPT], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "TRITON_INTERPRET": "1"})
     assert out.returncode == 0 and out.stdout.strip() == "6 ok", out.stdout[-2000:] + out.stderr[-3000:]
+
+
+FUSED_LAYER_SCRIPT = textwrap.dedent("""
+    import torch
+    from rollplex.engines.decode_step import _decoder_layer
+    from rollplex.engines.projections import linear_for
+    from rollplex.engines.skinny_linear import CONFIGS
+
+    torch.manual_seed(0)
+    n, heads, kv_heads, dim, hidden, mlp, slots = 4, 4, 2, 16, 64, 96, 8
+    w = lambda *shape: torch.randn(*shape) * 0.1
+    weights = (w(hidden) + 1, w((heads + 2 * kv_heads) * dim, hidden), w((heads + 2 * kv_heads) * dim),
+               w(hidden, heads * dim), w(hidden) + 1, w(2 * mlp, hidden), w(hidden, mlp))
+    x, residual = w(n, hidden), w(n, hidden)
+    lengths = torch.tensor([3, 5, 1, 8], dtype=torch.int32)
+    angle = torch.rand(n, dim // 2) * 5
+    cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+    caches = [w(n, kv_heads, slots, dim) for _ in range(2)]
+
+    def layer(linear):
+        k_cache, v_cache = (c.clone() for c in caches)
+        out = _decoder_layer(x, residual, cos, sin, lengths, None, k_cache, v_cache, weights, (1e-6, 1e-6), heads,
+                             kv_heads, dim, dim ** -0.5, prefix=("layer",) + (None,) * 6, linear=linear)
+        return (*out, k_cache, v_cache)
+
+    want = layer(None)
+    for got in (layer(linear_for(lambda n, k: CONFIGS[0], norm=True)), layer(linear_for(lambda n, k: CONFIGS[0]))):
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    print("ok")
+""")
+
+
+def test_the_fused_attention_layer_with_the_norm_in_the_projections_equals_the_cublas_layer():
+    """The decode layer as the GPU runs it (``decode_layer_attention``), its projections through
+    ``linear: skinny`` and ``skinny-norm``, against F.linear and the separate norm (interpreter, fp32):
+    the same hidden state, MLP output and cache writes."""
+    out = subprocess.run([sys.executable, "-c", FUSED_LAYER_SCRIPT], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-3000:]
