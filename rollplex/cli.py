@@ -128,7 +128,8 @@ def cmd_bench(args) -> int:
                       stage_fusion=not args.no_stage_fusion,
                       profile=tuple(args.profile.split(",")) if args.profile else (),
                       compile_decode=args.compile_decode, train_fusion=args.train_fusion,
-                      decode_attention=args.decode_attention, interleave=not args.sequential,
+                      decode_attention=args.decode_attention, decode_linear=args.decode_linear,
+                      interleave=not args.sequential,
                       shared_prefix_decode=args.decode_prefix == "shared")
     run(cfg)
     return 0
@@ -227,6 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--compile-decode", action=argparse.BooleanOptionalAction, default=None,
                    help="the decode engine's layer through torch.compile, compiled at start (default: on for "
                         "CUDA, where it made a step 1.5x faster; off for CPU)")
+    b.add_argument("--decode-linear", default="cublas", choices=("cublas", "skinny", "skinny-norm"),
+                   help="the decode step's projections: cuBLAS, or the Triton kernel of engines/skinny_linear.py "
+                        "(skinny-norm: with the residual add, RMS norm and SiLU product in its launches; CUDA)")
     b.add_argument("--decode-attention", default="auto", choices=("auto", "fused", "split-kv", "sdpa"),
                    help="the decode step's attention: split-kv reads each row's filled KV slots only (CUDA "
                         "with Triton), fused does so with the rotary and the cache write in the kernel, sdpa "

@@ -105,6 +105,8 @@ class BenchConfig:
     # The decode step's attention (engines/decode_attention.py): fused (split-KV with the rotary and the
     # cache write in the kernel) where CUDA and Triton are, else SDPA over every slot (auto); or by name.
     decode_attention: str = "auto"
+    # The decode step's projections (engines/projections.py): cublas, skinny or skinny-norm.
+    decode_linear: str = "cublas"
     # Each prompt's KV once for its samples in the decode cache (engines/graph_decode.py), or copied
     # into each of its rows (False).
     shared_prefix_decode: bool = True

@@ -100,6 +100,7 @@ def decode_engine(cfg, device, dtype, module, rows: int, longest: int):
         "", torch.device(device), dtype, cfg.seed, {"share_model": module, "max_num_seqs": rows,
                                                     "max_model_len": longest, "compile": cfg.compile_decode,
                                                     "attention": cfg.decode_attention,
+                                                    "linear": cfg.decode_linear,
                                                     "shared_prefix": cfg.shared_prefix_decode,
                                                     "prefix_slots": -(-rows // cfg.samples),
                                                     "max_prompt_len": longest - cfg.max_new_tokens,
