@@ -8,10 +8,11 @@ rows once along K in ``block_k`` tiles (the rows padded to 16, the smallest ``tl
 the result with the bias added: one launch. Where the output has too few columns to give every SM a
 program (the 3B layer's o and down projections: 2,048 columns, 64 programs of 32), ``split_k`` > 1
 cuts K into that many stretches, each program writes an fp32 partial, and a second launch sums them
-and adds the bias. ``CONFIGS`` are the tilings a GPU
-benchmark sweeps against cuBLAS per shape (``benchmarks/decode_linear.py``); the decode step calls
-it only with the torch-graph engine's ``linear: skinny`` (engines/projections.py), off by default
-until that benchmark shows where it wins.
+and adds the bias. ``skinny_norm_linear`` also takes the layer's residual add and RMS norm ahead of
+q|k|v and gate|up into the launch (and gate|up's SiLU product into its end). ``CONFIGS`` are the
+tilings a GPU benchmark sweeps against cuBLAS per shape (``benchmarks/decode_linear.py``); the
+decode step calls the kernels only with the torch-graph engine's ``linear: skinny`` or
+``skinny-norm`` (engines/projections.py), off by default until that benchmark shows where they win.
 
 Only callers import this module: it needs Triton, which CPU installs may lack. On the CPU the tests
 run it through Triton's interpreter (fp32).
@@ -27,8 +28,8 @@ CONFIGS = ((32, 128, 4, 4, 1), (16, 128, 4, 4, 1), (16, 256, 4, 3, 1), (32, 256,
            (64, 64, 4, 5, 1), (16, 512, 8, 3, 1), (32, 64, 2, 5, 1), (32, 128, 4, 4, 2), (32, 128, 4, 4, 4),
            (16, 256, 4, 3, 4), (64, 128, 4, 4, 4), (32, 256, 4, 3, 8))
 
-# The tiling per weight shape (out features, in features) where benchmarks/decode_linear.py measured
-# the kernel ahead of cuBLAS at both 8 and 64 rows, None where cuBLAS won; a shape not measured gets
+# The tiling per weight shape (out features, in features) that benchmarks/decode_linear.py measured
+# fastest summed over 8 and 64 rows, None where cuBLAS's sum was less; a shape not measured gets
 # CONFIGS[0].
 TILINGS: dict[tuple[int, int], tuple[int, int, int, int, int] | None] = {}
 
