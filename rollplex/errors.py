@@ -1,5 +1,6 @@
 """User-facing errors. The CLI prints any ``RollplexError`` as one line and exits with its
-``exit_code``: 2 for bad input, 3 when a NaN/Inf stopped training, 128 + N after signal N stopped it.
+``exit_code``: 2 for bad input, 3 when a NaN/Inf stopped training, 4 when an iteration ran out of
+device memory, 128 + N after signal N stopped it.
 
 Each message names the field, node, tensor, file or row at fault and, where it can, how to fix it.
 """
@@ -41,6 +42,14 @@ class NonFiniteError(RollplexError):
     so a distinct exit code; the last checkpoint is untouched and ``--resume`` continues from it."""
 
     exit_code = 3
+
+
+class DeviceMemoryError(RollplexError):
+    """An iteration ran out of device memory (and no ``schedule: auto`` candidate was left to drop).
+    The message names the node and the settings that hold less at once; the last checkpoint is
+    untouched and ``--resume`` with one of them changed continues from it."""
+
+    exit_code = 4
 
 
 class Interrupted(RollplexError):

@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from rollplex.config import MAY_CHANGE_ON_RESUME, RunConfig, config_changes, resolve_task_defaults, run_config_text
-from rollplex.errors import (CheckpointError, ConfigError, Interrupted, NodeFailure, NonFiniteError, RollplexError,
-                             UserCodeError, WorkerLost)
+from rollplex.errors import (CheckpointError, ConfigError, DeviceMemoryError, Interrupted, NodeFailure,
+                             NonFiniteError, RollplexError, UserCodeError, WorkerLost)
 from rollplex.pipeline.run import checkpoints
 from rollplex.pipeline.run.faults import point
 from rollplex.fsio import append_line, atomic_write_text
@@ -284,20 +284,46 @@ def _start_from(cfg: RunConfig, session: Session, executor, watch, state, metric
     return state.iteration + 1, checkpoints.rl_rows(metrics_path)
 
 
-def _failure(exc: BaseException, where: str, run_dir: Path) -> BaseException:
-    """A NaN/Inf refusal becomes one line naming the iteration, and an error in the user's code one line
-    naming the iteration, node and code, its traceback appended to errors.log; anything else stays."""
+def _failure(exc: BaseException, where: str, run_dir: Path, cfg: RunConfig | None = None) -> BaseException:
+    """A NaN/Inf refusal becomes one line naming the iteration, an error in the user's code one line
+    naming the iteration, node and code, its traceback appended to errors.log, and running out of
+    device memory one line naming the node and what holds less; anything else stays."""
     if isinstance(exc, UserCodeError):
         log_path = run_dir / ERRORS_LOG
         append_line(log_path, f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {where}: {exc}\n{exc.trace.rstrip()}")
         return UserCodeError(f"{where}: {exc} (traceback in {log_path})")
     detail = exc.detail if isinstance(exc, NodeFailure) else ""
+    done = checkpoints.latest_name(run_dir)
+    kept = f"the last good checkpoint, {done}, is intact" if done else "no checkpoint was written yet"
     if isinstance(exc, FloatingPointError) or detail.startswith("FloatingPointError"):
-        done = checkpoints.latest_name(run_dir)
-        kept = f"the last good checkpoint, {done}, is intact" if done else "no checkpoint was written yet"
         return NonFiniteError(f"{where} stopped before its update: {exc}; nothing of it was applied or written; "
                               f"{kept} (rollplex train --resume {run_dir} continues from it)")
+    from rollplex.pipeline.run.recovery import out_of_memory
+
+    if cfg is not None and out_of_memory(exc):
+        return _out_of_memory(cfg, exc, where, run_dir, kept)
     return exc
+
+
+def _out_of_memory(cfg: RunConfig, exc: BaseException, where: str, run_dir: Path, kept: str) -> DeviceMemoryError:
+    """One line: the node that ran out, torch's own first sentence (what it tried to allocate), and
+    the settings not yet in use that hold less at once, with the resume that changes one."""
+    node = f"%{exc.node} ({exc.kind})" if isinstance(exc, NodeFailure) else "a node"
+    said = (exc.detail if isinstance(exc, NodeFailure) else f"{type(exc).__name__}: {exc}").split("\n")[0]
+    said = said.split(". ", 2)[:2]
+    levers = []
+    if not cfg.train.gradient_checkpointing:
+        levers.append("train.gradient_checkpointing=true (recompute layers' activations in the backward)")
+    if not cfg.train.micro_batch_tokens:
+        levers.append("train.micro_batch_tokens=N (backwards of at most N tokens)")
+    if cfg.train.train_fusion and not cfg.train.fusion_batch_tokens:
+        levers.append("train.fusion_batch_tokens=N (train fusion's backwards of at most N tokens)")
+    if not cfg.cluster.memory_plan:
+        levers.append("cluster.memory_plan=true with cluster.memory_budget_gib (offload what the plan can move)")
+    fix = (f"; less is held at once with {', or '.join(levers)}: rollplex train --resume {run_dir} --set FIELD=VALUE "
+           f"continues from it" if levers else f" (rollplex train --resume {run_dir} continues from it)")
+    return DeviceMemoryError(f"{where}: {node} ran out of device memory ({'. '.join(said).rstrip('.')}); nothing of "
+                             f"this iteration was applied or written; {kept}{fix}")
 
 
 def _train_loop(cfg: RunConfig, session: Session, client, state, metrics_path: Path, progress: bool, log,
@@ -423,7 +449,7 @@ def _iterate(cfg: RunConfig, session: Session, executor, watch, loggers, state, 
             if lost is None and dropped is None:
                 bar.leave = False
                 bar.close()  # cleared: the error's one line is all the console keeps
-                raise _failure(exc, where, run_dir) from exc
+                raise _failure(exc, where, run_dir, cfg) from exc
             if stop.requested:
                 raise _interrupted(stop, run_dir, None) from None
             drop_tracebacks(exc)

@@ -115,15 +115,17 @@ def run_config_text(cfg: RunConfig) -> str:
 
 
 # Fields a resume may change: how long a run goes on, how often it checkpoints, how it reaches its
-# cluster, how its device memory is held and where its metrics are sent besides metrics.jsonl; none
-# enters what an iteration computes (validation may: it samples from the engines' generators). Every other field
+# cluster, how its device memory is held (the memory plan, the allocator, recomputed activations and
+# token-capped backwards: the same update, summed in another order) and where its metrics are sent
+# besides metrics.jsonl; none enters what an iteration computes (validation may: it samples from the
+# engines' generators). A run that ran out of device memory resumes with one of them. Every other field
 # defines the run, and a resume refuses a change to it by name (a new learning rate would be recorded
 # while the optimizer kept the old one; a new batch size would change the batch mid-run).
 MAY_CHANGE_ON_RESUME = frozenset({
     "iterations", "stop_at_reward", "checkpoint.every", "checkpoint.keep_last", "cluster.scheduler",
     "cluster.dashboard", "cluster.tls_ca_file", "cluster.tls_cert", "cluster.tls_key", "cluster.processes",
     "cluster.cuda_allocator", "cluster.memory_budget_gib", "cluster.memory_plan", "logging.backends",
-    "logging.wandb_project",
+    "logging.wandb_project", "train.gradient_checkpointing", "train.micro_batch_tokens", "train.fusion_batch_tokens",
 })
 
 
