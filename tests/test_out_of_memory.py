@@ -36,3 +36,5 @@ def test_out_of_device_memory_names_the_node_and_what_holds_less_and_a_resume_wi
     assert [r["iteration"] for r in rows] == list(range(ITERATIONS))
     assert rows[1]["config_changed"] == {"train.micro_batch_tokens": [0, 3]}
     assert "config_changed" not in rows[2]
+    graph = (run_dir / "graph.txt").read_text()  # the resumed run's: the loss makes the policy's forwards itself
+    assert "prefix[model=actor]" not in graph and "@torch(%rollout_stats, %prompt_p0, %vis_p0" in graph, graph
