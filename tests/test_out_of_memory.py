@@ -30,6 +30,7 @@ def test_out_of_device_memory_names_the_node_and_what_holds_less_and_a_resume_wi
     assert_intact(run_dir)
     done = [r["iteration"] for r in metric_rows(run_dir) if r.get("phase") == "rl"]
     assert done == [0], done
+    assert "prefix[model=actor]" in (run_dir / "graph.txt").read_text()
 
     run_to_end(run_dir, HF_TORCH + ["--set", "train.micro_batch_tokens=3"])
     rows = [r for r in metric_rows(run_dir) if r.get("phase") == "rl"]
