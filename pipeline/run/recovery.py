@@ -102,16 +102,22 @@ def _keys_left(prefix: str, dask_scheduler=None) -> int:
 MEMORY_FAILURES = ("OutOfMemoryError", "CUDA error: out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
 
 
-def out_of_memory(exc: BaseException | None) -> bool:
-    """A CUDA out-of-memory error, raised directly or inside a node (NodeFailure keeps its text)."""
+def out_of_memory_text(exc: BaseException | None) -> str | None:
+    """The text of the CUDA out-of-memory error in ``exc`` or its causes, raised directly or inside a
+    node (NodeFailure keeps its text); None if there is none."""
     from rollplex.errors import NodeFailure
 
     while exc is not None:
         text = exc.detail if isinstance(exc, NodeFailure) else f"{type(exc).__name__}: {exc}"
         if any(m in text for m in MEMORY_FAILURES):  # torch.OutOfMemoryError's name is the first
-            return True
+            return text
         exc = exc.__cause__
-    return False
+    return None
+
+
+def out_of_memory(exc: BaseException | None) -> bool:
+    """A CUDA out-of-memory error, raised directly or inside a node."""
+    return out_of_memory_text(exc) is not None
 
 
 def drop_tracebacks(exc: BaseException | None) -> None:

@@ -284,7 +284,7 @@ def _start_from(cfg: RunConfig, session: Session, executor, watch, state, metric
     return state.iteration + 1, checkpoints.rl_rows(metrics_path)
 
 
-def _failure(exc: BaseException, where: str, run_dir: Path, cfg: RunConfig | None = None) -> BaseException:
+def _failure(exc: BaseException, where: str, run_dir: Path, cfg: RunConfig) -> BaseException:
     """A NaN/Inf refusal becomes one line naming the iteration, an error in the user's code one line
     naming the iteration, node and code, its traceback appended to errors.log, and running out of
     device memory one line naming the node and what holds less; anything else stays."""
@@ -298,19 +298,21 @@ def _failure(exc: BaseException, where: str, run_dir: Path, cfg: RunConfig | Non
     if isinstance(exc, FloatingPointError) or detail.startswith("FloatingPointError"):
         return NonFiniteError(f"{where} stopped before its update: {exc}; nothing of it was applied or written; "
                               f"{kept} (rollplex train --resume {run_dir} continues from it)")
-    from rollplex.pipeline.run.recovery import out_of_memory
+    from rollplex.pipeline.run.recovery import out_of_memory_text
 
-    if cfg is not None and out_of_memory(exc):
-        return _out_of_memory(cfg, exc, where, run_dir, kept)
+    said = out_of_memory_text(exc)
+    if said is not None:
+        return _out_of_memory(cfg, exc, said, where, run_dir, kept)
     return exc
 
 
-def _out_of_memory(cfg: RunConfig, exc: BaseException, where: str, run_dir: Path, kept: str) -> DeviceMemoryError:
-    """One line: the node that ran out, torch's own first sentence (what it tried to allocate), and
-    the settings not yet in use that hold less at once, with the resume that changes one."""
+def _out_of_memory(cfg: RunConfig, exc: BaseException, said: str, where: str, run_dir: Path,
+                   kept: str) -> DeviceMemoryError:
+    """One line: the node that ran out, the first two sentences of what torch ``said`` (what it tried
+    to allocate), and the settings not yet in use that hold less at once, with the resume that
+    changes one."""
     node = f"%{exc.node} ({exc.kind})" if isinstance(exc, NodeFailure) else "a node"
-    said = (exc.detail if isinstance(exc, NodeFailure) else f"{type(exc).__name__}: {exc}").split("\n")[0]
-    said = said.split(". ", 2)[:2]
+    said = said.split("\n")[0].split(". ", 2)[:2]
     levers = []
     if not cfg.train.gradient_checkpointing:
         levers.append("train.gradient_checkpointing=true (recompute layers' activations in the backward)")
