@@ -40,6 +40,16 @@ def tiling_for(n: int, k: int) -> tuple[int, int, int, int, int] | None:
 
 
 @triton.jit
+def _dot(a, b_t, IEEE: tl.constexpr):
+    """a @ b_t.T, fp32 accumulate; IEEE for fp32 inputs (tf32 would lose the precision the fp32 tests check)."""
+    if IEEE:
+        out = tl.dot(a, tl.trans(b_t), input_precision="ieee")
+    else:
+        out = tl.dot(a, tl.trans(b_t))
+    return out
+
+
+@triton.jit
 def _skinny_linear(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, K_PER, stride_xm, stride_wn, stride_ym, stride_ys,
                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    IEEE: tl.constexpr):
@@ -57,10 +67,7 @@ def _skinny_linear(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, K_PER, stride_xm, stride
                     mask=(rows[:, None] < M) & (ks[None, :] < k_end), other=0.0)
         w = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :],
                     mask=(cols[:, None] < N) & (ks[None, :] < k_end), other=0.0)
-        if IEEE:  # fp32 inputs: tf32 would lose the precision the fp32 tests check
-            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-        else:
-            acc += tl.dot(x, tl.trans(w))
+        acc += _dot(x, w, IEEE)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     out = y_ptr + tl.program_id(1) * stride_ys + rows[:, None] * stride_ym + cols[None, :]
@@ -103,6 +110,14 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = Non
 
 
 @triton.jit
+def _residual_sum(x_ptr, r_ptr, rows, ks, inside, stride_xm, stride_rm):
+    """x + r over a [rows, ks] tile, rounded as x's dtype rounds it."""
+    s = (tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=inside, other=0.0).to(tl.float32)
+         + tl.load(r_ptr + rows[:, None] * stride_rm + ks[None, :], mask=inside, other=0.0).to(tl.float32))
+    return s.to(x_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _skinny_norm_linear(x_ptr, r_ptr, g_ptr, w_ptr, b_ptr, y_ptr, s_ptr, M, N, K, eps, stride_xm, stride_rm,
                         stride_wn, stride_ym, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
@@ -117,9 +132,7 @@ def _skinny_norm_linear(x_ptr, r_ptr, g_ptr, w_ptr, b_ptr, y_ptr, s_ptr, M, N, K
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         inside = (rows[:, None] < M) & (ks[None, :] < K)
-        s = (tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=inside, other=0.0).to(tl.float32)
-             + tl.load(r_ptr + rows[:, None] * stride_rm + ks[None, :], mask=inside, other=0.0).to(tl.float32))
-        s = s.to(x_ptr.dtype.element_ty).to(tl.float32)
+        s = _residual_sum(x_ptr, r_ptr, rows, ks, inside, stride_xm, stride_rm).to(tl.float32)
         squares += tl.sum(s * s, axis=1)
     rstd = 1.0 / tl.sqrt(squares / K + eps)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -128,9 +141,7 @@ def _skinny_norm_linear(x_ptr, r_ptr, g_ptr, w_ptr, b_ptr, y_ptr, s_ptr, M, N, K
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         inside = (rows[:, None] < M) & (ks[None, :] < K)
-        s = (tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=inside, other=0.0).to(tl.float32)
-             + tl.load(r_ptr + rows[:, None] * stride_rm + ks[None, :], mask=inside, other=0.0).to(tl.float32))
-        s = s.to(x_ptr.dtype.element_ty)
+        s = _residual_sum(x_ptr, r_ptr, rows, ks, inside, stride_xm, stride_rm)
         if pid == 0:
             tl.store(s_ptr + rows[:, None] * K + ks[None, :], s, mask=inside)
         g = tl.load(g_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
@@ -138,16 +149,10 @@ def _skinny_norm_linear(x_ptr, r_ptr, g_ptr, w_ptr, b_ptr, y_ptr, s_ptr, M, N, K
         h = h.to(x_ptr.dtype.element_ty)
         wmask = (cols[:, None] < N) & (ks[None, :] < K)
         w = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=wmask, other=0.0)
-        if IEEE:
-            acc += tl.dot(h, tl.trans(w), input_precision="ieee")
-        else:
-            acc += tl.dot(h, tl.trans(w))
+        acc += _dot(h, w, IEEE)
         if SILU_MUL:
             up = tl.load(w_ptr + (cols[:, None] + N) * stride_wn + ks[None, :], mask=wmask, other=0.0)
-            if IEEE:
-                acc_up += tl.dot(h, tl.trans(up), input_precision="ieee")
-            else:
-                acc_up += tl.dot(h, tl.trans(up))
+            acc_up += _dot(h, up, IEEE)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     if SILU_MUL:
