@@ -10,6 +10,14 @@ import subprocess
 import sys
 import textwrap
 
+def interpreted(script: str) -> str:
+    """The script's stdout, run in a process of its own under Triton's interpreter; its stderr on failure."""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    return out.stdout.strip()
+
+
 SCRIPT = textwrap.dedent("""
     import torch, torch.nn.functional as F
     from rollplex.engines.skinny_linear import CONFIGS, skinny_linear
@@ -35,9 +43,8 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_skinny_linear_in_triton_interpreter_equals_f_linear():
-    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert out.returncode == 0 and out.stdout.strip() == "60 ok", out.stdout[-2000:] + out.stderr[-3000:]
+    said = interpreted(SCRIPT)
+    assert said == "60 ok", said
 
 
 LAYER_SCRIPT = textwrap.dedent("""
@@ -83,9 +90,8 @@ def test_the_decode_layer_projects_through_the_kernel_eager_and_compiled():
     """engines/projections.py's custom op in the decode layer (fused q|k|v and gate|up, as a run
     sharing the trainer's weights has them): the same outputs as F.linear, and torch.compile keeps
     the four projections as the op."""
-    out = subprocess.run([sys.executable, "-c", LAYER_SCRIPT], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-3000:]
+    said = interpreted(LAYER_SCRIPT)
+    assert said.endswith("ok"), said
 
 
 NORM_SCRIPT = textwrap.dedent("""
@@ -125,9 +131,8 @@ def test_the_norm_and_silu_fused_into_the_projection_equal_the_separate_ops():
     gate|up's SiLU product, in the projection's launch (skinny_norm_linear) against the layer's
     separate ops, eager and compiled (fp32, the interpreter); a shape the table sends to cuBLAS
     takes the separate ops."""
-    out = subprocess.run([sys.executable, "-c", NORM_SCRIPT], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert out.returncode == 0 and out.stdout.strip() == "6 ok", out.stdout[-2000:] + out.stderr[-3000:]
+    said = interpreted(NORM_SCRIPT)
+    assert said == "6 ok", said
 
 
 FUSED_LAYER_SCRIPT = textwrap.dedent("""
@@ -165,6 +170,5 @@ def test_the_fused_attention_layer_with_the_norm_in_the_projections_equals_the_c
     """The decode layer as the GPU runs it (``decode_layer_attention``), its projections through
     ``linear: skinny`` and ``skinny-norm``, against F.linear and the separate norm (interpreter, fp32):
     the same hidden state, MLP output and cache writes."""
-    out = subprocess.run([sys.executable, "-c", FUSED_LAYER_SCRIPT], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-3000:]
+    said = interpreted(FUSED_LAYER_SCRIPT)
+    assert said.endswith("ok"), said
